@@ -1,0 +1,25 @@
+# Install rules and the exported package: an external project does
+#   find_package(evenstep REQUIRED)
+#   target_link_libraries(app PRIVATE evenstep::evenstep)
+include(CMakePackageConfigHelpers)
+
+install(TARGETS evenstep evenstep_torch
+  EXPORT evenstepTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/lib/include/evenstep
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(FILES ${CMAKE_BINARY_DIR}/generated/evenstep/internal/build_config.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/evenstep/internal)
+
+set(_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/evenstep)
+install(EXPORT evenstepTargets NAMESPACE evenstep:: DESTINATION ${_cmake_dir})
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/evenstepConfig.cmake.in
+  ${CMAKE_BINARY_DIR}/evenstepConfig.cmake INSTALL_DESTINATION ${_cmake_dir})
+write_basic_package_version_file(${CMAKE_BINARY_DIR}/evenstepConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${CMAKE_BINARY_DIR}/evenstepConfig.cmake
+  ${CMAKE_BINARY_DIR}/evenstepConfigVersion.cmake
+  ${PROJECT_SOURCE_DIR}/cmake/FindXXHash.cmake
+  DESTINATION ${_cmake_dir})

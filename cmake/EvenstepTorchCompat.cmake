@@ -1,0 +1,56 @@
+# Probes the libtorch in use for the c10d API differences that
+# lib/include/evenstep/internal/c10d_compat.h hides, and writes the answers to
+# the generated header evenstep/internal/build_config.h. The version macros
+# (TORCH_VERSION_MAJOR/MINOR) pick the code path; these try-compiles confirm
+# the places where the API moved between releases, so a libtorch that does not
+# match its version's expectations fails at configure time with a clear message
+# instead of deep inside a compile.
+set(_checks "${CMAKE_CURRENT_LIST_DIR}/compat_checks")
+separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
+
+function(evenstep_torch_probe var source)
+  if(DEFINED ${var})
+    return()
+  endif()
+  message(STATUS "evenstep: probing libtorch: ${var}")
+  try_compile(_ok "${CMAKE_BINARY_DIR}/compat_probe/${var}"
+    SOURCES "${_checks}/${source}"
+    COMPILE_DEFINITIONS ${_torch_flags} -DUSE_C10D_GLOO ${ARGN}
+    LINK_LIBRARIES ${TORCH_LIBRARIES}
+    CXX_STANDARD 17
+    OUTPUT_VARIABLE _out)
+  if(_ok)
+    set(${var} 1 CACHE INTERNAL "evenstep libtorch probe")
+  else()
+    set(${var} 0 CACHE INTERNAL "evenstep libtorch probe")
+    file(WRITE "${CMAKE_BINARY_DIR}/compat_probe/${var}.log" "${_out}")
+  endif()
+  message(STATUS "evenstep: probing libtorch: ${var} = ${${var}}")
+endfunction()
+
+evenstep_torch_probe(EVENSTEP_HAVE_GLOO have_gloo.cc)
+if(NOT EVENSTEP_HAVE_GLOO)
+  message(FATAL_ERROR
+    "evenstep: the c10d Gloo headers of this libtorch do not compile "
+    "(see ${CMAKE_BINARY_DIR}/compat_probe/EVENSTEP_HAVE_GLOO.log). On Debian install "
+    "libgloo-dev (scripts/install_deps.sh does).")
+endif()
+evenstep_torch_probe(EVENSTEP_GLOO_IS_PROCESS_GROUP gloo_is_process_group.cc)
+evenstep_torch_probe(EVENSTEP_HAVE_NCCL have_nccl.cc -DUSE_C10D_NCCL)
+if(NOT EVENSTEP_GLOO_IS_PROCESS_GROUP)
+  evenstep_torch_probe(EVENSTEP_PG_CTOR_TAKES_OPTIONS pg_ctor_options.cc)
+else()
+  set(EVENSTEP_PG_CTOR_TAKES_OPTIONS 0)
+endif()
+
+if(Torch_VERSION VERSION_LESS 2.0 AND NOT EVENSTEP_GLOO_IS_PROCESS_GROUP)
+  message(FATAL_ERROR "evenstep: libtorch ${Torch_VERSION} is 1.x but its ProcessGroupGloo "
+                      "is not a ProcessGroup; c10d_compat.h does not know this layout.")
+endif()
+if(Torch_VERSION VERSION_GREATER_EQUAL 2.0 AND EVENSTEP_GLOO_IS_PROCESS_GROUP)
+  message(FATAL_ERROR "evenstep: libtorch ${Torch_VERSION} is 2.x but its ProcessGroupGloo "
+                      "is still a ProcessGroup; c10d_compat.h does not know this layout.")
+endif()
+
+configure_file("${CMAKE_CURRENT_LIST_DIR}/build_config.h.in"
+               "${CMAKE_BINARY_DIR}/generated/evenstep/internal/build_config.h" @ONLY)

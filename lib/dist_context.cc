@@ -1,0 +1,391 @@
+// Distributed context: rendezvous through a c10d store, Gloo/NCCL process
+// groups, and collectives whose failures name the missing ranks.
+//
+// Rendezvous protocol (keys under "evenstep/ctx/" in the job's store):
+//   1. compareSet("rdzv/world_size", "", "<W> <rank>"): the first rank fixes
+//      the world size; a rank that reads a different W fails at once with
+//      InvalidArgument and publishes its message under "rdzv/error".
+//   2. add("rdzv/rank/<r>", 1) > 1 means two processes claim rank r.
+//   3. add("rdzv/joined", 1), then poll until joined == W, "rdzv/error" shows
+//      up (abort with that message), or the rendezvous timeout passes
+//      (DeadlineExceeded naming the ranks whose "rdzv/rank/<r>" key is absent).
+// Collectives: before each one a rank increments "seq/<rank>"; when one fails,
+// the ranks whose counter is below this rank's sequence number never arrived.
+#include "evenstep/dist_context.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "evenstep/internal/c10d_compat.h"
+#include "evenstep/internal/error_text.h"
+#include "evenstep/internal/store_server.h"
+#include "evenstep/status_macros.h"
+
+#if EVENSTEP_HAVE_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace evenstep {
+namespace compat = internal::c10d_compat;
+
+struct DistContext::Groups {
+  compat::StorePtr store;      // the job's store (TCPStore, or HashStore for world 1)
+  compat::StorePtr ctx_store;  // "evenstep/ctx/" view of it
+  compat::ProcessGroupPtr control;
+  compat::ProcessGroupPtr data;
+};
+
+namespace {
+
+std::chrono::milliseconds ToMillis(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+std::vector<uint8_t> Bytes(absl::string_view s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::string Text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+bool IsLoopback(const std::string& host) {
+  return host.empty() || absl::StartsWith(host, "127.") || host == "localhost" || host == "::1";
+}
+
+c10d::ReduceOp ToC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kProduct:
+      return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+std::string DescribeTensor(const at::Tensor& t) {
+  return absl::StrCat(c10::toString(t.scalar_type()), "[", t.numel(), "]");
+}
+
+}  // namespace
+
+DistContext::DistContext(LaunchEnv env, DistOptions options)
+    : env_(std::move(env)), options_(options), groups_(std::make_unique<Groups>()) {}
+
+DistContext::~DistContext() = default;
+
+absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const DistOptions& options) {
+  EVENSTEP_ASSIGN_OR_RETURN(LaunchEnv env, DetectLaunchEnv());
+  return Create(env, options);
+}
+
+absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv& env,
+                                                                 const DistOptions& options) {
+  if (env.rank < 0 || env.rank >= env.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", env.rank, " is not in [0, world size ", env.world_size, ")"));
+  }
+  std::unique_ptr<DistContext> ctx(new DistContext(env, options));
+  EVENSTEP_RETURN_IF_ERROR(ctx->Connect());
+  EVENSTEP_RETURN_IF_ERROR(ctx->Rendezvous());
+  EVENSTEP_RETURN_IF_ERROR(ctx->CreateGroups());
+  return ctx;
+}
+
+absl::Status DistContext::Connect() {
+  if (env_.world_size == 1) {
+    groups_->store = compat::MakeHashStore();
+  } else {
+    const bool is_server = env_.rank == 0 && !env_.agent_store;
+    try {
+      groups_->store = compat::MakeTcpStore(env_.master_addr, env_.master_port, is_server,
+                                            ToMillis(options_.rendezvous_timeout));
+    } catch (const std::exception& e) {
+      if (is_server) {
+        return absl::UnavailableError(absl::StrCat("rank 0: cannot host the c10d TCPStore on port ",
+                                                   env_.master_port,
+                                                   " (MASTER_PORT): ", internal::ErrorText(e)));
+      }
+      return absl::UnavailableError(absl::StrCat(
+          "rank ", env_.rank, ": cannot reach the c10d TCPStore at ", env_.master_addr, ":",
+          env_.master_port, " (MASTER_ADDR:MASTER_PORT) within ",
+          absl::FormatDuration(options_.rendezvous_timeout), ": ", internal::ErrorText(e)));
+    }
+    groups_->store->setTimeout(ToMillis(options_.rendezvous_timeout));
+  }
+  groups_->ctx_store = compat::MakePrefixStore("evenstep/ctx", groups_->store);
+  return absl::OkStatus();
+}
+
+absl::Status DistContext::Rendezvous() {
+  if (env_.world_size == 1) return absl::OkStatus();
+  c10d::Store& store = *groups_->ctx_store;
+  const std::string where = absl::StrCat(env_.master_addr, ":", env_.master_port);
+  auto fail = [&](absl::Status status) {
+    try {
+      store.set("rdzv/error", Bytes(status.message()));
+    } catch (const std::exception&) {
+      // The store is gone; the other ranks will time out on their own.
+    }
+    return status;
+  };
+  try {
+    const std::string mine = absl::StrCat(env_.world_size, " ", env_.rank);
+    const std::string agreed = Text(store.compareSet("rdzv/world_size", {}, Bytes(mine)));
+    std::vector<std::string> parts = absl::StrSplit(agreed, ' ');
+    int agreed_world = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &agreed_world)) {
+      return absl::InternalError(absl::StrCat("rank ", env_.rank, ": unreadable rendezvous key \"",
+                                              agreed, "\" in the store at ", where));
+    }
+    if (agreed_world != env_.world_size) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("world size mismatch: rank ", env_.rank, " has WORLD_SIZE=", env_.world_size,
+                       " but rank ", parts[1], " joined with WORLD_SIZE=", agreed_world)));
+    }
+    if (store.add(absl::StrCat("rdzv/rank/", env_.rank), 1) > 1) {
+      return fail(absl::AlreadyExistsError(absl::StrCat(
+          "two processes claim rank ", env_.rank, " (check RANK / SLURM_PROCID of the job)")));
+    }
+    store.add("rdzv/joined", 1);
+    const absl::Time deadline = absl::Now() + options_.rendezvous_timeout;
+    absl::Duration pause = absl::Milliseconds(1);
+    while (true) {
+      if (store.check({"rdzv/error"})) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", env_.rank, ": rendezvous aborted: ", Text(store.get("rdzv/error"))));
+      }
+      const int64_t joined = store.add("rdzv/joined", 0);
+      if (joined >= env_.world_size) break;
+      if (absl::Now() >= deadline) {
+        std::vector<int> missing;
+        for (int r = 0; r < env_.world_size; ++r) {
+          if (!store.check({absl::StrCat("rdzv/rank/", r)})) missing.push_back(r);
+        }
+        return absl::DeadlineExceededError(absl::StrCat(
+            "rank ", env_.rank, ": rendezvous at ", where, " timed out after ",
+            absl::FormatDuration(options_.rendezvous_timeout), " with ", joined, " of ",
+            env_.world_size, " ranks joined; missing rank(s) ", absl::StrJoin(missing, ", ")));
+      }
+      absl::SleepFor(pause);
+      pause = std::min(pause * 2, absl::Milliseconds(50));
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": rendezvous at ", where,
+                                               " failed: ", internal::ErrorText(e)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DistContext::CreateGroups() {
+  std::string device;
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    device = absl::StrCat("if:", ifname);
+  } else if (env_.world_size == 1 || IsLoopback(env_.master_addr)) {
+    device = "127.0.0.1";
+  }
+  const auto timeout = ToMillis(options_.collective_timeout);
+  try {
+    groups_->control =
+        compat::MakeGlooGroup(compat::MakePrefixStore("evenstep/gloo", groups_->store), env_.rank,
+                              env_.world_size, timeout, device);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", env_.rank, ": creating the Gloo process group failed: ", internal::ErrorText(e)));
+  }
+  groups_->data = groups_->control;
+  bool want_nccl = options_.backend == CommBackend::kNccl;
+#if EVENSTEP_HAVE_NCCL
+  if (options_.backend == CommBackend::kAuto) want_nccl = at::hasCUDA();
+  if (want_nccl) {
+    try {
+      c10::cuda::set_device(
+          static_cast<c10::DeviceIndex>(env_.local_rank % c10::cuda::device_count()));
+      groups_->data =
+          compat::MakeNcclGroup(compat::MakePrefixStore("evenstep/nccl", groups_->store), env_.rank,
+                                env_.world_size, timeout);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("rank ", env_.rank,
+                       ": creating the NCCL process group failed: ", internal::ErrorText(e)));
+    }
+  }
+#else
+  if (want_nccl) {
+    return absl::FailedPreconditionError(
+        "--evenstep_backend=nccl, but this libtorch was built without NCCL; use "
+        "--evenstep_backend=gloo or auto");
+  }
+#endif
+  groups_->store->setTimeout(timeout);
+  return absl::OkStatus();
+}
+
+std::string DistContext::backend_name() const { return compat::BackendName(*groups_->data); }
+
+c10d::Store& DistContext::store() { return *groups_->store; }
+c10d::ProcessGroup& DistContext::control_group() { return *groups_->control; }
+c10d::ProcessGroup& DistContext::data_group() { return *groups_->data; }
+
+int64_t DistContext::MarkArrival() {
+  ++op_seq_;
+  if (env_.world_size > 1) {
+    try {
+      groups_->ctx_store->add(absl::StrCat("seq/", env_.rank), 1);
+    } catch (const std::exception&) {
+      // An unreachable store shows up in the collective itself and in Diagnose.
+    }
+  }
+  return op_seq_;
+}
+
+absl::Status DistContext::Wait(c10d::Work& work, int64_t seq, const std::string& what) {
+  const absl::Time start = absl::Now();
+  try {
+    work.wait(ToMillis(options_.collective_timeout));
+  } catch (const std::exception& e) {
+    return Diagnose(seq, what, absl::Now() - start, internal::ErrorText(e));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::Duration elapsed,
+                                   const std::string& error) {
+  std::vector<std::string> missing;
+  std::string store_note;
+  try {
+    for (int r = 0; r < env_.world_size; ++r) {
+      if (r == env_.rank) continue;
+      const int64_t reached = groups_->ctx_store->add(absl::StrCat("seq/", r), 0);
+      if (reached < seq) missing.push_back(absl::StrCat(r, " (last at #", reached, ")"));
+    }
+  } catch (const std::exception& e) {
+    store_note = absl::StrCat("; the store is unreachable too, so missing ranks cannot be named (",
+                              internal::ErrorText(e), ")");
+  }
+  std::string message = absl::StrFormat("rank %d: %s (collective #%d) failed after %s", env_.rank,
+                                        what, seq, absl::FormatDuration(elapsed));
+  if (!missing.empty()) {
+    absl::StrAppend(&message, ": rank(s) ", absl::StrJoin(missing, ", "), " never arrived");
+  }
+  absl::StrAppend(&message, store_note, "; c10d: ", error);
+  if (elapsed >= options_.collective_timeout) return absl::DeadlineExceededError(message);
+  if (!missing.empty() || !store_note.empty() || absl::StrContains(error, "onnection")) {
+    return absl::UnavailableError(message);
+  }
+  return absl::InternalError(message);
+}
+
+template <typename Launch>
+absl::Status DistContext::Run(const std::string& what, Launch&& launch) {
+  const int64_t seq = MarkArrival();
+  compat::WorkPtr work;
+  const absl::Time start = absl::Now();
+  try {
+    work = launch();
+  } catch (const std::exception& e) {
+    return Diagnose(seq, what, absl::Now() - start, internal::ErrorText(e));
+  }
+  return Wait(*work, seq, what);
+}
+
+namespace {
+c10d::ProcessGroup& GroupFor(const at::Tensor& t, c10d::ProcessGroup& control,
+                             c10d::ProcessGroup& data) {
+  return t.is_cuda() ? data : control;
+}
+}  // namespace
+
+absl::Status DistContext::AllReduce(at::Tensor& tensor, ReduceOp op) {
+  const std::string what = absl::StrCat("all_reduce of ", DescribeTensor(tensor));
+  if (!tensor.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", env_.rank, ": ", what, " needs a contiguous tensor"));
+  }
+  c10d::ProcessGroup& group = GroupFor(tensor, *groups_->control, *groups_->data);
+  return Run(what, [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = ToC10d(op);
+    return group.allreduce(tensors, options);
+  });
+}
+
+absl::Status DistContext::AllGather(const at::Tensor& in, std::vector<at::Tensor>* out) {
+  const std::string what = absl::StrCat("all_gather of ", DescribeTensor(in));
+  if (!in.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", env_.rank, ": ", what, " needs a contiguous tensor"));
+  }
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < env_.world_size; ++r) outputs[0].push_back(at::empty_like(in));
+  c10d::ProcessGroup& group = GroupFor(in, *groups_->control, *groups_->data);
+  absl::Status status = Run(what, [&] {
+    std::vector<at::Tensor> inputs{in};
+    return group.allgather(outputs, inputs);
+  });
+  if (status.ok()) *out = std::move(outputs[0]);
+  return status;
+}
+
+absl::Status DistContext::Broadcast(at::Tensor& tensor, int root) {
+  const std::string what =
+      absl::StrCat("broadcast from rank ", root, " of ", DescribeTensor(tensor));
+  if (root < 0 || root >= env_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", env_.rank, ": ", what,
+                                                   ": root is not in [0, ", env_.world_size, ")"));
+  }
+  if (!tensor.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", env_.rank, ": ", what, " needs a contiguous tensor"));
+  }
+  c10d::ProcessGroup& group = GroupFor(tensor, *groups_->control, *groups_->data);
+  return Run(what, [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    return group.broadcast(tensors, options);
+  });
+}
+
+absl::Status DistContext::Barrier() {
+  return Run("barrier", [&] { return groups_->control->barrier(); });
+}
+
+// ---------------------------------------------------------------------------
+// StoreServer
+
+namespace internal {
+
+struct StoreServer::Impl {
+  compat::StorePtr store;
+};
+
+StoreServer::StoreServer(std::unique_ptr<Impl> impl, int port)
+    : impl_(std::move(impl)), port_(port) {}
+StoreServer::~StoreServer() = default;
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(int port) {
+  auto impl = std::make_unique<Impl>();
+  try {
+    impl->store = compat::MakeTcpStore("127.0.0.1", port, /*is_server=*/true,
+                                       std::chrono::milliseconds(30000));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot host a c10d TCPStore on port ", port, ": ", ErrorText(e)));
+  }
+  const int actual = compat::TcpStorePort(*impl->store);
+  return std::unique_ptr<StoreServer>(new StoreServer(std::move(impl), actual));
+}
+
+}  // namespace internal
+}  // namespace evenstep

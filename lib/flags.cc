@@ -1,0 +1,48 @@
+// Definitions of the --evenstep_* flags and their conversion to option structs.
+#include "evenstep/flags.h"
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "evenstep/dist_context.h"
+
+ABSL_FLAG(std::string, evenstep_backend, "auto",
+          "Process group for gradients: auto (NCCL when this libtorch has it and CUDA is "
+          "available, else Gloo), gloo or nccl. Control messages always use Gloo.");
+ABSL_FLAG(absl::Duration, evenstep_timeout, absl::Minutes(10),
+          "Longest a collective may take before it fails with an error naming the ranks that "
+          "never arrived (e.g. 30s, 10m).");
+ABSL_FLAG(absl::Duration, evenstep_rendezvous_timeout, absl::Minutes(5),
+          "Longest the start-up rendezvous may take: connecting to MASTER_ADDR:MASTER_PORT and "
+          "waiting for every rank to join.");
+
+namespace evenstep {
+
+absl::StatusOr<DistOptions> DistOptions::FromFlags() {
+  DistOptions options;
+  const std::string backend = absl::GetFlag(FLAGS_evenstep_backend);
+  if (backend == "auto") {
+    options.backend = CommBackend::kAuto;
+  } else if (backend == "gloo") {
+    options.backend = CommBackend::kGloo;
+  } else if (backend == "nccl") {
+    options.backend = CommBackend::kNccl;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_backend=", backend, ": expected auto, gloo or nccl"));
+  }
+  options.collective_timeout = absl::GetFlag(FLAGS_evenstep_timeout);
+  options.rendezvous_timeout = absl::GetFlag(FLAGS_evenstep_rendezvous_timeout);
+  if (options.collective_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_timeout=", absl::FormatDuration(options.collective_timeout),
+                     ": must be positive"));
+  }
+  if (options.rendezvous_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--evenstep_rendezvous_timeout=", absl::FormatDuration(options.rendezvous_timeout),
+        ": must be positive"));
+  }
+  return options;
+}
+
+}  // namespace evenstep

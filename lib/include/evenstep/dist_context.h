@@ -1,0 +1,124 @@
+// The distributed context: who this process is (rank, world size, local rank)
+// and the c10d store and process groups it talks through. Created once per
+// process from the launcher's environment (see launch_env.h); every other
+// evenstep component takes a DistContext&.
+//
+//   absl::StatusOr<std::unique_ptr<evenstep::DistContext>> ctx =
+//       evenstep::DistContext::Create(evenstep::DistOptions::FromFlags());
+//   if (!ctx.ok()) { std::cerr << ctx.status() << "\n"; return 1; }
+//   at::Tensor t = at::ones({4});
+//   absl::Status s = (*ctx)->AllReduce(t);   // t == world_size everywhere
+//
+// Failures come back as absl::Status naming this rank, the operation and, when
+// peers never arrived, which ranks are missing (found through per-rank arrival
+// counters in the store). Rendezvous problems (rank >= world size, ranks that
+// disagree on the world size, two processes with one rank, an unreachable
+// master, missing ranks) fail within the rendezvous timeout, never hang.
+//
+// Thread-safety: the collective methods may be called from one thread at a
+// time (c10d's ordering rule: every rank issues the same collectives in the
+// same order). Accessors are thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "evenstep/launch_env.h"
+
+namespace at {
+class Tensor;
+}
+namespace c10d {
+class Store;
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace evenstep {
+
+enum class CommBackend { kAuto, kGloo, kNccl };
+
+struct DistOptions {
+  // kAuto: NCCL for the data group when this libtorch has it and CUDA is
+  // available, Gloo otherwise. The control group is always Gloo on CPU.
+  CommBackend backend = CommBackend::kAuto;
+  // Longest a collective may take before it fails with DeadlineExceeded.
+  absl::Duration collective_timeout = absl::Minutes(10);
+  // Longest the rendezvous (store connect + all ranks joining) may take.
+  absl::Duration rendezvous_timeout = absl::Minutes(5);
+
+  // From --evenstep_backend, --evenstep_timeout, --evenstep_rendezvous_timeout.
+  // InvalidArgument naming the flag when a value is not valid.
+  static absl::StatusOr<DistOptions> FromFlags();
+};
+
+enum class ReduceOp { kSum, kProduct, kMin, kMax };
+
+class DistContext {
+ public:
+  // Rendezvous with the environment of this process (DetectLaunchEnv()).
+  static absl::StatusOr<std::unique_ptr<DistContext>> Create(const DistOptions& options);
+  // Rendezvous with an explicit environment (tests, embedding launchers).
+  static absl::StatusOr<std::unique_ptr<DistContext>> Create(const LaunchEnv& env,
+                                                             const DistOptions& options);
+  ~DistContext();
+  DistContext(const DistContext&) = delete;
+  DistContext& operator=(const DistContext&) = delete;
+
+  int rank() const { return env_.rank; }
+  int world_size() const { return env_.world_size; }
+  int local_rank() const { return env_.local_rank; }
+  int local_world_size() const { return env_.local_world_size; }
+  const LaunchEnv& env() const { return env_; }
+  const DistOptions& options() const { return options_; }
+  // "gloo" or "nccl": the backend of data_group().
+  std::string backend_name() const;
+
+  // The store every rank shares (keys are namespaced by the caller).
+  c10d::Store& store();
+  // Gloo over CPU tensors; for small control messages (fingerprints, cost fits).
+  c10d::ProcessGroup& control_group();
+  // The group for gradients and other bulk data: NCCL for CUDA tensors when
+  // selected, otherwise the same Gloo group as control_group().
+  c10d::ProcessGroup& data_group();
+
+  // Blocking collectives with diagnosis. The group is chosen by the tensor's
+  // device (CUDA -> data group, CPU -> control group).
+  absl::Status AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // `out` is resized to world_size() tensors shaped like `in`.
+  absl::Status AllGather(const at::Tensor& in, std::vector<at::Tensor>* out);
+  absl::Status Broadcast(at::Tensor& tensor, int root);
+  absl::Status Barrier();
+
+  // For lower layers that launch their own c10d work: records that this rank
+  // arrived at operation `what` (call before launching it), so a failure can be
+  // diagnosed. Returns the operation's sequence number.
+  int64_t MarkArrival();
+  // Waits for `work` up to the collective timeout. On failure, returns a
+  // status naming this rank, `what`, the elapsed time and the ranks that never
+  // arrived at operation `seq`.
+  absl::Status Wait(c10d::Work& work, int64_t seq, const std::string& what);
+
+ private:
+  struct Groups;
+  DistContext(LaunchEnv env, DistOptions options);
+  absl::Status Connect();
+  absl::Status Rendezvous();
+  absl::Status CreateGroups();
+  // Builds the failure status for operation `seq` that failed with `error`.
+  absl::Status Diagnose(int64_t seq, const std::string& what, absl::Duration elapsed,
+                        const std::string& error);
+  template <typename Launch>
+  absl::Status Run(const std::string& what, Launch&& launch);
+
+  const LaunchEnv env_;
+  const DistOptions options_;
+  std::unique_ptr<Groups> groups_;
+  int64_t op_seq_ = 0;
+};
+
+}  // namespace evenstep

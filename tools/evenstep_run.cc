@@ -1,0 +1,337 @@
+// evenstep-run: starts N local ranks of a program with the torchrun
+// environment convention, the way torchrun --standalone does, but in C++ and
+// with no Python.
+//
+//   evenstep-run -n 4 [--master-port P] [--grace 3s] -- ./trainer --flags...
+//
+// - Hosts the c10d TCPStore itself (port from the OS unless --master-port)
+//   and sets TORCHELASTIC_USE_AGENT_STORE=True, so every rank is a client.
+// - Prefixes each output line of rank r with "[r] " (stdout to stdout,
+//   stderr to stderr).
+// - Forwards SIGINT / SIGTERM to every rank.
+// - When a rank fails (non-zero exit or a signal), sends SIGTERM to the others,
+//   SIGKILL after the grace period, and exits with the failed rank's status
+//   (128 + signal number for a signal). Each rank runs in its own process
+//   group (killed as a group) and dies with the launcher (PR_SET_PDEATHSIG).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "evenstep/internal/store_server.h"
+
+namespace {
+
+volatile sig_atomic_t g_signal = 0;
+void OnSignal(int sig) { g_signal = sig; }
+
+struct Options {
+  int nproc = 0;
+  int master_port = 0;
+  absl::Duration grace = absl::Seconds(3);
+  std::vector<std::string> command;
+};
+
+int Usage(const std::string& error) {
+  if (!error.empty()) std::cerr << "evenstep-run: " << error << "\n";
+  std::cerr
+      << "usage: evenstep-run -n N [--master-port P] [--grace DURATION] -- PROGRAM [ARGS...]\n"
+         "  -n, --nproc-per-node N  number of local ranks to start (>= 1)\n"
+         "  --master-port P         port of the c10d store (default: chosen by the OS)\n"
+         "  --grace DURATION        SIGTERM-to-SIGKILL grace when stopping ranks (3s)\n";
+  return 2;
+}
+
+bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    std::string value;
+    auto take = [&](const std::string& name) -> bool {
+      if (arg == name) {
+        if (i + 1 >= argc) {
+          *error = name + " needs a value";
+          return false;
+        }
+        value = argv[++i];
+        return true;
+      }
+      if (arg.rfind(name + "=", 0) == 0) {
+        value = arg.substr(name.size() + 1);
+        return true;
+      }
+      return false;
+    };
+    if (take("-n") || take("--nproc-per-node") || take("--nproc_per_node")) {
+      if (!absl::SimpleAtoi(value, &options->nproc) || options->nproc < 1) {
+        *error = "-n " + value + ": expected a positive integer";
+        return false;
+      }
+    } else if (take("--master-port") || take("--master_port")) {
+      if (!absl::SimpleAtoi(value, &options->master_port) || options->master_port < 0 ||
+          options->master_port > 65535) {
+        *error = "--master-port " + value + ": expected a port number";
+        return false;
+      }
+    } else if (take("--grace")) {
+      if (!absl::ParseDuration(value, &options->grace) || options->grace < absl::ZeroDuration()) {
+        *error = "--grace " + value + ": expected a duration such as 3s";
+        return false;
+      }
+    } else if (!error->empty()) {
+      return false;
+    } else {
+      *error = "unknown option " + arg;
+      return false;
+    }
+  }
+  for (; i < argc; ++i) options->command.push_back(argv[i]);
+  if (options->nproc < 1) {
+    *error = "-n N is required";
+    return false;
+  }
+  if (options->command.empty()) {
+    *error = "no program given after --";
+    return false;
+  }
+  return true;
+}
+
+// A rank's output pipe with the partial line not yet written.
+struct Stream {
+  int fd = -1;
+  int rank = 0;
+  bool is_stderr = false;
+  std::string pending;
+};
+
+void EmitLines(Stream& s, bool flush_partial) {
+  FILE* out = s.is_stderr ? stderr : stdout;
+  size_t start = 0;
+  while (true) {
+    size_t nl = s.pending.find('\n', start);
+    if (nl == std::string::npos) break;
+    fprintf(out, "[%d] %.*s\n", s.rank, static_cast<int>(nl - start), s.pending.data() + start);
+    start = nl + 1;
+  }
+  s.pending.erase(0, start);
+  if (flush_partial && !s.pending.empty()) {
+    fprintf(out, "[%d] %s\n", s.rank, s.pending.c_str());
+    s.pending.clear();
+  }
+  fflush(out);
+}
+
+struct Rank {
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+};
+
+int ExitCodeOf(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::string DescribeStatus(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return absl::StrCat("was killed by signal ", WTERMSIG(status), " (",
+                        strsignal(WTERMSIG(status)), ")");
+  }
+  return "stopped";
+}
+
+void SignalAll(const std::vector<Rank>& ranks, int sig) {
+  for (const Rank& r : ranks) {
+    if (r.running) kill(-r.pid, sig);  // its whole process group
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  std::string error;
+  if (!ParseArgs(argc, argv, &options, &error)) return Usage(error);
+
+  auto server = evenstep::internal::StoreServer::Start(options.master_port);
+  if (!server.ok()) {
+    std::cerr << "evenstep-run: " << server.status().message() << "\n";
+    return 1;
+  }
+  const int port = (*server)->port();
+
+  struct sigaction sa;
+  memset(&sa, 0, sizeof(sa));
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  // Threads per rank: torchrun's practice is OMP_NUM_THREADS=1 for several
+  // ranks; evenstep-run divides the cores instead, unless the user chose.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::string omp_threads =
+      std::to_string(std::max(1u, cores / static_cast<unsigned>(options.nproc)));
+
+  const pid_t launcher = getpid();
+  std::vector<Rank> ranks(options.nproc);
+  std::vector<Stream> streams;
+  for (int r = 0; r < options.nproc; ++r) {
+    int out_pipe[2], err_pipe[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+      perror("evenstep-run: pipe");
+      SignalAll(ranks, SIGKILL);
+      return 1;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+      perror("evenstep-run: fork");
+      SignalAll(ranks, SIGKILL);
+      return 1;
+    }
+    if (pid == 0) {
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(1);  // the launcher died before prctl
+      signal(SIGINT, SIG_DFL);
+      signal(SIGTERM, SIG_DFL);
+      signal(SIGPIPE, SIG_DFL);
+      dup2(out_pipe[1], STDOUT_FILENO);
+      dup2(err_pipe[1], STDERR_FILENO);
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("GROUP_RANK", "0", 1);
+      setenv("ROLE_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+      setenv("ROLE_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+      setenv("OMP_NUM_THREADS", omp_threads.c_str(), 0);
+      std::vector<char*> args;
+      for (std::string& a : options.command) args.push_back(a.data());
+      args.push_back(nullptr);
+      execvp(args[0], args.data());
+      fprintf(stderr, "evenstep-run: cannot execute %s: %s\n", args[0], strerror(errno));
+      _exit(127);
+    }
+    setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    ranks[r].pid = pid;
+    ranks[r].running = true;
+    streams.push_back(Stream{out_pipe[0], r, false, {}});
+    streams.push_back(Stream{err_pipe[0], r, true, {}});
+  }
+
+  int failed_rank = -1;
+  int failed_status = 0;
+  int forwarded_signal = 0;
+  bool shutting_down = false;
+  bool killed = false;
+  absl::Time kill_deadline = absl::InfiniteFuture();
+  auto begin_shutdown = [&](int sig) {
+    if (shutting_down) return;
+    shutting_down = true;
+    SignalAll(ranks, sig);
+    kill_deadline = absl::Now() + options.grace;
+  };
+
+  size_t open_streams = streams.size();
+  int running = options.nproc;
+  while (running > 0 || open_streams > 0) {
+    if (g_signal != 0 && forwarded_signal == 0) {
+      forwarded_signal = g_signal;
+      fprintf(stderr, "evenstep-run: got signal %d, forwarding it to %d rank(s)\n",
+              forwarded_signal, running);
+      begin_shutdown(forwarded_signal);
+    }
+    if (running > 0 && !killed && absl::Now() >= kill_deadline) {
+      fprintf(stderr, "evenstep-run: %d rank(s) still running after the grace period; killing\n",
+              running);
+      SignalAll(ranks, SIGKILL);
+      killed = true;
+    }
+
+    std::vector<pollfd> fds;
+    std::vector<Stream*> owners;
+    for (Stream& s : streams) {
+      if (s.fd < 0) continue;
+      fds.push_back(pollfd{s.fd, POLLIN, 0});
+      owners.push_back(&s);
+    }
+    if (!fds.empty()) {
+      int n = poll(fds.data(), fds.size(), 50);
+      if (n > 0) {
+        for (size_t i = 0; i < fds.size(); ++i) {
+          if (fds[i].revents == 0) continue;
+          char buf[65536];
+          ssize_t got = read(fds[i].fd, buf, sizeof(buf));
+          Stream& s = *owners[i];
+          if (got > 0) {
+            s.pending.append(buf, static_cast<size_t>(got));
+            EmitLines(s, false);
+          } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+            EmitLines(s, true);
+            close(s.fd);
+            s.fd = -1;
+            --open_streams;
+          }
+        }
+      }
+    } else {
+      usleep(20000);
+    }
+
+    while (true) {
+      int status = 0;
+      pid_t pid = waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (int r = 0; r < options.nproc; ++r) {
+        if (ranks[r].pid != pid || !ranks[r].running) continue;
+        ranks[r].running = false;
+        ranks[r].status = status;
+        --running;
+        // A rank's grandchildren die with its process group.
+        kill(-pid, SIGKILL);
+        const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && failed_rank < 0 && forwarded_signal == 0) {
+          failed_rank = r;
+          failed_status = status;
+          fprintf(stderr, "evenstep-run: rank %d %s; stopping the other %d rank(s)\n", r,
+                  DescribeStatus(status).c_str(), running);
+          begin_shutdown(SIGTERM);
+        }
+      }
+    }
+  }
+
+  if (failed_rank >= 0) return ExitCodeOf(failed_status);
+  if (forwarded_signal != 0) return 128 + forwarded_signal;
+  return 0;
+}
