@@ -273,7 +273,7 @@ absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::D
                               internal::ErrorText(e), ")");
   }
   std::string message = absl::StrFormat("rank %d: %s (collective #%d) failed after %s", env_.rank,
-                                        what, seq, absl::FormatDuration(elapsed));
+                                        what, seq, absl::FormatDuration(absl::Trunc(elapsed, absl::Milliseconds(1))));
   if (!missing.empty()) {
     absl::StrAppend(&message, ": rank(s) ", absl::StrJoin(missing, ", "), " never arrived");
   }

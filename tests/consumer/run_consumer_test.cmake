@@ -1,0 +1,21 @@
+# ctest driver: install the build tree into a fresh prefix, configure and build
+# tests/consumer against it with find_package(evenstep), run the result.
+# Inputs: BUILD_DIR, SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
+    "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DTorch_DIR=${TORCH_DIR}")
+run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run("${WORK_DIR}/build/consumer")
+if(NOT last_output MATCHES "consumer: rank 0/1 \\(local 0/1\\) via single process, backend gloo")
+  message(FATAL_ERROR "unexpected consumer output: ${last_output}")
+endif()
+message(STATUS "${last_output}")

@@ -1,0 +1,229 @@
+// DistContext over real processes: each test starts rank_helper processes over
+// Gloo on 127.0.0.1, with a c10d store hosted by the test (port from the OS)
+// or by rank 0, and bounds every wait so a hang fails.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "evenstep/internal/store_server.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/subprocess.h"
+
+namespace evenstep {
+namespace {
+
+using ::evenstep::testing::Describe;
+using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::ProcessSpec;
+using ::evenstep::testing::RunAll;
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kHangBound = absl::Seconds(60);
+// Short timeouts keep failure scenarios quick; generous enough for a loaded CI box.
+const std::vector<std::string> kShortTimeouts = {"--evenstep_rendezvous_timeout=4s",
+                                                 "--evenstep_timeout=4s"};
+
+std::vector<std::string> HelperArgs(std::vector<std::string> scenario,
+                                    const std::vector<std::string>& flags = {}) {
+  std::vector<std::string> argv = {EVENSTEP_RANK_HELPER};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.insert(argv.end(), scenario.begin(), scenario.end());
+  return argv;
+}
+
+// torchrun-convention specs for `world` ranks against a store hosted here.
+std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<std::string>& argv,
+                                       int declared_world = -1) {
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < world; ++r) {
+    specs.push_back(ProcessSpec{
+        argv,
+        {{"RANK", std::to_string(r)},
+         {"WORLD_SIZE", std::to_string(declared_world > 0 ? declared_world : world)},
+         {"LOCAL_RANK", std::to_string(r)},
+         {"LOCAL_WORLD_SIZE", std::to_string(declared_world > 0 ? declared_world : world)},
+         {"MASTER_ADDR", "127.0.0.1"},
+         {"MASTER_PORT", std::to_string(port)},
+         {"TORCHELASTIC_USE_AGENT_STORE", "True"}}});
+  }
+  return specs;
+}
+
+std::unique_ptr<internal::StoreServer> HostStore() {
+  auto server = internal::StoreServer::Start(0);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+class CollectivesTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectivesTest, ExactResults) {
+  const int world = GetParam();
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  auto results = RunAll(TorchrunRanks(world, store->port(), HelperArgs({"collectives"})), kHangBound);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << Describe(results);
+    EXPECT_EQ(results[r].exit_code, 0) << Describe(results);
+    EXPECT_THAT(results[r].output,
+                HasSubstr(absl::StrCat("collectives ok: rank ", r, " of ", world)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesTest, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return absl::StrCat("world", info.param); });
+
+TEST(DistContextTest, SingleProcessNeedsNoLauncher) {
+  auto results = RunAll({ProcessSpec{HelperArgs({"collectives"}), {}}}, kHangBound);
+  EXPECT_EQ(results[0].exit_code, 0) << Describe(results);
+  EXPECT_THAT(results[0].output, HasSubstr("via single process"));
+}
+
+TEST(DistContextTest, Rank0HostsTheStoreWhenNoAgent) {
+  const int port = evenstep::testing::PickFreePort();
+  auto specs = TorchrunRanks(2, port, HelperArgs({"collectives"}));
+  for (auto& spec : specs) spec.env.pop_back();  // no TORCHELASTIC_USE_AGENT_STORE
+  auto results = RunAll(specs, kHangBound);
+  for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
+  EXPECT_THAT(results[0].output, HasSubstr("hosted by rank 0"));
+}
+
+TEST(DistContextTest, SlurmConvention) {
+  const int port = evenstep::testing::PickFreePort();
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 3; ++r) {
+    specs.push_back(ProcessSpec{HelperArgs({"collectives"}),
+                                {{"SLURM_PROCID", std::to_string(r)},
+                                 {"SLURM_NTASKS", "3"},
+                                 {"SLURM_LOCALID", std::to_string(r)},
+                                 {"SLURM_NODEID", "0"},
+                                 {"SLURM_STEP_TASKS_PER_NODE", "3"},
+                                 {"SLURM_JOB_NODELIST", "localhost"},
+                                 {"MASTER_PORT", std::to_string(port)}}});
+  }
+  auto results = RunAll(specs, kHangBound);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << Describe(results);
+    EXPECT_THAT(results[r].output, HasSubstr(absl::StrCat("rank ", r, "/3 (local ", r,
+                                                          "/3) via Slurm, store localhost:")));
+  }
+}
+
+TEST(DistContextTest, OpenMpiConvention) {
+  const int port = evenstep::testing::PickFreePort();
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    specs.push_back(ProcessSpec{HelperArgs({"collectives"}),
+                                {{"OMPI_COMM_WORLD_RANK", std::to_string(r)},
+                                 {"OMPI_COMM_WORLD_SIZE", "2"},
+                                 {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)},
+                                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                 {"MASTER_ADDR", "127.0.0.1"},
+                                 {"MASTER_PORT", std::to_string(port)}}});
+  }
+  auto results = RunAll(specs, kHangBound);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exit_code, 0) << Describe(results);
+    EXPECT_THAT(results[r].output, HasSubstr("via Open MPI"));
+  }
+}
+
+TEST(DistContextTest, MissingPeerAtRendezvousIsNamed) {
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  // A world of 3 in which rank 2 never starts.
+  auto specs = TorchrunRanks(3, store->port(), HelperArgs({"init"}, kShortTimeouts));
+  specs.pop_back();
+  auto results = RunAll(specs, kHangBound);
+  for (const ProcessResult& r : results) {
+    EXPECT_FALSE(r.timed_out) << Describe(results);
+    EXPECT_EQ(r.exit_code, 3) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("DEADLINE_EXCEEDED"));
+    EXPECT_THAT(r.output, HasSubstr("with 2 of 3 ranks joined; missing rank(s) 2"));
+  }
+}
+
+TEST(DistContextTest, MismatchedWorldSizesFailOnEveryRank) {
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  auto specs = TorchrunRanks(2, store->port(), HelperArgs({"init"}, kShortTimeouts));
+  specs[1].env[1].second = "3";  // rank 1 believes WORLD_SIZE=3
+  specs[1].env[3].second = "3";
+  auto results = RunAll(specs, kHangBound);
+  for (const ProcessResult& r : results) {
+    EXPECT_FALSE(r.timed_out) << Describe(results);
+    EXPECT_EQ(r.exit_code, 3) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("world size mismatch"));
+  }
+}
+
+TEST(DistContextTest, DuplicateRankIsReported) {
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  auto specs = TorchrunRanks(2, store->port(), HelperArgs({"init"}, kShortTimeouts));
+  specs[1] = specs[0];  // two processes with RANK=0
+  auto results = RunAll(specs, kHangBound);
+  int reported = 0;
+  for (const ProcessResult& r : results) {
+    EXPECT_FALSE(r.timed_out) << Describe(results);
+    EXPECT_EQ(r.exit_code, 3) << Describe(results);
+    reported += r.output.find("two processes claim rank 0") != std::string::npos;
+  }
+  EXPECT_EQ(reported, 2) << Describe(results);
+}
+
+TEST(DistContextTest, UnreachableMasterFailsWithinTheTimeout) {
+  evenstep::testing::RefusingPort refusing;
+  auto specs = TorchrunRanks(2, refusing.port(),
+                             HelperArgs({"init"}, {"--evenstep_rendezvous_timeout=2s"}));
+  specs.erase(specs.begin());  // only rank 1, a client
+  auto results = RunAll(specs, kHangBound);
+  EXPECT_FALSE(results[0].timed_out) << Describe(results);
+  EXPECT_EQ(results[0].exit_code, 3) << Describe(results);
+  EXPECT_THAT(results[0].output,
+              HasSubstr(absl::StrCat("rank 1: cannot reach the c10d TCPStore at 127.0.0.1:",
+                                     refusing.port(), " (MASTER_ADDR:MASTER_PORT)")));
+}
+
+TEST(DistContextTest, BadFlagIsNamed) {
+  auto results =
+      RunAll({ProcessSpec{HelperArgs({"init"}, {"--evenstep_backend=mpi"}), {}}}, kHangBound);
+  EXPECT_EQ(results[0].exit_code, 3) << Describe(results);
+  EXPECT_THAT(results[0].output, HasSubstr("--evenstep_backend=mpi: expected auto, gloo or nccl"));
+}
+
+TEST(DistContextTest, PeerThatLeftIsNamed) {
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  auto results = RunAll(
+      TorchrunRanks(3, store->port(), HelperArgs({"die_after_init", "2"}, kShortTimeouts)),
+      kHangBound);
+  EXPECT_EQ(results[2].exit_code, 0) << Describe(results);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << Describe(results);
+    EXPECT_EQ(results[r].exit_code, 4) << Describe(results);
+    EXPECT_THAT(results[r].output, HasSubstr(absl::StrCat("rank ", r, ": all_reduce of Float[8]")));
+    EXPECT_THAT(results[r].output, HasSubstr("rank(s) 2 (last at #1) never arrived"));
+  }
+}
+
+TEST(DistContextTest, StalledPeerIsNamedAfterTheTimeout) {
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  auto specs = TorchrunRanks(3, store->port(), HelperArgs({"stall_rank", "1"}, kShortTimeouts));
+  std::vector<std::unique_ptr<evenstep::testing::Subprocess>> procs;
+  for (const auto& spec : specs) procs.push_back(std::make_unique<evenstep::testing::Subprocess>(spec));
+  for (int r : {0, 2}) {
+    ProcessResult result = procs[r]->Wait(kHangBound);
+    EXPECT_FALSE(result.timed_out) << result.output;
+    EXPECT_EQ(result.exit_code, 4) << result.output;
+    EXPECT_THAT(result.output, HasSubstr("DEADLINE_EXCEEDED"));
+    EXPECT_THAT(result.output, HasSubstr("rank(s) 1 (last at #0) never arrived"));
+  }
+  // Rank 1 sleeps; the Subprocess destructor kills it.
+}
+
+}  // namespace
+}  // namespace evenstep

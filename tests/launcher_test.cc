@@ -1,0 +1,150 @@
+// evenstep-run: exact all-reduce over 3 ranks, rank failure propagation, no
+// orphans, signal forwarding, usage errors.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/subprocess.h"
+
+namespace evenstep {
+namespace {
+
+using ::evenstep::testing::ProcessAlive;
+using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::ProcessSpec;
+using ::evenstep::testing::Subprocess;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr absl::Duration kHangBound = absl::Seconds(60);
+
+class PidDir {
+ public:
+  PidDir() {
+    char tmpl[] = "/tmp/evenstep_pids_XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~PidDir() { std::system(("rm -rf " + path_).c_str()); }
+  const std::string& path() const { return path_; }
+  // The pid rank `r` wrote, or -1 before it did.
+  pid_t Pid(int r) const {
+    std::ifstream in(path_ + "/rank" + std::to_string(r) + ".pid");
+    pid_t pid = -1;
+    in >> pid;
+    return in ? pid : -1;
+  }
+  // Waits until `n` ranks wrote their pid; false after `timeout`.
+  bool WaitForAll(int n, absl::Duration timeout) const {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      int ready = 0;
+      for (int r = 0; r < n; ++r) ready += Pid(r) > 0;
+      if (ready == n) return true;
+      usleep(10000);
+    }
+    return false;
+  }
+
+ private:
+  std::string path_;
+};
+
+std::vector<std::string> Launch(int n, std::vector<std::string> rest) {
+  std::vector<std::string> argv = {EVENSTEP_RUN, "-n", std::to_string(n), "--"};
+  argv.insert(argv.end(), rest.begin(), rest.end());
+  return argv;
+}
+
+TEST(LauncherTest, ThreeRanksAllReduceExactly) {
+  Subprocess run(ProcessSpec{Launch(3, {EVENSTEP_RANK_HELPER, "collectives"}), {}});
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(result.output, HasSubstr(absl::StrCat("[", r, "] collectives ok: rank ", r, " of 3")));
+    EXPECT_THAT(result.output,
+                HasSubstr(absl::StrCat("[", r, "] init ok: rank ", r, "/3 (local ", r, "/3) via torchrun")));
+  }
+}
+
+TEST(LauncherTest, FailingRankStopsTheOthersAndSetsTheExitCode) {
+  PidDir pids;
+  Subprocess run(ProcessSpec{Launch(3, {EVENSTEP_RANK_HELPER, "exit_code", "1", "7"}),
+                             {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 7) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("evenstep-run: rank 1 exited with status 7"));
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_GT(pids.Pid(r), 0) << "rank " << r << " never started\n" << result.output;
+    EXPECT_FALSE(ProcessAlive(pids.Pid(r))) << "rank " << r << " left behind";
+  }
+}
+
+TEST(LauncherTest, KilledRankMakesTheLauncherFailWithNoOrphans) {
+  PidDir pids;
+  Subprocess run(ProcessSpec{Launch(3, {EVENSTEP_RANK_HELPER, "hang"}),
+                             {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+  ASSERT_TRUE(pids.WaitForAll(3, kHangBound));
+  ASSERT_EQ(kill(pids.Pid(1), SIGKILL), 0);
+  // The acceptance bound is 10 s; a hang beyond it fails here.
+  ProcessResult result = run.Wait(absl::Seconds(10));
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 128 + SIGKILL) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("rank 1 was killed by signal 9"));
+  for (int r = 0; r < 3; ++r) EXPECT_FALSE(ProcessAlive(pids.Pid(r))) << "rank " << r;
+}
+
+TEST(LauncherTest, ForwardsSigtermToEveryRank) {
+  PidDir pids;
+  Subprocess run(ProcessSpec{Launch(2, {EVENSTEP_RANK_HELPER, "wait_for_sigterm"}),
+                             {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+  ASSERT_TRUE(pids.WaitForAll(2, kHangBound));
+  ASSERT_EQ(kill(run.pid(), SIGTERM), 0);
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 128 + SIGTERM) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("[0] got SIGTERM"));
+  EXPECT_THAT(result.output, HasSubstr("[1] got SIGTERM"));
+}
+
+TEST(LauncherTest, PartialLinesArePrefixed) {
+  Subprocess run(ProcessSpec{Launch(2, {"/bin/sh", "-c", "printf 'a\\nb'; printf 'c' >&2"}), {}});
+  ProcessResult result = run.Wait(kHangBound);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("[0] a\n"));
+  EXPECT_THAT(result.output, HasSubstr("[1] b\n"));
+  EXPECT_THAT(result.output, HasSubstr("[1] c\n"));
+}
+
+TEST(LauncherTest, MissingProgramFailsWith127) {
+  Subprocess run(ProcessSpec{Launch(2, {"/nonexistent/program"}), {}});
+  ProcessResult result = run.Wait(kHangBound);
+  EXPECT_EQ(result.exit_code, 127) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("cannot execute /nonexistent/program"));
+}
+
+TEST(LauncherTest, UsageErrors) {
+  for (const auto& argv : std::vector<std::vector<std::string>>{
+           {EVENSTEP_RUN, "--", "true"},
+           {EVENSTEP_RUN, "-n", "0", "--", "true"},
+           {EVENSTEP_RUN, "-n", "2"},
+           {EVENSTEP_RUN, "-n", "2", "--bogus", "--", "true"}}) {
+    Subprocess run(ProcessSpec{argv, {}});
+    ProcessResult result = run.Wait(kHangBound);
+    EXPECT_EQ(result.exit_code, 2) << result.output;
+    EXPECT_THAT(result.output, HasSubstr("usage: evenstep-run"));
+  }
+}
+
+}  // namespace
+}  // namespace evenstep

@@ -1,0 +1,232 @@
+// A rank program for the multi-process tests. It joins the job described by
+// its environment (any launcher convention) and runs one scenario:
+//
+//   rank_helper [--evenstep_* flags] collectives        exact all_reduce / all_gather /
+//                                                        broadcast / barrier checks
+//   rank_helper init                                     rendezvous only
+//   rank_helper die_after_init R                         rank R leaves after a barrier,
+//                                                        the others all_reduce
+//   rank_helper stall_rank R                             rank R sleeps, the others all_reduce
+//   rank_helper exit_code R C                            rank R exits with C, others sleep
+//   rank_helper hang                                     sleep (no rendezvous)
+//   rank_helper wait_for_sigterm                         exit 0 on SIGTERM
+//
+// Every rank writes its pid to $EVENSTEP_TEST_PID_DIR/rank<R>.pid when set.
+// Exit codes: 0 scenario passed, 1 check failed, 3 init failed, 4 the expected
+// collective failure happened (its status is printed).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "evenstep/dist_context.h"
+
+namespace {
+
+int RankFromEnv() {
+  for (const char* var : {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}) {
+    int rank = 0;
+    const char* v = std::getenv(var);
+    if (v != nullptr && absl::SimpleAtoi(v, &rank)) return rank;
+  }
+  return 0;
+}
+
+void WritePidFile() {
+  const char* dir = std::getenv("EVENSTEP_TEST_PID_DIR");
+  if (dir == nullptr) return;
+  const std::string path = std::string(dir) + "/rank" + std::to_string(RankFromEnv()) + ".pid";
+  {
+    std::ofstream out(path + ".tmp");
+    out << getpid() << "\n";
+  }
+  rename((path + ".tmp").c_str(), path.c_str());
+}
+
+bool Check(bool ok, const std::string& what, const at::Tensor& got, const at::Tensor& want) {
+  if (!ok) {
+    std::cout << "MISMATCH in " << what << ": got " << got << " want " << want << std::endl;
+  }
+  return ok;
+}
+
+int Collectives(evenstep::DistContext& dist) {
+  const int w = dist.world_size();
+  const int r = dist.rank();
+  bool ok = true;
+  // Integer sum: arange(5) + 100 * rank summed over ranks.
+  at::Tensor t = at::arange(5, at::kLong) + 100 * r;
+  if (auto s = dist.AllReduce(t); !s.ok()) {
+    std::cout << s << std::endl;
+    return 1;
+  }
+  at::Tensor want = at::arange(5, at::kLong) * w + 100 * (w * (w - 1) / 2);
+  ok &= Check(at::equal(t, want), "all_reduce sum int64", t, want);
+  // Float sum of binary fractions is exact.
+  at::Tensor f = at::full({7}, 0.5 * (r + 1), at::kFloat);
+  if (auto s = dist.AllReduce(f); !s.ok()) {
+    std::cout << s << std::endl;
+    return 1;
+  }
+  want = at::full({7}, 0.25 * w * (w + 1), at::kFloat);
+  ok &= Check(at::equal(f, want), "all_reduce sum float", f, want);
+  struct {
+    evenstep::ReduceOp op;
+    double expected;
+    const char* name;
+  } ops[] = {{evenstep::ReduceOp::kMax, static_cast<double>(w - 1), "max"},
+             {evenstep::ReduceOp::kMin, 0.0, "min"},
+             {evenstep::ReduceOp::kProduct, 1.0, "product"}};
+  double factorial = 1;
+  for (int i = 2; i <= w; ++i) factorial *= i;
+  ops[2].expected = factorial;
+  for (auto& c : ops) {
+    at::Tensor x = at::full({3}, c.op == evenstep::ReduceOp::kProduct ? r + 1.0 : 1.0 * r,
+                            at::kDouble);
+    if (auto s = dist.AllReduce(x, c.op); !s.ok()) {
+      std::cout << s << std::endl;
+      return 1;
+    }
+    want = at::full({3}, c.expected, at::kDouble);
+    ok &= Check(at::equal(x, want), std::string("all_reduce ") + c.name, x, want);
+  }
+  // All-gather: rank q contributes 10 * q + 1.
+  std::vector<at::Tensor> gathered;
+  if (auto s = dist.AllGather(at::full({2, 3}, 10 * r + 1, at::kInt), &gathered); !s.ok()) {
+    std::cout << s << std::endl;
+    return 1;
+  }
+  if (static_cast<int>(gathered.size()) != w) {
+    std::cout << "MISMATCH all_gather returned " << gathered.size() << " tensors" << std::endl;
+    return 1;
+  }
+  for (int q = 0; q < w; ++q) {
+    want = at::full({2, 3}, 10 * q + 1, at::kInt);
+    ok &= Check(at::equal(gathered[q], want), "all_gather[" + std::to_string(q) + "]",
+                gathered[q], want);
+  }
+  // Broadcast from the last rank.
+  const int root = w - 1;
+  at::Tensor b = r == root ? at::full({4}, 42.0 + root, at::kFloat) : at::zeros({4}, at::kFloat);
+  if (auto s = dist.Broadcast(b, root); !s.ok()) {
+    std::cout << s << std::endl;
+    return 1;
+  }
+  want = at::full({4}, 42.0 + root, at::kFloat);
+  ok &= Check(at::equal(b, want), "broadcast", b, want);
+  if (auto s = dist.Barrier(); !s.ok()) {
+    std::cout << s << std::endl;
+    return 1;
+  }
+  if (!ok) return 1;
+  std::cout << "collectives ok: rank " << r << " of " << w << std::endl;
+  return 0;
+}
+
+// The ranks other than `absent` all-reduce and must fail naming it.
+int ExpectFailureNaming(evenstep::DistContext& dist, int absent) {
+  at::Tensor t = at::ones({8});
+  absl::Status s = dist.AllReduce(t);
+  if (s.ok()) {
+    std::cout << "UNEXPECTED: all_reduce succeeded without rank " << absent << std::endl;
+    return 1;
+  }
+  std::cout << "collective failed: " << s << std::endl;
+  return 4;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  std::cout.setf(std::ios::unitbuf);
+  if (args.size() < 2) {
+    std::cerr << "usage: rank_helper [flags] SCENARIO [ARGS]" << std::endl;
+    return 2;
+  }
+  const std::string scenario = args[1];
+  auto int_arg = [&](size_t i) {
+    int v = -1;
+    if (i >= args.size() || !absl::SimpleAtoi(args[i], &v)) {
+      std::cerr << "scenario " << scenario << " needs integer argument " << i << std::endl;
+      std::exit(2);
+    }
+    return v;
+  };
+  if (scenario == "wait_for_sigterm") {
+    // Blocked before the pid file exists, so a test that signals after seeing
+    // the file cannot kill the rank by the default action.
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigprocmask(SIG_BLOCK, &set, nullptr);
+    WritePidFile();
+    std::cout << "waiting for SIGTERM" << std::endl;
+    int sig = 0;
+    sigwait(&set, &sig);
+    std::cout << "got SIGTERM" << std::endl;
+    return 0;
+  }
+  WritePidFile();
+  if (scenario == "hang") {
+    sleep(600);
+    return 0;
+  }
+
+  auto options = evenstep::DistOptions::FromFlags();
+  if (!options.ok()) {
+    std::cout << "init failed: " << options.status() << std::endl;
+    return 3;
+  }
+  auto ctx = evenstep::DistContext::Create(*options);
+  if (!ctx.ok()) {
+    std::cout << "init failed: " << ctx.status() << std::endl;
+    return 3;
+  }
+  evenstep::DistContext& dist = **ctx;
+  std::cout << "init ok: " << dist.env().Describe() << std::endl;
+
+  if (scenario == "init") return 0;
+  if (scenario == "collectives") return Collectives(dist);
+  if (scenario == "die_after_init") {
+    const int victim = int_arg(2);
+    if (auto s = dist.Barrier(); !s.ok()) {
+      std::cout << s << std::endl;
+      return 1;
+    }
+    if (dist.rank() == victim) _exit(0);
+    return ExpectFailureNaming(dist, victim);
+  }
+  if (scenario == "stall_rank") {
+    const int victim = int_arg(2);
+    if (dist.rank() == victim) {
+      sleep(600);
+      return 0;
+    }
+    return ExpectFailureNaming(dist, victim);
+  }
+  if (scenario == "exit_code") {
+    const int victim = int_arg(2);
+    const int code = int_arg(3);
+    if (auto s = dist.Barrier(); !s.ok()) {
+      std::cout << s << std::endl;
+      return 1;
+    }
+    if (dist.rank() == victim) {
+      std::cout << "exiting with " << code << std::endl;
+      return code;
+    }
+    sleep(600);
+    return 0;
+  }
+  std::cerr << "unknown scenario " << scenario << std::endl;
+  return 2;
+}

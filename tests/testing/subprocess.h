@@ -1,0 +1,80 @@
+// Test support: start real processes (ranks, the launcher) with a controlled
+// environment, capture their combined output, and bound every wait so a hang
+// fails the test instead of blocking CI. Not thread-safe; one owner per object.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace evenstep::testing {
+
+struct ProcessSpec {
+  std::vector<std::string> argv;
+  // Added to the environment. Launcher variables inherited from the test's
+  // own environment (RANK, SLURM_*, OMPI_*, MASTER_*, ...) are always removed.
+  std::vector<std::pair<std::string, std::string>> env;
+};
+
+struct ProcessResult {
+  int exit_code = -1;  // when it exited normally
+  int signal = 0;      // when a signal ended it
+  bool timed_out = false;
+  std::string output;  // stdout and stderr, interleaved
+};
+
+class Subprocess {
+ public:
+  // Starts the process in its own process group. Aborts the test binary when
+  // fork fails (nothing sensible to test after that).
+  explicit Subprocess(const ProcessSpec& spec);
+  ~Subprocess();  // kills the process group if still running
+  Subprocess(const Subprocess&) = delete;
+  Subprocess& operator=(const Subprocess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // Waits until the process exits or `timeout` passes; on timeout its process
+  // group is killed with SIGKILL and `timed_out` is set.
+  ProcessResult Wait(absl::Duration timeout);
+  // True once the process has exited (non-blocking).
+  bool Exited();
+
+ private:
+  ProcessResult Finish(int status, bool timed_out);
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
+  std::string output_path_;
+};
+
+// Runs every spec at once and waits for all of them under one deadline.
+std::vector<ProcessResult> RunAll(const std::vector<ProcessSpec>& specs, absl::Duration timeout);
+
+// A TCP port the OS reports free right now (bind to port 0, then release).
+int PickFreePort();
+
+// A port bound but not listening, held open while the object lives:
+// connections to it are refused (an unreachable master).
+class RefusingPort {
+ public:
+  RefusingPort();
+  ~RefusingPort();
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// True while a process with this pid exists (zombies excluded).
+bool ProcessAlive(pid_t pid);
+
+// Human-readable summary of results for assertion messages.
+std::string Describe(const std::vector<ProcessResult>& results);
+
+}  // namespace evenstep::testing
