@@ -272,8 +272,9 @@ absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::D
     store_note = absl::StrCat("; the store is unreachable too, so missing ranks cannot be named (",
                               internal::ErrorText(e), ")");
   }
-  std::string message = absl::StrFormat("rank %d: %s (collective #%d) failed after %s", env_.rank,
-                                        what, seq, absl::FormatDuration(absl::Trunc(elapsed, absl::Milliseconds(1))));
+  std::string message =
+      absl::StrFormat("rank %d: %s (collective #%d) failed after %s", env_.rank, what, seq,
+                      absl::FormatDuration(absl::Trunc(elapsed, absl::Milliseconds(1))));
   if (!missing.empty()) {
     absl::StrAppend(&message, ": rank(s) ", absl::StrJoin(missing, ", "), " never arrived");
   }

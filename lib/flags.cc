@@ -1,8 +1,15 @@
 // Definitions of the --evenstep_* flags and their conversion to option structs.
 #include "evenstep/flags.h"
 
+#include <algorithm>
+#include <vector>
+
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "evenstep/dist_context.h"
 
 ABSL_FLAG(std::string, evenstep_backend, "auto",
@@ -43,6 +50,22 @@ absl::StatusOr<DistOptions> DistOptions::FromFlags() {
         ": must be positive"));
   }
   return options;
+}
+
+std::string FlagsMarkdownTable() {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::StartsWith(name, "evenstep_")) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
+  std::string out = "| flag | default | meaning |\n|---|---|---|\n";
+  for (const absl::CommandLineFlag* flag : flags) {
+    const std::string help = absl::StrReplaceAll(flag->Help(), {{"|", "\\|"}, {"\n", " "}});
+    absl::StrAppend(&out, "| `--", flag->Name(), "` | `", flag->DefaultValue(), "` | ", help,
+                    " |\n");
+  }
+  return out;
 }
 
 }  // namespace evenstep

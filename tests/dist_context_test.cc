@@ -63,7 +63,8 @@ TEST_P(CollectivesTest, ExactResults) {
   const int world = GetParam();
   auto store = HostStore();
   ASSERT_NE(store, nullptr);
-  auto results = RunAll(TorchrunRanks(world, store->port(), HelperArgs({"collectives"})), kHangBound);
+  auto results =
+      RunAll(TorchrunRanks(world, store->port(), HelperArgs({"collectives"})), kHangBound);
   for (int r = 0; r < world; ++r) {
     EXPECT_FALSE(results[r].timed_out) << Describe(results);
     EXPECT_EQ(results[r].exit_code, 0) << Describe(results);
@@ -176,8 +177,8 @@ TEST(DistContextTest, DuplicateRankIsReported) {
 
 TEST(DistContextTest, UnreachableMasterFailsWithinTheTimeout) {
   evenstep::testing::RefusingPort refusing;
-  auto specs = TorchrunRanks(2, refusing.port(),
-                             HelperArgs({"init"}, {"--evenstep_rendezvous_timeout=2s"}));
+  auto specs =
+      TorchrunRanks(2, refusing.port(), HelperArgs({"init"}, {"--evenstep_rendezvous_timeout=2s"}));
   specs.erase(specs.begin());  // only rank 1, a client
   auto results = RunAll(specs, kHangBound);
   EXPECT_FALSE(results[0].timed_out) << Describe(results);
@@ -197,9 +198,9 @@ TEST(DistContextTest, BadFlagIsNamed) {
 TEST(DistContextTest, PeerThatLeftIsNamed) {
   auto store = HostStore();
   ASSERT_NE(store, nullptr);
-  auto results = RunAll(
-      TorchrunRanks(3, store->port(), HelperArgs({"die_after_init", "2"}, kShortTimeouts)),
-      kHangBound);
+  auto results =
+      RunAll(TorchrunRanks(3, store->port(), HelperArgs({"die_after_init", "2"}, kShortTimeouts)),
+             kHangBound);
   EXPECT_EQ(results[2].exit_code, 0) << Describe(results);
   for (int r = 0; r < 2; ++r) {
     EXPECT_FALSE(results[r].timed_out) << Describe(results);
@@ -214,7 +215,8 @@ TEST(DistContextTest, StalledPeerIsNamedAfterTheTimeout) {
   ASSERT_NE(store, nullptr);
   auto specs = TorchrunRanks(3, store->port(), HelperArgs({"stall_rank", "1"}, kShortTimeouts));
   std::vector<std::unique_ptr<evenstep::testing::Subprocess>> procs;
-  for (const auto& spec : specs) procs.push_back(std::make_unique<evenstep::testing::Subprocess>(spec));
+  for (const auto& spec : specs)
+    procs.push_back(std::make_unique<evenstep::testing::Subprocess>(spec));
   for (int r : {0, 2}) {
     ProcessResult result = procs[r]->Wait(kHangBound);
     EXPECT_FALSE(result.timed_out) << result.output;

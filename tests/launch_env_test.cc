@@ -174,8 +174,7 @@ TEST(SlurmNodelistTest, FirstHost) {
   EXPECT_EQ(*FirstHostOfSlurmNodelist("gpu1,node[03-05]"), "gpu1");
   EXPECT_EQ(*FirstHostOfSlurmNodelist("rack[1-2]-n[7-8]"), "rack1-n7");
   EXPECT_EQ(*FirstHostOfSlurmNodelist("a[9]"), "a9");
-  EXPECT_EQ(FirstHostOfSlurmNodelist("n[1-2").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FirstHostOfSlurmNodelist("n[1-2").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(FirstHostOfSlurmNodelist("").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(FirstHostOfSlurmNodelist("n[]").status().code(), absl::StatusCode::kInvalidArgument);
 }

@@ -70,9 +70,10 @@ TEST(LauncherTest, ThreeRanksAllReduceExactly) {
   ASSERT_FALSE(result.timed_out) << result.output;
   EXPECT_EQ(result.exit_code, 0) << result.output;
   for (int r = 0; r < 3; ++r) {
-    EXPECT_THAT(result.output, HasSubstr(absl::StrCat("[", r, "] collectives ok: rank ", r, " of 3")));
     EXPECT_THAT(result.output,
-                HasSubstr(absl::StrCat("[", r, "] init ok: rank ", r, "/3 (local ", r, "/3) via torchrun")));
+                HasSubstr(absl::StrCat("[", r, "] collectives ok: rank ", r, " of 3")));
+    EXPECT_THAT(result.output, HasSubstr(absl::StrCat("[", r, "] init ok: rank ", r, "/3 (local ",
+                                                      r, "/3) via torchrun")));
   }
 }
 
@@ -134,11 +135,11 @@ TEST(LauncherTest, MissingProgramFailsWith127) {
 }
 
 TEST(LauncherTest, UsageErrors) {
-  for (const auto& argv : std::vector<std::vector<std::string>>{
-           {EVENSTEP_RUN, "--", "true"},
-           {EVENSTEP_RUN, "-n", "0", "--", "true"},
-           {EVENSTEP_RUN, "-n", "2"},
-           {EVENSTEP_RUN, "-n", "2", "--bogus", "--", "true"}}) {
+  for (const auto& argv :
+       std::vector<std::vector<std::string>>{{EVENSTEP_RUN, "--", "true"},
+                                             {EVENSTEP_RUN, "-n", "0", "--", "true"},
+                                             {EVENSTEP_RUN, "-n", "2"},
+                                             {EVENSTEP_RUN, "-n", "2", "--bogus", "--", "true"}}) {
     Subprocess run(ProcessSpec{argv, {}});
     ProcessResult result = run.Wait(kHangBound);
     EXPECT_EQ(result.exit_code, 2) << result.output;

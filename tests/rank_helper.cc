@@ -14,6 +14,7 @@
 // Every rank writes its pid to $EVENSTEP_TEST_PID_DIR/rank<R>.pid when set.
 // Exit codes: 0 scenario passed, 1 check failed, 3 init failed, 4 the expected
 // collective failure happened (its status is printed).
+#include <ATen/ATen.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,8 +23,6 @@
 #include <iostream>
 #include <string>
 #include <vector>
-
-#include <ATen/ATen.h>
 
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
@@ -89,8 +88,8 @@ int Collectives(evenstep::DistContext& dist) {
   for (int i = 2; i <= w; ++i) factorial *= i;
   ops[2].expected = factorial;
   for (auto& c : ops) {
-    at::Tensor x = at::full({3}, c.op == evenstep::ReduceOp::kProduct ? r + 1.0 : 1.0 * r,
-                            at::kDouble);
+    at::Tensor x =
+        at::full({3}, c.op == evenstep::ReduceOp::kProduct ? r + 1.0 : 1.0 * r, at::kDouble);
     if (auto s = dist.AllReduce(x, c.op); !s.ok()) {
       std::cout << s << std::endl;
       return 1;
@@ -110,8 +109,8 @@ int Collectives(evenstep::DistContext& dist) {
   }
   for (int q = 0; q < w; ++q) {
     want = at::full({2, 3}, 10 * q + 1, at::kInt);
-    ok &= Check(at::equal(gathered[q], want), "all_gather[" + std::to_string(q) + "]",
-                gathered[q], want);
+    ok &= Check(at::equal(gathered[q], want), "all_gather[" + std::to_string(q) + "]", gathered[q],
+                want);
   }
   // Broadcast from the last rank.
   const int root = w - 1;

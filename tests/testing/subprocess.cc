@@ -24,9 +24,9 @@ namespace evenstep::testing {
 namespace {
 
 bool IsLauncherVariable(const std::string& name) {
-  static const char* const kExact[] = {"RANK",        "WORLD_SIZE",  "LOCAL_RANK",
-                                       "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                                       "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"};
+  static const char* const kExact[] = {
+      "RANK",      "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE",  "GROUP_RANK",
+      "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"};
   for (const char* e : kExact) {
     if (name == e) return true;
   }

@@ -11,3 +11,11 @@
 ABSL_DECLARE_FLAG(std::string, evenstep_backend);
 ABSL_DECLARE_FLAG(absl::Duration, evenstep_timeout);
 ABSL_DECLARE_FLAG(absl::Duration, evenstep_rendezvous_timeout);
+
+namespace evenstep {
+
+// Every --evenstep_* flag as a Markdown table (name, default, meaning), from
+// the flags' own help texts, sorted by name.
+std::string FlagsMarkdownTable();
+
+}  // namespace evenstep
