@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/grad_sync.h"
 
 ABSL_FLAG(std::string, evenstep_backend, "auto",
           "Process group for gradients: auto (NCCL when this libtorch has it and CUDA is "
@@ -21,6 +22,15 @@ ABSL_FLAG(absl::Duration, evenstep_timeout, absl::Minutes(10),
 ABSL_FLAG(absl::Duration, evenstep_rendezvous_timeout, absl::Minutes(5),
           "Longest the start-up rendezvous may take: connecting to MASTER_ADDR:MASTER_PORT and "
           "waiting for every rank to join.");
+ABSL_FLAG(std::string, evenstep_comm_hook, "sum",
+          "How gradient buckets are reduced: sum (exact; weighting comes from loss scaling), avg, "
+          "fp16 or bf16 (compressed: scaled by 1/world before the cast, cast back after).");
+ABSL_FLAG(double, evenstep_bucket_cap_mb, 25,
+          "Gradient bucket size cap in MiB; a bucket's all-reduce starts as soon as all its "
+          "gradients are ready.");
+ABSL_FLAG(double, evenstep_first_bucket_cap_mb, 1,
+          "Cap in MiB of the first gradient bucket (the last layers' gradients), small so "
+          "communication starts early in backward.");
 
 namespace evenstep {
 
@@ -49,6 +59,28 @@ absl::StatusOr<DistOptions> DistOptions::FromFlags() {
         "--evenstep_rendezvous_timeout=", absl::FormatDuration(options.rendezvous_timeout),
         ": must be positive"));
   }
+  return options;
+}
+
+absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags() {
+  GradSyncOptions options;
+  const std::string hook = absl::GetFlag(FLAGS_evenstep_comm_hook);
+  absl::StatusOr<CommHook> comm_hook = CommHookByName(hook);
+  if (!comm_hook.ok()) return comm_hook.status();
+  options.comm_hook = *std::move(comm_hook);
+  const double cap = absl::GetFlag(FLAGS_evenstep_bucket_cap_mb);
+  const double first = absl::GetFlag(FLAGS_evenstep_first_bucket_cap_mb);
+  if (!(cap > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_bucket_cap_mb=", cap, ": must be positive"));
+  }
+  if (!(first > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_first_bucket_cap_mb=", first, ": must be positive"));
+  }
+  options.bucket_cap_bytes = static_cast<int64_t>(cap * (1 << 20));
+  options.first_bucket_cap_bytes = static_cast<int64_t>(first * (1 << 20));
+  options.timeout = absl::GetFlag(FLAGS_evenstep_timeout);
   return options;
 }
 

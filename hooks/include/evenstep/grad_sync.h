@@ -1,0 +1,118 @@
+// GradSync: DDP-style gradient synchronisation for libtorch, which has no
+// DistributedDataParallel module.
+//
+//   auto sync = evenstep::GradSync::Attach(model, ctx.data_group());  // checks + broadcast
+//   for (int m = 0; m < micro_steps; ++m) {
+//     (*sync)->set_sync_enabled(m == micro_steps - 1);   // local accumulation until the last
+//     loss_of(m).backward();                            // last one: buckets reduce while
+//   }                                                   // backward runs
+//   if (micro_steps == 0) (*sync)->SyncNow();           // a rank without work joins with zeros
+//   optimizer.step();
+//
+// Parameters are grouped in reverse registration order into buckets of at
+// most `bucket_cap_bytes` (the first `first_bucket_cap_bytes`); one parameter
+// larger than the cap gets a bucket of its own. A post hook on each
+// parameter's gradient accumulator copies the gradient into its bucket; when
+// a bucket is complete and every earlier bucket was launched, the comm hook
+// starts its collective, while backward still runs. A callback queued on the
+// autograd engine waits for all buckets at the end of backward and writes the
+// results into param.grad() (as views into the bucket buffers). Buckets always
+// launch in index order, and parameters without a gradient count as zeros, so
+// every rank issues the same collectives in the same order.
+//
+// Failure: Attach returns a status; a failed collective during backward makes
+// backward() throw (std::runtime_error with the status text) and is kept in
+// status(); SyncNow returns it.
+// Thread-safety: one training thread drives a GradSync; the hooks it installs
+// synchronise with it internally.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "evenstep/comm_hook.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace evenstep {
+
+namespace internal {
+struct GradSyncState;
+}
+
+struct GradSyncOptions {
+  int64_t bucket_cap_bytes = 25 << 20;
+  int64_t first_bucket_cap_bytes = 1 << 20;
+  // Rank whose parameters and buffers every replica starts from.
+  int broadcast_root = 0;
+  bool broadcast_buffers = true;
+  // Longest a bucket's reduction may take.
+  absl::Duration timeout = absl::Minutes(10);
+  CommHook comm_hook = SumHook();
+};
+
+// What the last synchronisation did (for the timeline and the tests).
+struct SyncStats {
+  int buckets = 0;
+  // Buckets whose collective started from a gradient hook, i.e. before
+  // backward had produced every gradient.
+  int buckets_launched_during_backward = 0;
+  int64_t bytes = 0;
+  absl::Time arrived;   // end of backward: arrival at the sync
+  absl::Time done;      // every bucket reduced and written back
+  absl::Duration wait;  // time blocked waiting for the collectives
+};
+
+using NamedTensor = std::pair<std::string, at::Tensor>;
+
+class GradSync {
+ public:
+  // Every parameter of `module` (recursively, those that require grad) and,
+  // with broadcast_buffers, its buffers. Collective over `group`: all ranks
+  // call it. FailedPrecondition naming the first differing parameter and the
+  // ranks when the replicas do not match.
+  static absl::StatusOr<std::unique_ptr<GradSync>> Attach(torch::nn::Module& module,
+                                                          c10d::ProcessGroup& group,
+                                                          GradSyncOptions options = {});
+  static absl::StatusOr<std::unique_ptr<GradSync>> Attach(std::vector<NamedTensor> parameters,
+                                                          std::vector<NamedTensor> buffers,
+                                                          c10d::ProcessGroup& group,
+                                                          GradSyncOptions options = {});
+  ~GradSync();
+  GradSync(const GradSync&) = delete;
+  GradSync& operator=(const GradSync&) = delete;
+
+  // When false, backward only accumulates gradients locally (no collective).
+  void set_sync_enabled(bool enabled);
+  bool sync_enabled() const;
+
+  // Reduces the current local gradients now (zeros where a parameter has
+  // none): for a rank with no micro-batch in a step, or after a backward run
+  // with sync disabled. Issues the same collectives as a synced backward.
+  absl::Status SyncNow();
+
+  void set_comm_hook(CommHook hook);
+
+  // The error of the last synchronisation, OK if none.
+  absl::Status status() const;
+  SyncStats last_stats() const;
+  // Total collectives started since Attach (one per bucket per sync).
+  int64_t collectives_started() const;
+  int num_buckets() const;
+  // Parameter names per bucket, in launch order.
+  std::vector<std::vector<std::string>> bucket_layout() const;
+
+ private:
+  explicit GradSync(std::shared_ptr<internal::GradSyncState> state);
+  std::shared_ptr<internal::GradSyncState> state_;
+};
+
+}  // namespace evenstep
