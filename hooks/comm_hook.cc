@@ -15,6 +15,12 @@ ReducedBucket ReducedBucket::Ready(at::Tensor value) {
   return ReducedBucket(c10::intrusive_ptr<c10d::Work>(), [value] { return value; });
 }
 
+ReducedBucket ReducedBucket::Then(ReducedBucket inner, std::function<at::Tensor(at::Tensor)> fn) {
+  return ReducedBucket(inner.work_, [finish = std::move(inner.finish_), fn = std::move(fn)] {
+    return fn(finish());
+  });
+}
+
 at::Tensor ReducedBucket::Wait(std::chrono::milliseconds timeout) {
   if (work_) work_->wait(timeout);
   return finish_();

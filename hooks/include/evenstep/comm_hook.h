@@ -39,6 +39,8 @@ class ReducedBucket {
   ReducedBucket(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish);
   // An already reduced bucket (e.g. a world of one).
   static ReducedBucket Ready(at::Tensor value);
+  // `inner` followed by `fn` on its result: for hooks built on other hooks.
+  static ReducedBucket Then(ReducedBucket inner, std::function<at::Tensor(at::Tensor)> fn);
 
   bool valid() const { return finish_ != nullptr; }
   // Blocks until the reduction is done and returns it. Throws what c10d
