@@ -6,7 +6,8 @@
 //                     complete, launch every ready bucket in index order.
 //   first hook     -> queue Finalize on the autograd engine.
 //   Finalize       -> treat params without a hook call as zeros, launch the
-//                     rest in order, wait for all, write param.grad() = views.
+//                     rest in order, wait for all, write param.grad() as aliases of the bucket
+//                     slices.
 #include "evenstep/grad_sync.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -209,10 +210,18 @@ absl::Status GradSyncState::Finish() {
   stats.wait = absl::Now() - wait_start;
   if (!status.ok()) return status;
   for (ParamSlot& p : params) {
-    at::Tensor view =
-        buckets[p.bucket].buffer.narrow(0, p.offset, p.param.numel()).view(p.param.sizes());
+    const at::Tensor& buffer = buckets[p.bucket].buffer;
     const at::Tensor& grad = p.param.grad();
-    if (!grad.defined() || grad.data_ptr() != view.data_ptr()) p.param.mutable_grad() = view;
+    if (grad.defined() && grad.data_ptr() == static_cast<char*>(buffer.data_ptr()) +
+                                                 p.offset * buffer.element_size()) {
+      continue;  // already aliases its bucket slice
+    }
+    // A tensor that shares the bucket's storage without being an autograd
+    // view: optimizers' zero_grad() calls detach_(), which views refuse.
+    at::Tensor alias = at::empty({0}, buffer.options());
+    alias.set_(buffer.storage(), buffer.storage_offset() + p.offset, p.param.sizes(),
+               p.param.strides());
+    p.param.mutable_grad() = alias;
   }
   stats.done = absl::Now();
   return absl::OkStatus();

@@ -217,8 +217,11 @@ int Unused(evenstep::DistContext& dist) {
     return 1;
   }
   const auto idx = torch::arange(kBatch);
-  for (int step = 0; step < 2; ++step) {  // twice: the second step reuses grad views
-    ZeroGrads(*net);
+  // zero_grad() of a libtorch optimizer detach_()es every gradient: it must
+  // work on the gradients GradSync wrote back.
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.0));
+  for (int step = 0; step < 2; ++step) {  // twice: the second step reuses the aliases
+    optimizer.zero_grad();
     ScaledLoss(*net, batch, idx, /*use_extra=*/rank == 0).backward();
     auto ref_main = MakeNet(5, kHidden, true);
     ScaledLoss(*ref_main, batch, idx, false).backward();

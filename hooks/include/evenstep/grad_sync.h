@@ -16,7 +16,8 @@
 // a bucket is complete and every earlier bucket was launched, the comm hook
 // starts its collective, while backward still runs. A callback queued on the
 // autograd engine waits for all buckets at the end of backward and writes the
-// results into param.grad() (as views into the bucket buffers). Buckets always
+// results into param.grad(), which afterwards share the bucket buffers' storage
+// (no copy on the next step; not autograd views, so Optimizer::zero_grad works). Buckets always
 // launch in index order, and parameters without a gradient count as zeros, so
 // every rank issues the same collectives in the same order.
 //
