@@ -2,5 +2,6 @@
 // (CMake: target_precompile_headers ... REUSE_FROM evenstep_pch).
 #pragma once
 #include <torch/torch.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
