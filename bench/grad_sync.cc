@@ -69,8 +69,7 @@ int main(int argc, char** argv) {
   const int batch = absl::GetFlag(FLAGS_batch);
   torch::set_num_threads(1);
 
-  auto options = evenstep::DistOptions::FromFlags();
-  auto ctx = evenstep::DistContext::Create(*options);
+  auto ctx = evenstep::DistContext::CreateFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

@@ -62,6 +62,12 @@ absl::StatusOr<DistOptions> DistOptions::FromFlags() {
   return options;
 }
 
+absl::StatusOr<std::unique_ptr<DistContext>> DistContext::CreateFromFlags() {
+  absl::StatusOr<DistOptions> options = DistOptions::FromFlags();
+  if (!options.ok()) return options.status();
+  return Create(*options);
+}
+
 absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags() {
   GradSyncOptions options;
   const std::string hook = absl::GetFlag(FLAGS_evenstep_comm_hook);

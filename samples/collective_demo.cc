@@ -10,12 +10,7 @@
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto options = evenstep::DistOptions::FromFlags();
-  if (!options.ok()) {
-    std::cerr << options.status() << "\n";
-    return 2;
-  }
-  auto ctx = evenstep::DistContext::Create(*options);
+  auto ctx = evenstep::DistContext::CreateFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

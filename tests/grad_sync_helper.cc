@@ -313,12 +313,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string scenario = args[1];
-  auto options = evenstep::DistOptions::FromFlags();
-  if (!options.ok()) {
-    std::cout << "init failed: " << options.status() << std::endl;
-    return 3;
-  }
-  auto ctx = evenstep::DistContext::Create(*options);
+  auto ctx = evenstep::DistContext::CreateFromFlags();
   if (!ctx.ok()) {
     std::cout << "init failed: " << ctx.status() << std::endl;
     return 3;

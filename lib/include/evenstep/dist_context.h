@@ -4,7 +4,7 @@
 // evenstep component takes a DistContext&.
 //
 //   absl::StatusOr<std::unique_ptr<evenstep::DistContext>> ctx =
-//       evenstep::DistContext::Create(evenstep::DistOptions::FromFlags());
+//       evenstep::DistContext::CreateFromFlags();
 //   if (!ctx.ok()) { std::cerr << ctx.status() << "\n"; return 1; }
 //   at::Tensor t = at::ones({4});
 //   absl::Status s = (*ctx)->AllReduce(t);   // t == world_size everywhere
@@ -62,6 +62,9 @@ class DistContext {
  public:
   // Rendezvous with the environment of this process (DetectLaunchEnv()).
   static absl::StatusOr<std::unique_ptr<DistContext>> Create(const DistOptions& options);
+  // DistOptions::FromFlags() then Create(options): what a trainer's main calls
+  // after absl::ParseCommandLine. A bad flag is InvalidArgument naming it.
+  static absl::StatusOr<std::unique_ptr<DistContext>> CreateFromFlags();
   // Rendezvous with an explicit environment (tests, embedding launchers).
   static absl::StatusOr<std::unique_ptr<DistContext>> Create(const LaunchEnv& env,
                                                              const DistOptions& options);
