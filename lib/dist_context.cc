@@ -304,14 +304,18 @@ c10d::ProcessGroup& GroupFor(const at::Tensor& t, c10d::ProcessGroup& control,
                              c10d::ProcessGroup& data) {
   return t.is_cuda() ? data : control;
 }
+
+// c10d's collectives work on dense, contiguous buffers only.
+absl::Status RequireContiguous(const at::Tensor& t, int rank, const std::string& what) {
+  if (t.is_contiguous()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("rank ", rank, ": ", what, " needs a contiguous tensor"));
+}
 }  // namespace
 
 absl::Status DistContext::AllReduce(at::Tensor& tensor, ReduceOp op) {
   const std::string what = absl::StrCat("all_reduce of ", DescribeTensor(tensor));
-  if (!tensor.is_contiguous()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", env_.rank, ": ", what, " needs a contiguous tensor"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(RequireContiguous(tensor, env_.rank, what));
   c10d::ProcessGroup& group = GroupFor(tensor, *groups_->control, *groups_->data);
   return Run(what, [&] {
     std::vector<at::Tensor> tensors{tensor};
@@ -323,10 +327,7 @@ absl::Status DistContext::AllReduce(at::Tensor& tensor, ReduceOp op) {
 
 absl::Status DistContext::AllGather(const at::Tensor& in, std::vector<at::Tensor>* out) {
   const std::string what = absl::StrCat("all_gather of ", DescribeTensor(in));
-  if (!in.is_contiguous()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", env_.rank, ": ", what, " needs a contiguous tensor"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(RequireContiguous(in, env_.rank, what));
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < env_.world_size; ++r) outputs[0].push_back(at::empty_like(in));
   c10d::ProcessGroup& group = GroupFor(in, *groups_->control, *groups_->data);
@@ -345,10 +346,7 @@ absl::Status DistContext::Broadcast(at::Tensor& tensor, int root) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", env_.rank, ": ", what,
                                                    ": root is not in [0, ", env_.world_size, ")"));
   }
-  if (!tensor.is_contiguous()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", env_.rank, ": ", what, " needs a contiguous tensor"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(RequireContiguous(tensor, env_.rank, what));
   c10d::ProcessGroup& group = GroupFor(tensor, *groups_->control, *groups_->data);
   return Run(what, [&] {
     std::vector<at::Tensor> tensors{tensor};

@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 namespace {
@@ -72,33 +73,21 @@ absl::Status Validate(const LaunchEnv& env, absl::string_view rank_var, absl::st
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> ReadMasterPort(const EnvLookup& lookup, absl::string_view convention,
-                                   int fallback) {
-  return ReadInt(lookup, "MASTER_PORT", /*required=*/false, fallback, convention);
-}
-
 absl::StatusOr<LaunchEnv> FromTorchrun(const EnvLookup& lookup) {
   LaunchEnv env;
   env.launcher = Launcher::kTorchrun;
   constexpr absl::string_view kConv = "torchrun";
-  absl::StatusOr<int> v = ReadInt(lookup, "RANK", true, 0, kConv);
-  if (!v.ok()) return v.status();
-  env.rank = *v;
-  if (!(v = ReadInt(lookup, "WORLD_SIZE", true, 0, kConv)).ok()) return v.status();
-  env.world_size = *v;
-  if (!(v = ReadInt(lookup, "LOCAL_RANK", false, env.rank, kConv)).ok()) return v.status();
-  env.local_rank = *v;
-  if (!(v = ReadInt(lookup, "LOCAL_WORLD_SIZE", false, env.world_size, kConv)).ok()) {
-    return v.status();
-  }
-  env.local_world_size = *v;
+  EVENSTEP_ASSIGN_OR_RETURN(env.rank, ReadInt(lookup, "RANK", true, 0, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(env.world_size, ReadInt(lookup, "WORLD_SIZE", true, 0, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(env.local_rank, ReadInt(lookup, "LOCAL_RANK", false, env.rank, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(env.local_world_size,
+                            ReadInt(lookup, "LOCAL_WORLD_SIZE", false, env.world_size, kConv));
   env.master_addr = ReadString(lookup, "MASTER_ADDR");
-  if (!(v = ReadMasterPort(lookup, kConv, kDefaultMasterPort)).ok()) return v.status();
-  env.master_port = *v;
+  EVENSTEP_ASSIGN_OR_RETURN(env.master_port,
+                            ReadInt(lookup, "MASTER_PORT", false, kDefaultMasterPort, kConv));
   std::string agent = ReadString(lookup, "TORCHELASTIC_USE_AGENT_STORE");
   env.agent_store = agent == "True" || agent == "true" || agent == "1";
-  absl::Status s = Validate(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
-  if (!s.ok()) return s;
+  EVENSTEP_RETURN_IF_ERROR(Validate(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"));
   return env;
 }
 
@@ -106,15 +95,11 @@ absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& lookup) {
   LaunchEnv env;
   env.launcher = Launcher::kSlurm;
   constexpr absl::string_view kConv = "Slurm";
-  absl::StatusOr<int> v = ReadInt(lookup, "SLURM_PROCID", true, 0, kConv);
-  if (!v.ok()) return v.status();
-  env.rank = *v;
+  EVENSTEP_ASSIGN_OR_RETURN(env.rank, ReadInt(lookup, "SLURM_PROCID", true, 0, kConv));
   // srun sets SLURM_STEP_NUM_TASKS for the step; SLURM_NTASKS is the job's.
   const char* world_var = lookup("SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
-  if (!(v = ReadInt(lookup, world_var, true, 0, kConv)).ok()) return v.status();
-  env.world_size = *v;
-  if (!(v = ReadInt(lookup, "SLURM_LOCALID", false, 0, kConv)).ok()) return v.status();
-  env.local_rank = *v;
+  EVENSTEP_ASSIGN_OR_RETURN(env.world_size, ReadInt(lookup, world_var, true, 0, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(env.local_rank, ReadInt(lookup, "SLURM_LOCALID", false, 0, kConv));
 
   const char* local_world_var = "SLURM_STEP_TASKS_PER_NODE";
   std::string tasks_per_node = ReadString(lookup, local_world_var);
@@ -123,8 +108,8 @@ absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& lookup) {
     tasks_per_node = ReadString(lookup, local_world_var);
   }
   if (!tasks_per_node.empty()) {
-    if (!(v = ReadInt(lookup, "SLURM_NODEID", false, 0, kConv)).ok()) return v.status();
-    absl::StatusOr<int> local = SlurmTasksOnNode(tasks_per_node, *v);
+    EVENSTEP_ASSIGN_OR_RETURN(const int node, ReadInt(lookup, "SLURM_NODEID", false, 0, kConv));
+    absl::StatusOr<int> local = SlurmTasksOnNode(tasks_per_node, node);
     if (!local.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat(local_world_var, ": ", local.status().message()));
@@ -132,10 +117,8 @@ absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& lookup) {
     env.local_world_size = *local;
   } else {
     local_world_var = "SLURM_NTASKS_PER_NODE";
-    if (!(v = ReadInt(lookup, local_world_var, false, env.world_size, kConv)).ok()) {
-      return v.status();
-    }
-    env.local_world_size = *v;
+    EVENSTEP_ASSIGN_OR_RETURN(env.local_world_size,
+                              ReadInt(lookup, local_world_var, false, env.world_size, kConv));
   }
 
   env.master_addr = ReadString(lookup, "MASTER_ADDR");
@@ -153,13 +136,12 @@ absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& lookup) {
   }
   // Every rank of a job derives the same port from the job id, so two jobs
   // sharing a node do not collide; MASTER_PORT overrides it.
-  int fallback_port = kDefaultMasterPort;
-  if (!(v = ReadInt(lookup, "SLURM_JOB_ID", false, -1, kConv)).ok()) return v.status();
-  if (*v >= 0) fallback_port = 15000 + (*v % 20000);
-  if (!(v = ReadMasterPort(lookup, kConv, fallback_port)).ok()) return v.status();
-  env.master_port = *v;
-  absl::Status s = Validate(env, "SLURM_PROCID", world_var, "SLURM_LOCALID", local_world_var);
-  if (!s.ok()) return s;
+  EVENSTEP_ASSIGN_OR_RETURN(const int job_id, ReadInt(lookup, "SLURM_JOB_ID", false, -1, kConv));
+  const int fallback_port = job_id >= 0 ? 15000 + job_id % 20000 : kDefaultMasterPort;
+  EVENSTEP_ASSIGN_OR_RETURN(env.master_port,
+                            ReadInt(lookup, "MASTER_PORT", false, fallback_port, kConv));
+  EVENSTEP_RETURN_IF_ERROR(
+      Validate(env, "SLURM_PROCID", world_var, "SLURM_LOCALID", local_world_var));
   return env;
 }
 
@@ -167,31 +149,23 @@ absl::StatusOr<LaunchEnv> FromOpenMpi(const EnvLookup& lookup) {
   LaunchEnv env;
   env.launcher = Launcher::kOpenMpi;
   constexpr absl::string_view kConv = "Open MPI";
-  absl::StatusOr<int> v = ReadInt(lookup, "OMPI_COMM_WORLD_RANK", true, 0, kConv);
-  if (!v.ok()) return v.status();
-  env.rank = *v;
-  if (!(v = ReadInt(lookup, "OMPI_COMM_WORLD_SIZE", true, 0, kConv)).ok()) return v.status();
-  env.world_size = *v;
-  if (!(v = ReadInt(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", false, 0, kConv)).ok()) {
-    return v.status();
-  }
-  env.local_rank = *v;
-  if (!(v = ReadInt(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE", false, env.world_size, kConv)).ok()) {
-    return v.status();
-  }
-  env.local_world_size = *v;
+  EVENSTEP_ASSIGN_OR_RETURN(env.rank, ReadInt(lookup, "OMPI_COMM_WORLD_RANK", true, 0, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(env.world_size,
+                            ReadInt(lookup, "OMPI_COMM_WORLD_SIZE", true, 0, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(env.local_rank,
+                            ReadInt(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", false, 0, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(env.local_world_size, ReadInt(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                                          false, env.world_size, kConv));
   env.master_addr = ReadString(lookup, "MASTER_ADDR");
-  if (!(v = ReadMasterPort(lookup, kConv, kDefaultMasterPort)).ok()) return v.status();
-  env.master_port = *v;
+  EVENSTEP_ASSIGN_OR_RETURN(env.master_port,
+                            ReadInt(lookup, "MASTER_PORT", false, kDefaultMasterPort, kConv));
   absl::Status s = Validate(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                             "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE");
-  if (!s.ok()) {
-    if (env.master_addr.empty() && env.world_size > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          s.message(), "; with mpirun pass -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<port>"));
-    }
-    return s;
+  if (!s.ok() && env.master_addr.empty() && env.world_size > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        s.message(), "; with mpirun pass -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<port>"));
   }
+  EVENSTEP_RETURN_IF_ERROR(s);
   return env;
 }
 
