@@ -27,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "evenstep/internal/error_text.h"
 
 namespace evenstep {
 namespace internal {
@@ -136,7 +137,7 @@ void GradSyncState::LaunchReady() {
         b.result = options.comm_hook(ctx, b.buffer);
       } catch (const std::exception& e) {
         status = absl::InternalError(absl::StrCat("rank ", rank, ": comm hook failed on ",
-                                                  DescribeBucket(next_launch), ": ", e.what()));
+                                                  DescribeBucket(next_launch), ": ", ErrorText(e)));
       }
     }
     b.launched = true;
@@ -196,8 +197,7 @@ absl::Status GradSyncState::Finish() {
       at::Tensor reduced = bucket.result.Wait(ToMillis(options.timeout));
       if (!reduced.is_same(bucket.buffer)) bucket.buffer.copy_(reduced);
     } catch (const std::exception& e) {
-      std::string error = e.what();
-      error = error.substr(0, error.find('\n'));
+      const std::string error = ErrorText(e);
       const absl::Duration waited = absl::Now() - wait_start;
       std::string message = absl::StrCat(
           "rank ", rank, ": all_reduce of ", DescribeBucket(b), " failed after ",
@@ -237,9 +237,8 @@ absl::Status WaitWork(c10d::Work& work, absl::Duration timeout, int rank, absl::
   try {
     work.wait(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
   } catch (const std::exception& e) {
-    std::string error = e.what();
     return absl::UnavailableError(
-        absl::StrCat("rank ", rank, ": ", what, " failed: ", error.substr(0, error.find('\n'))));
+        absl::StrCat("rank ", rank, ": ", what, " failed: ", internal::ErrorText(e)));
   }
   return absl::OkStatus();
 }
@@ -260,7 +259,8 @@ absl::StatusOr<std::vector<std::vector<int64_t>>> AllGatherInts(c10d::ProcessGro
     auto work = group.allgather(out, inputs);
     s = WaitWork(*work, timeout, group.getRank(), what);
   } catch (const std::exception& e) {
-    s = absl::UnavailableError(absl::StrCat("rank ", group.getRank(), ": ", what, ": ", e.what()));
+    s = absl::UnavailableError(
+        absl::StrCat("rank ", group.getRank(), ": ", what, ": ", internal::ErrorText(e)));
   }
   if (!s.ok()) return s;
   std::vector<std::vector<int64_t>> result;
@@ -362,8 +362,8 @@ absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<Named
       absl::Status s = WaitWork(*work, timeout, group.getRank(), "initial parameter broadcast");
       if (!s.ok()) return s;
     } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("rank ", group.getRank(), ": initial parameter broadcast: ", e.what()));
+      return absl::UnavailableError(absl::StrCat(
+          "rank ", group.getRank(), ": initial parameter broadcast: ", internal::ErrorText(e)));
     }
     int64_t offset = 0;
     for (at::Tensor& t : members) {

@@ -1,5 +1,6 @@
 // Turns exceptions from libtorch / c10d into one readable line for a status
-// message (c10::Error without its backtrace). Stateless.
+// message (c10::Error without its backtrace). Stateless. Lives in hooks/, the
+// lowest layer that needs it; lib/ uses it too.
 #pragma once
 
 #include <exception>
