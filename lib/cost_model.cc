@@ -1,0 +1,113 @@
+// CostModel: robust per-rank fit of micro-step time against cost units.
+#include "evenstep/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace evenstep {
+namespace {
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  const size_t mid = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + mid, v.end());
+  return v[mid];
+}
+
+}  // namespace
+
+CostFit RobustLinearFit(const double* x, const double* y, int n) {
+  CostFit fit;
+  if (n <= 0) return fit;
+  fit.observations = n;
+  std::vector<double> w(n, 1.0), residual(n);
+  double a = 0, b = 0;
+  constexpr double kHuber = 1.345;  // 95 % efficiency under Gaussian noise
+  for (int iteration = 0; iteration < 6; ++iteration) {
+    double sw = 0, sx = 0, sy = 0;
+    for (int i = 0; i < n; ++i) {
+      sw += w[i];
+      sx += w[i] * x[i];
+      sy += w[i] * y[i];
+    }
+    const double xm = sx / sw, ym = sy / sw;
+    double sxx = 0, sxy = 0, sxx0 = 0, sxy0 = 0;
+    for (int i = 0; i < n; ++i) {
+      sxx += w[i] * (x[i] - xm) * (x[i] - xm);
+      sxy += w[i] * (x[i] - xm) * (y[i] - ym);
+      sxx0 += w[i] * x[i] * x[i];
+      sxy0 += w[i] * x[i] * y[i];
+    }
+    // Units (nearly) constant: fixed and per-unit parts cannot be told apart;
+    // a proportional fit predicts other sizes best.
+    const bool degenerate = sxx <= 1e-9 * sxx0;
+    if (!degenerate) {
+      b = sxy / sxx;
+      a = ym - b * xm;
+    }
+    if (degenerate || a < 0) {
+      a = 0;
+      b = sxx0 > 0 ? sxy0 / sxx0 : 0;
+    }
+    if (b < 0) {
+      b = 0;
+      a = ym;
+    }
+    for (int i = 0; i < n; ++i) residual[i] = std::abs(y[i] - (a + b * x[i]));
+    const double scale = 1.4826 * Median(residual);
+    if (!(scale > 0)) break;
+    for (int i = 0; i < n; ++i) {
+      w[i] = residual[i] <= kHuber * scale ? 1.0 : kHuber * scale / residual[i];
+    }
+  }
+  fit.fixed_s = a;
+  fit.per_unit_s = b;
+  return fit;
+}
+
+void CostModel::Record(double units, double data_s, double compute_s) {
+  if (steps_ <= options_.warmup_steps) return;
+  const Observation obs{units, data_s, compute_s, data_s + compute_s};
+  if (static_cast<int>(window_.size()) >= options_.change_run) {
+    const CostFit fit = total_fit();
+    const double predicted = fit.Predict(1, units);
+    const double relative = predicted > 0 ? (obs.total_s - predicted) / predicted : 0;
+    const int sign = relative > options_.change_threshold    ? 1
+                     : relative < -options_.change_threshold ? -1
+                                                             : 0;
+    if (sign != 0 && sign == run_sign_) {
+      ++run_length_;
+    } else {
+      run_sign_ = sign;
+      run_length_ = sign != 0 ? 1 : 0;
+    }
+  }
+  window_.push_back(obs);
+  if (run_length_ >= options_.change_run) {
+    // A sustained shift, not an outlier: restart from the new regime.
+    while (static_cast<int>(window_.size()) > options_.change_run) window_.pop_front();
+    ++changes_;
+    run_sign_ = run_length_ = 0;
+  }
+  while (static_cast<int>(window_.size()) > options_.window) window_.pop_front();
+}
+
+CostFit CostModel::Fit(double Observation::*field) const {
+  std::vector<double> x, y;
+  x.reserve(window_.size());
+  y.reserve(window_.size());
+  for (const Observation& o : window_) {
+    x.push_back(o.units);
+    y.push_back(o.*field);
+  }
+  return RobustLinearFit(x.data(), y.data(), static_cast<int>(x.size()));
+}
+
+void CostModel::Reset() {
+  window_.clear();
+  steps_ = 0;
+  run_sign_ = run_length_ = 0;
+}
+
+}  // namespace evenstep

@@ -1,0 +1,148 @@
+// Sampler: the deterministic, work-aware order of a dataset's samples for
+// balanced data-parallel training.
+//
+// For (seed, epoch) the sampler shuffles the sample indices, sorts them by
+// length inside windows of `sort_window` samples (so micro-batches hold
+// similar lengths and little padding), cuts global batches under a fixed
+// budget (samples or tokens per optimizer step) and shuffles the order of the
+// global batches within each window. The sequence of global batches depends
+// only on the seed and the epoch — never on the world size or the plan.
+// Partition() then splits one global batch across ranks to match a plan's
+// shares, and Pack() cuts one rank's part into micro-batches under the
+// per-micro-batch cap (the memory limit); their number is that rank's
+// accumulation count for the step.
+//
+//   auto sampler = evenstep::Sampler::Create(lengths, options);
+//   evenstep::GlobalBatch batch = sampler->Next();
+//   auto parts = sampler->Partition(batch, shares, evenstep::PartitionBy::kCost);
+//   std::vector<evenstep::MicroBatch> mine = sampler->Pack(parts[rank]);
+//
+// Thread-safety: const methods may be called concurrently; Next() and
+// Restore() need exclusive access.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace evenstep {
+
+enum class BatchUnit { kSamples, kTokens };
+// What each sample's loss is normalised by: the global batch's total number of
+// samples or of tokens (per-sample counts can also be given explicitly).
+enum class Normalization { kSamples, kTokens };
+
+// Cost units of a sample from its length (tokens); the default is the length
+// itself. E.g. [](int64_t l) { return l + 0.002 * l * l; } for attention.
+using CostFunction = std::function<double(int64_t length)>;
+
+struct SamplerOptions {
+  uint64_t seed = 0;
+  BatchUnit budget_unit = BatchUnit::kSamples;
+  // Samples (or tokens) per optimizer step, over all ranks. A sample longer
+  // than a token budget forms a global batch of its own.
+  int64_t global_batch = 64;
+  // Per-micro-batch cap: at most this many samples, and at most this many
+  // padded tokens (samples x longest length). 0 = no cap. A single sample
+  // over the token cap forms a micro-batch of its own.
+  int64_t micro_batch_samples = 0;
+  int64_t micro_batch_tokens = 0;
+  // Fewest micro-batches a rank with at least this many samples gets.
+  int min_micro_batches = 1;
+  // Samples per length-sorting window; 0 = 50 global batches' worth; 1 = no
+  // sorting (plain shuffle).
+  int64_t sort_window = 0;
+  bool shuffle = true;
+  // Drop the last, smaller global batch of an epoch instead of keeping it.
+  bool drop_last = false;
+  Normalization normalization = Normalization::kSamples;
+};
+
+struct MicroBatch {
+  std::vector<int64_t> samples;  // dataset indices, longest first
+  int64_t tokens = 0;            // sum of lengths
+  int64_t max_length = 0;
+  double cost = 0;   // cost units
+  double count = 0;  // normalisation count (samples or tokens)
+};
+
+struct GlobalBatch {
+  int64_t epoch = 0;
+  int64_t step = 0;  // index of this global batch within the epoch
+  std::vector<int64_t> samples;
+  double cost = 0;   // total cost units
+  double count = 0;  // total normalisation count: each sample's loss is scaled by 1/count
+  int64_t tokens = 0;
+};
+
+// Where the sampler stands: the next global batch is `step` of `epoch`.
+struct SamplerState {
+  int64_t epoch = 0;
+  int64_t step = 0;
+  uint64_t seed = 0;
+  int64_t num_samples = 0;  // checked on restore
+};
+
+enum class PartitionBy {
+  kCount,  // equal sample counts, strided like DistributedSampler (the usual practice)
+  kCost,   // cost units in proportion to the shares, longest first
+};
+
+class Sampler {
+ public:
+  // `lengths[i]` is sample i's length in tokens (>= 1). `counts`, when not
+  // empty, overrides each sample's normalisation count (e.g. length - 1
+  // targets for a language model). InvalidArgument naming the option or the
+  // sample for bad input.
+  static absl::StatusOr<Sampler> Create(std::vector<int64_t> lengths, SamplerOptions options,
+                                        CostFunction cost = nullptr,
+                                        std::vector<double> counts = {});
+
+  // The next global batch; moves to the next epoch after the last one.
+  GlobalBatch Next();
+  // Global batches of the epoch the next batch belongs to.
+  int64_t steps_per_epoch() const { return static_cast<int64_t>(epoch_batches_.size()); }
+  SamplerState state() const;
+  // Continues exactly where `state` was taken. FailedPrecondition when the
+  // state belongs to another dataset or seed.
+  absl::Status Restore(const SamplerState& state);
+
+  // Splits `batch` across shares.size() ranks. kCount: equal counts (shares
+  // ignored). kCost: rank r's cost units approach shares[r] * batch.cost
+  // (shares >= 0, not all zero; a zero share gets nothing).
+  std::vector<std::vector<int64_t>> Partition(const GlobalBatch& batch,
+                                              const std::vector<double>& shares,
+                                              PartitionBy by) const;
+  // Cuts one rank's samples into micro-batches under the caps, longest first.
+  std::vector<MicroBatch> Pack(std::vector<int64_t> samples) const;
+
+  int64_t num_samples() const { return static_cast<int64_t>(lengths_.size()); }
+  int64_t length(int64_t i) const { return lengths_[i]; }
+  double cost(int64_t i) const { return costs_[i]; }
+  double count(int64_t i) const { return counts_[i]; }
+  const SamplerOptions& options() const { return options_; }
+  // Mean cost units of a micro-batch at the cap (for the planner), or the
+  // whole mean global batch when uncapped.
+  double micro_batch_cost_cap() const { return micro_cost_cap_; }
+
+ private:
+  Sampler(std::vector<int64_t> lengths, std::vector<double> costs, std::vector<double> counts,
+          SamplerOptions options);
+  // Builds epoch_batches_ for `epoch`.
+  void BuildEpoch(int64_t epoch);
+
+  std::vector<int64_t> lengths_;
+  std::vector<double> costs_;
+  std::vector<double> counts_;
+  SamplerOptions options_;
+  double micro_cost_cap_ = 0;
+  int64_t epoch_ = -1;
+  int64_t step_ = 0;
+  std::vector<std::vector<int64_t>> epoch_batches_;
+};
+
+}  // namespace evenstep

@@ -1,0 +1,132 @@
+// Planner: deterministic shares of the global batch from all ranks' cost fits.
+#include "evenstep/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace evenstep {
+
+absl::StatusOr<BalanceMode> BalanceModeByName(const std::string& name) {
+  if (name == "static") return BalanceMode::kStatic;
+  if (name == "work") return BalanceMode::kWork;
+  if (name == "dynamic") return BalanceMode::kDynamic;
+  return absl::InvalidArgumentError(
+      absl::StrCat("balance mode \"", name, "\": expected static, work or dynamic"));
+}
+
+const char* BalanceModeName(BalanceMode mode) {
+  switch (mode) {
+    case BalanceMode::kStatic:
+      return "static";
+    case BalanceMode::kWork:
+      return "work";
+    case BalanceMode::kDynamic:
+      return "dynamic";
+  }
+  return "?";
+}
+
+std::vector<double> BalancedShares(const std::vector<CostFit>& fits, double units,
+                                   double micro_cap_units, int max_micro_batches) {
+  const size_t n = fits.size();
+  std::vector<double> shares(n, n > 0 ? 1.0 / n : 0);
+  if (n <= 1 || !(units > 0)) return shares;
+  const bool capped = std::isfinite(micro_cap_units) && micro_cap_units > 0;
+  // Rank r finishes u units at f[r] + c[r] * u: with a cap, the fixed cost
+  // of a micro-step is spread over the cap's units; without one, every rank
+  // takes one micro-step and pays its fixed cost once.
+  std::vector<double> f(n), c(n), upper(n);
+  for (size_t r = 0; r < n; ++r) {
+    f[r] = capped ? 0 : fits[r].fixed_s;
+    c[r] = fits[r].per_unit_s + (capped ? fits[r].fixed_s / micro_cap_units : 0);
+    c[r] = std::max(c[r], 1e-12);
+    upper[r] = capped && max_micro_batches > 0 ? max_micro_batches * micro_cap_units
+                                               : std::numeric_limits<double>::infinity();
+  }
+  auto assigned = [&](double t, size_t r) { return std::clamp((t - f[r]) / c[r], 0.0, upper[r]); };
+  const double capacity = std::accumulate(upper.begin(), upper.end(), 0.0);
+  if (capacity <= units) {
+    for (size_t r = 0; r < n; ++r) shares[r] = upper[r] / capacity;
+    return shares;
+  }
+  // Water-filling: the finish time T at which the ranks together take all
+  // units is found by bisection (the total is monotonic in T).
+  double lo = *std::min_element(f.begin(), f.end());
+  double hi = 0;
+  for (size_t r = 0; r < n; ++r) hi = std::max(hi, f[r] + c[r] * units);
+  for (int iteration = 0; iteration < 100 && hi - lo > 1e-12 * hi; ++iteration) {
+    const double mid = 0.5 * (lo + hi);
+    double total = 0;
+    for (size_t r = 0; r < n; ++r) total += assigned(mid, r);
+    (total < units ? lo : hi) = mid;
+  }
+  double total = 0;
+  for (size_t r = 0; r < n; ++r) total += (shares[r] = assigned(hi, r));
+  for (double& s : shares) s /= total;
+  return shares;
+}
+
+Planner::Planner(int world_size, PlannerOptions options) : options_(options) {
+  plan_.mode = options.mode;
+  plan_.shares.assign(std::max(world_size, 1), 1.0 / std::max(world_size, 1));
+  plan_.predicted_s.assign(plan_.shares.size(), 0);
+}
+
+absl::Status Planner::SetShares(std::vector<double> shares) {
+  if (shares.size() != plan_.shares.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Planner: ", shares.size(), " shares for ", plan_.shares.size(), " ranks"));
+  }
+  double total = 0;
+  for (size_t r = 0; r < shares.size(); ++r) {
+    if (!(shares[r] >= 0) || !std::isfinite(shares[r])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Planner: share of rank ", r, " is ", shares[r], "; must be >= 0"));
+    }
+    total += shares[r];
+  }
+  if (!(total > 0)) return absl::InvalidArgumentError("Planner: every share is zero");
+  for (double& s : shares) s /= total;
+  plan_.shares = std::move(shares);
+  return absl::OkStatus();
+}
+
+const Plan& Planner::Update(const std::vector<CostFit>& fits, double units,
+                            double micro_cap_units) {
+  const size_t n = plan_.shares.size();
+  if (options_.mode != BalanceMode::kDynamic) {
+    plan_.shares.assign(n, 1.0 / n);
+    return plan_;
+  }
+  const bool all_valid =
+      fits.size() == n && std::all_of(fits.begin(), fits.end(), [](const CostFit& f) {
+        return f.valid() && (f.per_unit_s > 0 || f.fixed_s > 0);
+      });
+  if (!all_valid) return plan_;
+  const std::vector<double> target =
+      BalancedShares(fits, units, micro_cap_units, options_.max_micro_batches);
+  double largest_change = 0;
+  for (size_t r = 0; r < n; ++r) {
+    const double reference = std::max(plan_.shares[r], 1e-3 / n);
+    largest_change = std::max(largest_change, std::abs(target[r] - plan_.shares[r]) / reference);
+  }
+  if (largest_change > options_.jump) {
+    plan_.shares = target;
+  } else if (largest_change > options_.deadband) {
+    for (size_t r = 0; r < n; ++r) {
+      plan_.shares[r] += options_.damping * (target[r] - plan_.shares[r]);
+    }
+  }
+  const bool capped = std::isfinite(micro_cap_units) && micro_cap_units > 0;
+  for (size_t r = 0; r < n; ++r) {
+    const double u = plan_.shares[r] * units;
+    plan_.predicted_s[r] = fits[r].Predict(capped ? u / micro_cap_units : 1.0, u);
+  }
+  return plan_;
+}
+
+}  // namespace evenstep

@@ -1,0 +1,311 @@
+// Sampler: deterministic epoch order, length-aware global batches, work
+// partition and micro-batch packing. The random numbers come from a local
+// splitmix64 stream and Lemire's bounded draw instead of <random>'s
+// distributions, whose results are implementation-defined: the order must be
+// identical on every rank and across standard libraries, so checkpoints made
+// by one build resume the same sequence in another.
+#include "evenstep/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <queue>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace evenstep {
+namespace {
+
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, n), n > 0 (Lemire's multiply-shift with rejection).
+  uint64_t Below(uint64_t n) {
+    unsigned __int128 m = static_cast<unsigned __int128>(Next()) * n;
+    uint64_t low = static_cast<uint64_t>(m);
+    if (low < n) {
+      const uint64_t threshold = -n % n;
+      while (low < threshold) {
+        m = static_cast<unsigned __int128>(Next()) * n;
+        low = static_cast<uint64_t>(m);
+      }
+    }
+    return static_cast<uint64_t>(m >> 64);
+  }
+
+ private:
+  uint64_t state_;
+};
+
+template <typename T>
+void Shuffle(std::vector<T>& v, SplitMix64& rng) {
+  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[rng.Below(i)]);
+}
+
+uint64_t EpochSeed(uint64_t seed, int64_t epoch) {
+  SplitMix64 mix(seed ^ (0xa0761d6478bd642fULL * static_cast<uint64_t>(epoch + 1)));
+  return mix.Next();
+}
+
+}  // namespace
+
+absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOptions options,
+                                        CostFunction cost, std::vector<double> counts) {
+  if (lengths.empty()) return absl::InvalidArgumentError("Sampler: the dataset has no samples");
+  if (options.global_batch <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Sampler: global_batch=", options.global_batch, ": must be positive"));
+  }
+  if (options.micro_batch_samples < 0 || options.micro_batch_tokens < 0) {
+    return absl::InvalidArgumentError("Sampler: micro-batch caps must be >= 0 (0 = no cap)");
+  }
+  if (options.min_micro_batches < 0 || options.sort_window < 0) {
+    return absl::InvalidArgumentError("Sampler: min_micro_batches and sort_window must be >= 0");
+  }
+  if (!counts.empty() && counts.size() != lengths.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Sampler: ", counts.size(), " counts for ", lengths.size(), " samples"));
+  }
+  std::vector<double> costs(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("Sampler: sample ", i, " has length ",
+                                                     lengths[i], "; lengths must be >= 1"));
+    }
+    costs[i] = cost ? cost(lengths[i]) : static_cast<double>(lengths[i]);
+    if (!(costs[i] > 0) || !std::isfinite(costs[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("Sampler: the cost function gives ", costs[i],
+                                                     " for sample ", i, " (length ", lengths[i],
+                                                     "); costs must be positive and finite"));
+    }
+  }
+  if (counts.empty()) {
+    counts.resize(lengths.size());
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      counts[i] = options.normalization == Normalization::kTokens ? lengths[i] : 1.0;
+    }
+  }
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (!(counts[i] >= 0) || !std::isfinite(counts[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Sampler: sample ", i, " has count ", counts[i], "; counts must be >= 0"));
+    }
+  }
+  return Sampler(std::move(lengths), std::move(costs), std::move(counts), options);
+}
+
+Sampler::Sampler(std::vector<int64_t> lengths, std::vector<double> costs,
+                 std::vector<double> counts, SamplerOptions options)
+    : lengths_(std::move(lengths)),
+      costs_(std::move(costs)),
+      counts_(std::move(counts)),
+      options_(options) {
+  const double n = static_cast<double>(lengths_.size());
+  const double mean_cost = std::accumulate(costs_.begin(), costs_.end(), 0.0) / n;
+  const double mean_length = std::accumulate(lengths_.begin(), lengths_.end(), 0.0) / n;
+  micro_cost_cap_ = std::numeric_limits<double>::infinity();
+  if (options_.micro_batch_samples > 0) {
+    micro_cost_cap_ = std::min(micro_cost_cap_, mean_cost * options_.micro_batch_samples);
+  }
+  if (options_.micro_batch_tokens > 0) {
+    micro_cost_cap_ =
+        std::min(micro_cost_cap_, mean_cost / mean_length * options_.micro_batch_tokens);
+  }
+  BuildEpoch(0);
+}
+
+void Sampler::BuildEpoch(int64_t epoch) {
+  epoch_ = epoch;
+  step_ = 0;
+  epoch_batches_.clear();
+  SplitMix64 rng(EpochSeed(options_.seed, epoch));
+  std::vector<int64_t> order(lengths_.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (options_.shuffle) Shuffle(order, rng);
+
+  const int64_t n = static_cast<int64_t>(order.size());
+  int64_t window = options_.sort_window;
+  if (window == 0) {
+    const double mean_length = std::accumulate(lengths_.begin(), lengths_.end(), 0.0) / n;
+    const double per_batch = options_.budget_unit == BatchUnit::kSamples
+                                 ? options_.global_batch
+                                 : std::max(1.0, options_.global_batch / mean_length);
+    window = static_cast<int64_t>(50 * per_batch);
+  }
+  window = std::max<int64_t>(window, 1);
+  for (int64_t begin = 0; window > 1 && begin < n; begin += window) {
+    const auto first = order.begin() + begin;
+    const auto last = order.begin() + std::min(n, begin + window);
+    std::stable_sort(first, last, [&](int64_t a, int64_t b) { return lengths_[a] < lengths_[b]; });
+  }
+
+  // Cut global batches in the (window-sorted) order.
+  std::vector<int64_t> current;
+  int64_t tokens = 0;
+  for (int64_t i : order) {
+    const bool full = options_.budget_unit == BatchUnit::kSamples
+                          ? static_cast<int64_t>(current.size()) >= options_.global_batch
+                          : !current.empty() && tokens + lengths_[i] > options_.global_batch;
+    if (full) {
+      epoch_batches_.push_back(std::move(current));
+      current.clear();
+      tokens = 0;
+    }
+    current.push_back(i);
+    tokens += lengths_[i];
+  }
+  const bool tail_full = options_.budget_unit == BatchUnit::kSamples
+                             ? static_cast<int64_t>(current.size()) == options_.global_batch
+                             : 2 * tokens >= options_.global_batch;
+  if (!current.empty() && (tail_full || !options_.drop_last || epoch_batches_.empty())) {
+    epoch_batches_.push_back(std::move(current));
+  }
+
+  // Shuffle the order of the global batches within each window's worth, so
+  // lengths do not rise monotonically through a window.
+  if (options_.shuffle && window > 1) {
+    size_t per_window = 0;
+    int64_t seen = 0;
+    while (per_window < epoch_batches_.size() && seen < window) {
+      seen += static_cast<int64_t>(epoch_batches_[per_window++].size());
+    }
+    per_window = std::max<size_t>(per_window, 1);
+    for (size_t begin = 0; begin < epoch_batches_.size(); begin += per_window) {
+      const size_t end = std::min(epoch_batches_.size(), begin + per_window);
+      for (size_t i = end - begin; i > 1; --i) {
+        std::swap(epoch_batches_[begin + i - 1], epoch_batches_[begin + rng.Below(i)]);
+      }
+    }
+  }
+}
+
+GlobalBatch Sampler::Next() {
+  if (step_ >= steps_per_epoch()) BuildEpoch(epoch_ + 1);
+  GlobalBatch batch;
+  batch.epoch = epoch_;
+  batch.step = step_;
+  batch.samples = epoch_batches_[step_++];
+  for (int64_t i : batch.samples) {
+    batch.cost += costs_[i];
+    batch.count += counts_[i];
+    batch.tokens += lengths_[i];
+  }
+  return batch;
+}
+
+SamplerState Sampler::state() const {
+  SamplerState state;
+  state.epoch = epoch_;
+  state.step = step_;
+  state.seed = options_.seed;
+  state.num_samples = num_samples();
+  return state;
+}
+
+absl::Status Sampler::Restore(const SamplerState& state) {
+  if (state.seed != options_.seed || state.num_samples != num_samples()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Sampler::Restore: the state is for seed ", state.seed, " and ", state.num_samples,
+        " samples; this sampler has seed ", options_.seed, " and ", num_samples(), " samples"));
+  }
+  if (state.epoch < 0 || state.step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Sampler::Restore: epoch ", state.epoch,
+                                                   " step ", state.step, " is negative"));
+  }
+  BuildEpoch(state.epoch);
+  if (state.step > steps_per_epoch()) {
+    return absl::FailedPreconditionError(absl::StrCat("Sampler::Restore: step ", state.step,
+                                                      " is past the end of epoch ", state.epoch,
+                                                      " (", steps_per_epoch(), " steps)"));
+  }
+  step_ = state.step;
+  return absl::OkStatus();
+}
+
+std::vector<std::vector<int64_t>> Sampler::Partition(const GlobalBatch& batch,
+                                                     const std::vector<double>& shares,
+                                                     PartitionBy by) const {
+  const size_t ranks = std::max<size_t>(shares.size(), 1);
+  std::vector<std::vector<int64_t>> parts(ranks);
+  if (by == PartitionBy::kCount) {
+    for (size_t p = 0; p < batch.samples.size(); ++p) {
+      parts[p % ranks].push_back(batch.samples[p]);
+    }
+    return parts;
+  }
+  const double total_share = std::accumulate(shares.begin(), shares.end(), 0.0);
+  std::vector<int64_t> by_cost = batch.samples;
+  std::stable_sort(by_cost.begin(), by_cost.end(),
+                   [&](int64_t a, int64_t b) { return costs_[a] > costs_[b]; });
+  // Longest first to the rank furthest below its target (the largest
+  // remaining deficit); ties to the lower rank, so every rank computes the
+  // same split.
+  using Entry = std::pair<double, int64_t>;  // (deficit, -rank)
+  std::priority_queue<Entry> heap;
+  std::vector<double> deficit(ranks, 0);
+  for (size_t r = 0; r < ranks; ++r) {
+    const double share = total_share > 0 ? shares[r] / total_share : 1.0 / ranks;
+    if (share <= 0) continue;
+    deficit[r] = share * batch.cost;
+    heap.push({deficit[r], -static_cast<int64_t>(r)});
+  }
+  for (int64_t i : by_cost) {
+    const size_t r = static_cast<size_t>(-heap.top().second);
+    heap.pop();
+    parts[r].push_back(i);
+    deficit[r] -= costs_[i];
+    heap.push({deficit[r], -static_cast<int64_t>(r)});
+  }
+  return parts;
+}
+
+std::vector<MicroBatch> Sampler::Pack(std::vector<int64_t> samples) const {
+  std::stable_sort(samples.begin(), samples.end(),
+                   [&](int64_t a, int64_t b) { return lengths_[a] > lengths_[b]; });
+  std::vector<MicroBatch> out;
+  auto add = [&](MicroBatch& mb, int64_t i) {
+    mb.samples.push_back(i);
+    mb.tokens += lengths_[i];
+    mb.max_length = std::max(mb.max_length, lengths_[i]);
+    mb.cost += costs_[i];
+    mb.count += counts_[i];
+  };
+  for (int64_t i : samples) {
+    bool fits = !out.empty();
+    if (fits) {
+      const MicroBatch& mb = out.back();
+      const int64_t n = static_cast<int64_t>(mb.samples.size()) + 1;
+      if (options_.micro_batch_samples > 0 && n > options_.micro_batch_samples) fits = false;
+      if (options_.micro_batch_tokens > 0 &&
+          n * std::max(mb.max_length, lengths_[i]) > options_.micro_batch_tokens) {
+        fits = false;
+      }
+    }
+    if (!fits) out.emplace_back();
+    add(out.back(), i);
+  }
+  // Fewer micro-batches than the minimum: split the costliest one in two
+  // (dealing its samples alternately, so the halves hold similar lengths).
+  while (static_cast<int>(out.size()) < options_.min_micro_batches) {
+    auto largest = std::max_element(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      return a.samples.size() < 2 || (b.samples.size() >= 2 && a.cost < b.cost);
+    });
+    if (largest == out.end() || largest->samples.size() < 2) break;
+    MicroBatch whole = std::move(*largest);
+    MicroBatch halves[2];
+    for (size_t k = 0; k < whole.samples.size(); ++k) add(halves[k % 2], whole.samples[k]);
+    *largest = std::move(halves[0]);
+    out.insert(largest + 1, std::move(halves[1]));
+  }
+  return out;
+}
+
+}  // namespace evenstep

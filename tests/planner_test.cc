@@ -1,0 +1,186 @@
+// Planner and CostModel: shares proportional to speed, caps, stability under
+// noise, fast reaction to a real change, robust fits.
+#include "evenstep/planner.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "evenstep/cost_model.h"
+
+namespace evenstep {
+namespace {
+
+constexpr double kUncapped = std::numeric_limits<double>::infinity();
+
+CostFit Fit(double fixed, double per_unit) {
+  CostFit f;
+  f.fixed_s = fixed;
+  f.per_unit_s = per_unit;
+  f.observations = 10;
+  return f;
+}
+
+TEST(PlannerTest, SharesProportionalToSpeedForLinearCosts) {
+  // Speeds 1, 2, 0.5, 1.5 units per unit time.
+  const std::vector<double> speed = {1, 2, 0.5, 1.5};
+  std::vector<CostFit> fits;
+  for (double s : speed) fits.push_back(Fit(0, 1 / s));
+  Planner planner(4, PlannerOptions{});
+  const Plan& plan = planner.Update(fits, 10000, 100);
+  const double total = 1 + 2 + 0.5 + 1.5;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_NEAR(plan.shares[r], speed[r] / total, 0.02 * speed[r] / total) << "rank " << r;
+  }
+  // Equal predicted finish times.
+  for (int r = 1; r < 4; ++r) EXPECT_NEAR(plan.predicted_s[r], plan.predicted_s[0], 1e-6);
+}
+
+TEST(PlannerTest, FixedCostPerMicroStepIsAccounted) {
+  // Uncapped: one micro-step each; rank 1 has a large fixed cost.
+  std::vector<CostFit> fits = {Fit(0, 1e-3), Fit(2.0, 1e-3)};
+  const auto shares = BalancedShares(fits, 10000, kUncapped, 0);
+  // Finish together: 1e-3 u0 = 2 + 1e-3 u1, u0 + u1 = 10000 -> u0 = 6000.
+  EXPECT_NEAR(shares[0], 0.6, 1e-6);
+  // A rank whose fixed cost exceeds the whole step gets nothing.
+  fits[1].fixed_s = 20;
+  EXPECT_NEAR(BalancedShares(fits, 10000, kUncapped, 0)[1], 0.0, 1e-9);
+}
+
+TEST(PlannerTest, RespectsMaxMicroBatches) {
+  std::vector<CostFit> fits = {Fit(0, 1e-4), Fit(0, 1e-3), Fit(0, 1e-3)};
+  PlannerOptions options;
+  options.max_micro_batches = 4;
+  Planner planner(3, options);
+  // Unbounded, rank 0 would take 10/12 of 12000 units = 10000 = 10 micro-batches of 1000.
+  const Plan& plan = planner.Update(fits, 12000, 1000);
+  EXPECT_LE(plan.shares[0] * 12000, 4 * 1000 + 1e-6);
+  EXPECT_NEAR(plan.shares[1], plan.shares[2], 1e-9);
+  EXPECT_NEAR(plan.shares[0] + plan.shares[1] + plan.shares[2], 1, 1e-9);
+}
+
+TEST(PlannerTest, DoesNotOscillateOnNoisyMeasurements) {
+  // Each plan sees fits with 3 % independent noise; the plan must move less
+  // than the raw targets do and never jump.
+  std::mt19937 rng(3);
+  std::normal_distribution<double> noise(1.0, 0.03);
+  const std::vector<double> per_unit = {1e-3, 2e-3, 1e-3, 1.5e-3};
+  Planner planner(4, PlannerOptions{});
+  std::vector<std::vector<double>> plans, targets;
+  for (int step = 0; step < 300; ++step) {
+    std::vector<CostFit> fits;
+    for (double p : per_unit) fits.push_back(Fit(0, p * noise(rng)));
+    targets.push_back(BalancedShares(fits, 8000, 500, 0));
+    plans.push_back(planner.Update(fits, 8000, 500).shares);
+  }
+  auto stddev = [](const std::vector<std::vector<double>>& v, int r) {
+    double mean = 0, sq = 0;
+    for (size_t s = 20; s < v.size(); ++s) mean += v[s][r];
+    mean /= v.size() - 20;
+    for (size_t s = 20; s < v.size(); ++s) sq += (v[s][r] - mean) * (v[s][r] - mean);
+    return std::sqrt(sq / (v.size() - 20));
+  };
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_LT(stddev(plans, r), 0.6 * stddev(targets, r)) << "rank " << r;
+    for (size_t s = 20; s < plans.size(); ++s) {
+      EXPECT_LT(std::abs(plans[s][r] - plans[s - 1][r]) / plans[s - 1][r], 0.05)
+          << "step " << s << " rank " << r;
+    }
+  }
+  const double total = 1 / 1e-3 + 1 / 2e-3 + 1 / 1e-3 + 1 / 1.5e-3;
+  EXPECT_NEAR(plans.back()[1], (1 / 2e-3) / total, 0.02 * (1 / 2e-3) / total);
+}
+
+TEST(PlannerTest, RealChangeIsFollowedAtOnce) {
+  Planner planner(4, PlannerOptions{});
+  std::vector<CostFit> fits(4, Fit(0, 1e-3));
+  planner.Update(fits, 8000, 500);
+  fits[2] = Fit(0, 2e-3);  // rank 2 becomes 2x slower
+  const Plan& plan = planner.Update(fits, 8000, 500);
+  EXPECT_NEAR(plan.shares[2], 0.5 / 3.5, 0.005);
+}
+
+TEST(PlannerTest, StaticAndWorkAreEqualShares) {
+  std::vector<CostFit> fits = {Fit(0, 1e-3), Fit(0, 5e-3)};
+  for (BalanceMode mode : {BalanceMode::kStatic, BalanceMode::kWork}) {
+    PlannerOptions options;
+    options.mode = mode;
+    Planner planner(2, options);
+    EXPECT_EQ(planner.Update(fits, 100, kUncapped).shares, (std::vector<double>{0.5, 0.5}));
+  }
+}
+
+TEST(PlannerTest, KeepsSeededSharesUntilEveryRankHasAFit) {
+  Planner planner(3, PlannerOptions{});
+  ASSERT_TRUE(planner.SetShares({1, 0, 3}).ok());
+  std::vector<CostFit> fits = {Fit(0, 1e-3), CostFit{}, Fit(0, 1e-3)};
+  EXPECT_EQ(planner.Update(fits, 100, kUncapped).shares, (std::vector<double>{0.25, 0, 0.75}));
+  EXPECT_THAT(planner.SetShares({1, -1, 1}).message(), ::testing::HasSubstr("rank 1"));
+  EXPECT_FALSE(planner.SetShares({1, 1}).ok());
+  EXPECT_FALSE(BalanceModeByName("fast").ok());
+}
+
+TEST(PlannerTest, ThousandRanksLognormalSpeeds) {
+  std::mt19937 rng(9);
+  std::lognormal_distribution<double> speed(0, 0.3);
+  std::vector<CostFit> fits;
+  for (int r = 0; r < 1024; ++r) fits.push_back(Fit(1e-3, 1e-4 / speed(rng)));
+  const auto shares = BalancedShares(fits, 1e6, 200, 0);
+  double lo = 1e9, hi = 0;
+  for (int r = 0; r < 1024; ++r) {
+    const double t = fits[r].Predict(shares[r] * 1e6 / 200, shares[r] * 1e6);
+    lo = std::min(lo, t);
+    hi = std::max(hi, t);
+  }
+  EXPECT_LT((hi - lo) / hi, 1e-6);
+}
+
+TEST(CostModelTest, RecoversFixedAndPerUnitDespiteOutliersAndWarmup) {
+  CostModelOptions options;
+  options.warmup_steps = 2;
+  CostModel model(options);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<double> units(100, 1000);
+  std::normal_distribution<double> noise(0, 0.002);
+  for (int step = 0; step < 12; ++step) {
+    model.BeginStep();
+    for (int m = 0; m < 5; ++m) {
+      const double u = units(rng);
+      double compute = 0.01 + 1e-4 * u + noise(rng);
+      if (step < 2) compute *= 10;              // warm-up: ignored
+      if (step == 6 && m == 2) compute += 1.0;  // one outlier
+      model.Record(u, 0.002, compute);
+    }
+  }
+  const CostFit fit = model.compute_fit();
+  EXPECT_NEAR(fit.per_unit_s, 1e-4, 1e-5);
+  EXPECT_NEAR(fit.fixed_s, 0.01, 0.005);
+  EXPECT_NEAR(model.data_fit().Predict(1, 500), 0.002, 1e-4);
+  EXPECT_EQ(model.changes_detected(), 0);
+}
+
+TEST(CostModelTest, SustainedChangeRestartsTheWindow) {
+  CostModelOptions options;
+  options.warmup_steps = 0;
+  CostModel model(options);
+  model.BeginStep();
+  for (int m = 0; m < 40; ++m) model.Record(100 + m, 0, 1e-3 * (100 + m));
+  for (int m = 0; m < 3; ++m) model.Record(120, 0, 2e-3 * 120);  // now 2x slower
+  EXPECT_EQ(model.changes_detected(), 1);
+  EXPECT_NEAR(model.total_fit().Predict(1, 100), 0.2, 0.01);
+}
+
+TEST(CostModelTest, ConstantUnitsGiveAProportionalFit) {
+  const double x[] = {10, 10, 10};
+  const double y[] = {1, 1.1, 0.9};
+  const CostFit fit = RobustLinearFit(x, y, 3);
+  EXPECT_EQ(fit.fixed_s, 0);
+  EXPECT_NEAR(fit.per_unit_s, 0.1, 0.01);
+  EXPECT_FALSE(RobustLinearFit(x, y, 0).valid());
+}
+
+}  // namespace
+}  // namespace evenstep

@@ -1,0 +1,236 @@
+// Sampler: determinism across world sizes and plans, exactly-once per epoch,
+// resume, budgets, partition by shares and micro-batch caps.
+#include "evenstep/sampler.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+
+namespace evenstep {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<int64_t> Lengths(int n, uint32_t seed = 7) {
+  std::mt19937 rng(seed);
+  std::lognormal_distribution<double> dist(3.5, 1.0);
+  std::vector<int64_t> lengths(n);
+  for (auto& l : lengths) l = std::clamp<int64_t>(static_cast<int64_t>(dist(rng)), 1, 2000);
+  return lengths;
+}
+
+std::vector<double> RandomShares(int ranks, std::mt19937& rng, bool allow_zero) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<double> shares(ranks);
+  for (auto& s : shares) s = u(rng) + 0.05;
+  if (allow_zero && ranks > 1) shares[rng() % ranks] = 0;
+  return shares;
+}
+
+TEST(SamplerTest, GlobalBatchesDependOnlyOnSeedAndEpochNotWorldSizeOrPlan) {
+  SamplerOptions options;
+  options.seed = 42;
+  options.global_batch = 32;
+  std::vector<std::vector<int64_t>> reference;
+  std::mt19937 rng(1);
+  for (int world : {1, 2, 4}) {
+    auto sampler = Sampler::Create(Lengths(1000), options);
+    ASSERT_TRUE(sampler.ok()) << sampler.status();
+    for (int step = 0; step < 40; ++step) {
+      const GlobalBatch batch = sampler->Next();
+      if (world == 1) {
+        reference.push_back(batch.samples);
+      } else {
+        ASSERT_EQ(batch.samples, reference[step]) << "world " << world << " step " << step;
+      }
+      // Any plan: the parts are exactly the global batch.
+      for (PartitionBy by : {PartitionBy::kCount, PartitionBy::kCost}) {
+        auto parts = sampler->Partition(batch, RandomShares(world, rng, true), by);
+        ASSERT_EQ(static_cast<int>(parts.size()), world);
+        std::vector<int64_t> joined;
+        for (const auto& part : parts) {
+          for (const MicroBatch& mb : sampler->Pack(part)) {
+            joined.insert(joined.end(), mb.samples.begin(), mb.samples.end());
+          }
+        }
+        std::sort(joined.begin(), joined.end());
+        std::vector<int64_t> expected = batch.samples;
+        std::sort(expected.begin(), expected.end());
+        ASSERT_EQ(joined, expected);
+      }
+    }
+  }
+  // Another seed gives another order.
+  options.seed = 43;
+  auto other = Sampler::Create(Lengths(1000), options);
+  EXPECT_NE(other->Next().samples, reference[0]);
+}
+
+TEST(SamplerTest, EverySampleExactlyOncePerEpochTailKept) {
+  for (BatchUnit unit : {BatchUnit::kSamples, BatchUnit::kTokens}) {
+    SamplerOptions options;
+    options.budget_unit = unit;
+    options.global_batch = unit == BatchUnit::kSamples ? 30 : 2000;
+    const int n = 997;  // not a multiple of the batch: a smaller tail
+    auto sampler = Sampler::Create(Lengths(n), options);
+    ASSERT_TRUE(sampler.ok());
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      std::vector<int> seen(n, 0);
+      int smaller = 0;
+      const int64_t steps = sampler->steps_per_epoch();
+      for (int64_t s = 0; s < steps; ++s) {
+        const GlobalBatch batch = sampler->Next();
+        EXPECT_EQ(batch.epoch, epoch);
+        EXPECT_EQ(batch.step, s);
+        for (int64_t i : batch.samples) ++seen[i];
+        if (unit == BatchUnit::kTokens && batch.samples.size() > 1) {
+          EXPECT_LE(batch.tokens, options.global_batch);
+        }
+        if (unit == BatchUnit::kSamples && batch.samples.size() != 30u) ++smaller;
+      }
+      EXPECT_LE(smaller, 1);
+      EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }))
+          << "epoch " << epoch;
+    }
+  }
+}
+
+TEST(SamplerTest, DropLastDropsOnlyTheSmallerTail) {
+  SamplerOptions options;
+  options.global_batch = 30;
+  options.drop_last = true;
+  auto sampler = Sampler::Create(Lengths(997), options);
+  EXPECT_EQ(sampler->steps_per_epoch(), 997 / 30);
+  int64_t total = 0;
+  for (int64_t s = 0; s < sampler->steps_per_epoch(); ++s) {
+    const GlobalBatch batch = sampler->Next();
+    EXPECT_EQ(batch.samples.size(), 30u);
+    total += batch.samples.size();
+  }
+  EXPECT_EQ(total, 997 / 30 * 30);
+}
+
+TEST(SamplerTest, ResumeMidEpochContinuesTheSameSequence) {
+  SamplerOptions options;
+  options.seed = 5;
+  options.global_batch = 50;
+  auto first = Sampler::Create(Lengths(700), options);
+  std::vector<std::vector<int64_t>> uninterrupted;
+  for (int s = 0; s < 30; ++s) uninterrupted.push_back(first->Next().samples);
+
+  auto before = Sampler::Create(Lengths(700), options);
+  for (int s = 0; s < 17; ++s) before->Next();  // 700/50 = 14 per epoch: mid epoch 1
+  const SamplerState state = before->state();
+  EXPECT_EQ(state.epoch, 1);
+  auto after = Sampler::Create(Lengths(700), options);
+  ASSERT_TRUE(after->Restore(state).ok());
+  for (int s = 17; s < 30; ++s) EXPECT_EQ(after->Next().samples, uninterrupted[s]) << s;
+
+  auto wrong = Sampler::Create(Lengths(699), options);
+  const absl::Status status = wrong->Restore(state);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("700 samples"));
+}
+
+TEST(SamplerTest, LengthSortingReducesPadding) {
+  SamplerOptions sorted;
+  sorted.global_batch = 64;
+  sorted.micro_batch_samples = 8;
+  SamplerOptions plain = sorted;
+  plain.sort_window = 1;
+  auto padding = [](const SamplerOptions& options) {
+    auto sampler = Sampler::Create(Lengths(4096), options);
+    double padded = 0, real = 0;
+    for (int s = 0; s < sampler->steps_per_epoch(); ++s) {
+      const GlobalBatch batch = sampler->Next();
+      for (const auto& part : sampler->Partition(batch, {1, 1, 1, 1}, PartitionBy::kCount)) {
+        for (const MicroBatch& mb : sampler->Pack(part)) {
+          padded += mb.max_length * static_cast<double>(mb.samples.size());
+          real += mb.tokens;
+        }
+      }
+    }
+    return padded / real;
+  };
+  // Padded tokens / real tokens - 1: the waste. Sorting windows of 50
+  // global batches removes most of it.
+  const double sorted_waste = padding(sorted) - 1, plain_waste = padding(plain) - 1;
+  EXPECT_LT(sorted_waste, 0.25 * plain_waste) << sorted_waste << " vs " << plain_waste;
+}
+
+TEST(SamplerTest, CostPartitionMatchesShares) {
+  SamplerOptions options;
+  options.global_batch = 512;
+  auto sampler = Sampler::Create(Lengths(4096), options);
+  const std::vector<double> shares = {0.1, 0.4, 0.0, 0.5};
+  const GlobalBatch batch = sampler->Next();
+  auto parts = sampler->Partition(batch, shares, PartitionBy::kCost);
+  EXPECT_TRUE(parts[2].empty());
+  double longest = 0;
+  for (int64_t i : batch.samples) longest = std::max(longest, sampler->cost(i));
+  for (int r = 0; r < 4; ++r) {
+    double cost = 0;
+    for (int64_t i : parts[r]) cost += sampler->cost(i);
+    EXPECT_NEAR(cost, shares[r] * batch.cost, longest) << "rank " << r;
+  }
+  // Count partition: equal counts, strided.
+  auto counted = sampler->Partition(batch, shares, PartitionBy::kCount);
+  for (const auto& part : counted) EXPECT_EQ(part.size(), 128u);
+}
+
+TEST(SamplerTest, PackRespectsCapsAndMinimum) {
+  SamplerOptions options;
+  options.micro_batch_samples = 6;
+  options.micro_batch_tokens = 400;
+  options.min_micro_batches = 3;
+  auto sampler = Sampler::Create(Lengths(500), options);
+  std::vector<int64_t> all(500);
+  std::iota(all.begin(), all.end(), 0);
+  const auto micro = sampler->Pack(all);
+  int64_t total = 0;
+  for (const MicroBatch& mb : micro) {
+    EXPECT_LE(mb.samples.size(), 6u);
+    if (mb.samples.size() > 1) EXPECT_LE(mb.max_length * mb.samples.size(), 400);
+    total += mb.samples.size();
+  }
+  EXPECT_EQ(total, 500);
+  // Few samples: split up to the minimum.
+  const auto small = sampler->Pack({1, 2, 3, 4});
+  EXPECT_EQ(small.size(), 3u);
+  EXPECT_EQ(sampler->Pack({}).size(), 0u);
+  EXPECT_EQ(sampler->Pack({9}).size(), 1u);
+}
+
+TEST(SamplerTest, CountsForNormalisation) {
+  SamplerOptions options;
+  options.normalization = Normalization::kTokens;
+  options.global_batch = 10;
+  auto sampler = Sampler::Create({5, 6, 7, 8}, options);
+  const GlobalBatch batch = sampler->Next();
+  EXPECT_EQ(batch.count, 26);
+  auto custom = Sampler::Create({5, 6, 7, 8}, options, nullptr, {4, 5, 6, 7});
+  EXPECT_EQ(custom->Next().count, 22);
+  auto quadratic = Sampler::Create({10}, options, [](int64_t l) { return l + 0.5 * l * l; });
+  EXPECT_EQ(quadratic->cost(0), 60);
+}
+
+TEST(SamplerTest, BadInputNamesTheProblem) {
+  SamplerOptions options;
+  EXPECT_THAT(Sampler::Create({3, 0, 2}, options).status().message(), HasSubstr("sample 1"));
+  EXPECT_THAT(Sampler::Create({}, options).status().message(), HasSubstr("no samples"));
+  options.global_batch = 0;
+  EXPECT_THAT(Sampler::Create({1}, options).status().message(), HasSubstr("global_batch"));
+  options.global_batch = 1;
+  EXPECT_THAT(Sampler::Create({1, 2}, options, [](int64_t) { return -1.0; }).status().message(),
+              HasSubstr("cost function"));
+  EXPECT_THAT(Sampler::Create({1, 2}, options, nullptr, {1}).status().message(),
+              HasSubstr("1 counts for 2 samples"));
+}
+
+}  // namespace
+}  // namespace evenstep
