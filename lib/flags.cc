@@ -10,8 +10,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
+#include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/status_macros.h"
 
 ABSL_FLAG(std::string, evenstep_backend, "auto",
           "Process group for gradients: auto (NCCL when this libtorch has it and CUDA is "
@@ -31,6 +34,44 @@ ABSL_FLAG(double, evenstep_bucket_cap_mb, 25,
 ABSL_FLAG(double, evenstep_first_bucket_cap_mb, 1,
           "Cap in MiB of the first gradient bucket (the last layers' gradients), small so "
           "communication starts early in backward.");
+
+ABSL_FLAG(std::string, evenstep_balance, "dynamic",
+          "How each global batch is split across ranks: static (equal sample counts, the usual "
+          "practice), work (equal cost units), dynamic (cost units in proportion to each rank's "
+          "measured speed).");
+ABSL_FLAG(int64_t, evenstep_global_batch, 64,
+          "Global batch per optimizer step, over all ranks, in --evenstep_batch_unit units. The "
+          "sequence of global batches depends only on the seed and the epoch.");
+ABSL_FLAG(std::string, evenstep_batch_unit, "samples",
+          "Unit of --evenstep_global_batch: samples or tokens.");
+ABSL_FLAG(int64_t, evenstep_micro_batch_samples, 0,
+          "Most samples in one micro-batch (the memory limit); 0 = no cap.");
+ABSL_FLAG(int64_t, evenstep_micro_batch_tokens, 0,
+          "Most padded tokens (samples x longest length) in one micro-batch; 0 = no cap.");
+ABSL_FLAG(int, evenstep_min_micro_batches, 1,
+          "Fewest micro-batches (accumulation steps) of a rank that has work.");
+ABSL_FLAG(int, evenstep_max_micro_batches, 0,
+          "Most micro-batches of one rank per optimizer step (bounds the planner); 0 = no bound.");
+ABSL_FLAG(int, evenstep_plan_interval, 1, "Re-plan the ranks' shares every this many steps.");
+ABSL_FLAG(double, evenstep_plan_damping, 0.3,
+          "Fraction of the gap to the new plan applied per re-plan for small changes (0 < d <= "
+          "1); changes over 20 % apply at once.");
+ABSL_FLAG(int, evenstep_warmup_steps, 2,
+          "Optimizer steps whose timings the cost model ignores (allocator and cache warm-up).");
+ABSL_FLAG(uint64_t, evenstep_seed, 0, "Seed of the sample order (shuffle and batch order).");
+ABSL_FLAG(int64_t, evenstep_sort_window, 0,
+          "Samples per length-sorting window (micro-batches of similar lengths, little "
+          "padding); 0 = 50 global batches, 1 = no sorting.");
+ABSL_FLAG(bool, evenstep_drop_last, false,
+          "Drop the smaller last global batch of each epoch instead of keeping it.");
+ABSL_FLAG(std::string, evenstep_normalize, "samples",
+          "Loss normalisation: each sample's (or token's) loss is divided by the global batch's "
+          "total count of samples or tokens.");
+ABSL_FLAG(double, evenstep_cost_quadratic, 0,
+          "Cost units of a sample of length L are L + c*L^2 with this c (attention-heavy "
+          "models); 0 = tokens.");
+ABSL_FLAG(double, evenstep_clip_grad_norm, 0,
+          "Clip the global gradient's norm (after the sync) to this value; 0 = off.");
 
 namespace evenstep {
 
@@ -88,6 +129,128 @@ absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags() {
   options.first_bucket_cap_bytes = static_cast<int64_t>(first * (1 << 20));
   options.timeout = absl::GetFlag(FLAGS_evenstep_timeout);
   return options;
+}
+
+namespace {
+
+absl::Status NotBelow(const char* flag, double value, double minimum) {
+  if (value >= minimum) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": must be >= ", minimum));
+}
+
+}  // namespace
+
+absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
+  BalanceConfig config;
+  EVENSTEP_ASSIGN_OR_RETURN(config.grad_sync, GradSyncOptionsFromFlags());
+  const std::string mode = absl::GetFlag(FLAGS_evenstep_balance);
+  absl::StatusOr<BalanceMode> balance = BalanceModeByName(mode);
+  if (!balance.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_balance=", mode, ": expected static, work or dynamic"));
+  }
+  config.planner.mode = *balance;
+  const std::string unit = absl::GetFlag(FLAGS_evenstep_batch_unit);
+  if (unit != "samples" && unit != "tokens") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_batch_unit=", unit, ": expected samples or tokens"));
+  }
+  config.sampler.budget_unit = unit == "tokens" ? BatchUnit::kTokens : BatchUnit::kSamples;
+  const std::string normalize = absl::GetFlag(FLAGS_evenstep_normalize);
+  if (normalize != "samples" && normalize != "tokens") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_normalize=", normalize, ": expected samples or tokens"));
+  }
+  config.sampler.normalization =
+      normalize == "tokens" ? Normalization::kTokens : Normalization::kSamples;
+  config.sampler.global_batch = absl::GetFlag(FLAGS_evenstep_global_batch);
+  config.sampler.micro_batch_samples = absl::GetFlag(FLAGS_evenstep_micro_batch_samples);
+  config.sampler.micro_batch_tokens = absl::GetFlag(FLAGS_evenstep_micro_batch_tokens);
+  config.sampler.min_micro_batches = absl::GetFlag(FLAGS_evenstep_min_micro_batches);
+  config.sampler.seed = absl::GetFlag(FLAGS_evenstep_seed);
+  config.sampler.sort_window = absl::GetFlag(FLAGS_evenstep_sort_window);
+  config.sampler.drop_last = absl::GetFlag(FLAGS_evenstep_drop_last);
+  config.planner.max_micro_batches = absl::GetFlag(FLAGS_evenstep_max_micro_batches);
+  config.planner.damping = absl::GetFlag(FLAGS_evenstep_plan_damping);
+  config.plan_interval = absl::GetFlag(FLAGS_evenstep_plan_interval);
+  config.cost_model.warmup_steps = absl::GetFlag(FLAGS_evenstep_warmup_steps);
+  config.clip_grad_norm = absl::GetFlag(FLAGS_evenstep_clip_grad_norm);
+  const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_micro_batch_samples",
+                                    static_cast<double>(config.sampler.micro_batch_samples), 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_micro_batch_tokens",
+                                    static_cast<double>(config.sampler.micro_batch_tokens), 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_min_micro_batches", config.sampler.min_micro_batches, 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_max_micro_batches", config.planner.max_micro_batches, 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_plan_interval", config.plan_interval, 1));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_warmup_steps", config.cost_model.warmup_steps, 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_sort_window", static_cast<double>(config.sampler.sort_window), 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_clip_grad_norm", config.clip_grad_norm, 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_cost_quadratic", quadratic, 0));
+  if (!(config.planner.damping > 0 && config.planner.damping <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_plan_damping=", config.planner.damping, ": must be in (0, 1]"));
+  }
+  if (quadratic > 0) {
+    config.cost = [quadratic](int64_t l) {
+      return static_cast<double>(l) + quadratic * static_cast<double>(l) * l;
+    };
+  }
+  return config;
+}
+
+absl::Status ParseEvenstepFlags(int* argc, char** argv) {
+  int kept = 1;
+  for (int i = 1; i < *argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") {  // everything after "--" belongs to the program
+      while (i < *argc) argv[kept++] = argv[i++];
+      break;
+    }
+    absl::string_view body = arg;
+    if (!absl::ConsumePrefix(&body, "--") && !absl::ConsumePrefix(&body, "-")) {
+      argv[kept++] = argv[i];
+      continue;
+    }
+    const size_t eq = body.find('=');
+    absl::string_view name = body.substr(0, eq);
+    bool negated = false;
+    if (absl::StartsWith(name, "noevenstep_")) {
+      name.remove_prefix(2);
+      negated = true;
+    }
+    if (!absl::StartsWith(name, "evenstep_")) {
+      argv[kept++] = argv[i];
+      continue;
+    }
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, ": no such evenstep flag (see --helpfull or the README)"));
+    }
+    std::string value;
+    if (eq != absl::string_view::npos) {
+      value = std::string(body.substr(eq + 1));
+    } else if (flag->IsOfType<bool>()) {
+      value = negated ? "false" : "true";
+    } else if (i + 1 < *argc) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": missing value"));
+    }
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": ", error));
+    }
+  }
+  argv[kept] = nullptr;
+  *argc = kept;
+  return absl::OkStatus();
 }
 
 std::string FlagsMarkdownTable() {

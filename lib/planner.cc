@@ -102,13 +102,34 @@ const Plan& Planner::Update(const std::vector<CostFit>& fits, double units,
     plan_.shares.assign(n, 1.0 / n);
     return plan_;
   }
-  const bool all_valid =
-      fits.size() == n && std::all_of(fits.begin(), fits.end(), [](const CostFit& f) {
-        return f.valid() && (f.per_unit_s > 0 || f.fixed_s > 0);
-      });
-  if (!all_valid) return plan_;
+  // Ranks without measurements yet (warm-up, or no work under the current
+  // plan) are assumed to be as fast as the median measured rank, so they get
+  // work and start measuring; with no measurement at all the plan stays.
+  auto usable = [](const CostFit& f) { return f.valid() && (f.per_unit_s > 0 || f.fixed_s > 0); };
+  if (fits.size() != n) return plan_;
+  std::vector<CostFit> known;
+  for (const CostFit& f : fits) {
+    if (usable(f)) known.push_back(f);
+  }
+  if (known.empty()) return plan_;
+  std::vector<CostFit> filled = fits;
+  if (known.size() < n) {
+    auto median = [&](double CostFit::*field) {
+      std::vector<double> v;
+      for (const CostFit& f : known) v.push_back(f.*field);
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      return v[v.size() / 2];
+    };
+    CostFit typical;
+    typical.fixed_s = median(&CostFit::fixed_s);
+    typical.per_unit_s = median(&CostFit::per_unit_s);
+    typical.observations = 1;
+    for (CostFit& f : filled) {
+      if (!usable(f)) f = typical;
+    }
+  }
   const std::vector<double> target =
-      BalancedShares(fits, units, micro_cap_units, options_.max_micro_batches);
+      BalancedShares(filled, units, micro_cap_units, options_.max_micro_batches);
   double largest_change = 0;
   for (size_t r = 0; r < n; ++r) {
     const double reference = std::max(plan_.shares[r], 1e-3 / n);
@@ -124,7 +145,7 @@ const Plan& Planner::Update(const std::vector<CostFit>& fits, double units,
   const bool capped = std::isfinite(micro_cap_units) && micro_cap_units > 0;
   for (size_t r = 0; r < n; ++r) {
     const double u = plan_.shares[r] * units;
-    plan_.predicted_s[r] = fits[r].Predict(capped ? u / micro_cap_units : 1.0, u);
+    plan_.predicted_s[r] = filled[r].Predict(capped ? u / micro_cap_units : 1.0, u);
   }
   return plan_;
 }

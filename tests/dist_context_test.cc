@@ -18,6 +18,7 @@ using ::evenstep::testing::Describe;
 using ::evenstep::testing::ProcessResult;
 using ::evenstep::testing::ProcessSpec;
 using ::evenstep::testing::RunAll;
+using ::evenstep::testing::TorchrunRanks;
 using ::testing::HasSubstr;
 
 constexpr absl::Duration kHangBound = absl::Seconds(60);
@@ -31,24 +32,6 @@ std::vector<std::string> HelperArgs(std::vector<std::string> scenario,
   argv.insert(argv.end(), flags.begin(), flags.end());
   argv.insert(argv.end(), scenario.begin(), scenario.end());
   return argv;
-}
-
-// torchrun-convention specs for `world` ranks against a store hosted here.
-std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<std::string>& argv,
-                                       int declared_world = -1) {
-  std::vector<ProcessSpec> specs;
-  for (int r = 0; r < world; ++r) {
-    specs.push_back(ProcessSpec{
-        argv,
-        {{"RANK", std::to_string(r)},
-         {"WORLD_SIZE", std::to_string(declared_world > 0 ? declared_world : world)},
-         {"LOCAL_RANK", std::to_string(r)},
-         {"LOCAL_WORLD_SIZE", std::to_string(declared_world > 0 ? declared_world : world)},
-         {"MASTER_ADDR", "127.0.0.1"},
-         {"MASTER_PORT", std::to_string(port)},
-         {"TORCHELASTIC_USE_AGENT_STORE", "True"}}});
-  }
-  return specs;
 }
 
 std::unique_ptr<internal::StoreServer> HostStore() {

@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "evenstep/internal/store_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
@@ -20,22 +19,10 @@ using ::evenstep::testing::ProcessSpec;
 using ::testing::HasSubstr;
 
 std::vector<ProcessResult> RunRanks(int world, std::vector<std::string> scenario) {
-  auto server = internal::StoreServer::Start(0);
-  EXPECT_TRUE(server.ok()) << server.status();
   std::vector<std::string> argv = {EVENSTEP_GRAD_SYNC_HELPER, "--evenstep_timeout=60s",
                                    "--evenstep_rendezvous_timeout=60s"};
   argv.insert(argv.end(), scenario.begin(), scenario.end());
-  std::vector<ProcessSpec> specs;
-  for (int r = 0; r < world; ++r) {
-    specs.push_back(ProcessSpec{argv,
-                                {{"RANK", std::to_string(r)},
-                                 {"WORLD_SIZE", std::to_string(world)},
-                                 {"MASTER_ADDR", "127.0.0.1"},
-                                 {"MASTER_PORT", std::to_string((*server)->port())},
-                                 {"TORCHELASTIC_USE_AGENT_STORE", "True"},
-                                 {"OMP_NUM_THREADS", "1"}}});
-  }
-  return evenstep::testing::RunAll(specs, absl::Seconds(120));
+  return evenstep::testing::RunRanks(world, argv);
 }
 
 struct ExactCase {

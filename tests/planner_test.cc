@@ -113,11 +113,16 @@ TEST(PlannerTest, StaticAndWorkAreEqualShares) {
   }
 }
 
-TEST(PlannerTest, KeepsSeededSharesUntilEveryRankHasAFit) {
+TEST(PlannerTest, SeededSharesUntilMeasuredAndIdleRanksGetWork) {
   Planner planner(3, PlannerOptions{});
   ASSERT_TRUE(planner.SetShares({1, 0, 3}).ok());
-  std::vector<CostFit> fits = {Fit(0, 1e-3), CostFit{}, Fit(0, 1e-3)};
-  EXPECT_EQ(planner.Update(fits, 100, kUncapped).shares, (std::vector<double>{0.25, 0, 0.75}));
+  std::vector<CostFit> none(3);
+  EXPECT_EQ(planner.Update(none, 100, kUncapped).shares, (std::vector<double>{0.25, 0, 0.75}));
+  // Rank 1 has had no work, so no fit: it counts as the median rank.
+  std::vector<CostFit> fits = {Fit(0, 1e-3), CostFit{}, Fit(0, 3e-3)};
+  const Plan& plan = planner.Update(fits, 1000, kUncapped);
+  EXPECT_GE(plan.shares[1], 0.19);
+  EXPECT_NEAR(plan.shares[1], plan.shares[2], 0.02);
   EXPECT_THAT(planner.SetShares({1, -1, 1}).message(), ::testing::HasSubstr("rank 1"));
   EXPECT_FALSE(planner.SetShares({1, 1}).ok());
   EXPECT_FALSE(BalanceModeByName("fast").ok());

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "evenstep/internal/store_server.h"
 
 extern char** environ;
 
@@ -174,6 +175,35 @@ std::string Describe(const std::vector<ProcessResult>& results) {
                     r.timed_out ? " TIMED OUT" : "", "\n", r.output);
   }
   return out;
+}
+
+std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<std::string>& argv,
+                                       int declared_world) {
+  const std::string size = std::to_string(declared_world > 0 ? declared_world : world);
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < world; ++r) {
+    specs.push_back(ProcessSpec{argv,
+                                {{"RANK", std::to_string(r)},
+                                 {"WORLD_SIZE", size},
+                                 {"LOCAL_RANK", std::to_string(r)},
+                                 {"LOCAL_WORLD_SIZE", size},
+                                 {"MASTER_ADDR", "127.0.0.1"},
+                                 {"MASTER_PORT", std::to_string(port)},
+                                 {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                 {"OMP_NUM_THREADS", "1"}}});
+  }
+  return specs;
+}
+
+std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& argv,
+                                    absl::Duration timeout) {
+  auto server = internal::StoreServer::Start(0);
+  if (!server.ok()) {
+    ProcessResult failed;
+    failed.output = "could not host the store: " + server.status().ToString();
+    return std::vector<ProcessResult>(world, failed);
+  }
+  return RunAll(TorchrunRanks(world, (*server)->port(), argv), timeout);
 }
 
 }  // namespace evenstep::testing

@@ -55,6 +55,18 @@ class Subprocess {
 // Runs every spec at once and waits for all of them under one deadline.
 std::vector<ProcessResult> RunAll(const std::vector<ProcessSpec>& specs, absl::Duration timeout);
 
+// Specs for `world` ranks of `argv` with the torchrun convention (RANK,
+// WORLD_SIZE = declared_world or world, LOCAL_*, MASTER_ADDR/PORT) against a
+// store already hosted on 127.0.0.1:`port` (TORCHELASTIC_USE_AGENT_STORE), one
+// torch thread each.
+std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<std::string>& argv,
+                                       int declared_world = -1);
+
+// Hosts a c10d store on a port the OS picks, runs `world` ranks of `argv`
+// against it (TorchrunRanks) and waits for all under `timeout`.
+std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& argv,
+                                    absl::Duration timeout = absl::Seconds(120));
+
 // A TCP port the OS reports free right now (bind to port 0, then release).
 int PickFreePort();
 

@@ -3,6 +3,7 @@
 // flag table is generated from their help texts (tools/evenstep_flags_md).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "absl/flags/declare.h"
@@ -15,6 +16,22 @@ ABSL_DECLARE_FLAG(absl::Duration, evenstep_rendezvous_timeout);
 ABSL_DECLARE_FLAG(std::string, evenstep_comm_hook);
 ABSL_DECLARE_FLAG(double, evenstep_bucket_cap_mb);
 ABSL_DECLARE_FLAG(double, evenstep_first_bucket_cap_mb);
+ABSL_DECLARE_FLAG(std::string, evenstep_balance);
+ABSL_DECLARE_FLAG(int64_t, evenstep_global_batch);
+ABSL_DECLARE_FLAG(std::string, evenstep_batch_unit);
+ABSL_DECLARE_FLAG(int64_t, evenstep_micro_batch_samples);
+ABSL_DECLARE_FLAG(int64_t, evenstep_micro_batch_tokens);
+ABSL_DECLARE_FLAG(int, evenstep_min_micro_batches);
+ABSL_DECLARE_FLAG(int, evenstep_max_micro_batches);
+ABSL_DECLARE_FLAG(int, evenstep_plan_interval);
+ABSL_DECLARE_FLAG(double, evenstep_plan_damping);
+ABSL_DECLARE_FLAG(int, evenstep_warmup_steps);
+ABSL_DECLARE_FLAG(uint64_t, evenstep_seed);
+ABSL_DECLARE_FLAG(int64_t, evenstep_sort_window);
+ABSL_DECLARE_FLAG(bool, evenstep_drop_last);
+ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
+ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);
+ABSL_DECLARE_FLAG(double, evenstep_clip_grad_norm);
 
 namespace evenstep {
 
@@ -24,6 +41,13 @@ struct GradSyncOptions;
 // --evenstep_first_bucket_cap_mb and --evenstep_timeout. InvalidArgument
 // naming the flag for a bad value.
 absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags();
+
+// For programs with their own argument parsing: parses the --evenstep_*
+// arguments of argv (--evenstep_x=v, --evenstep_x v, --[no]evenstep_bool)
+// into the flags and removes them, leaving the rest (and everything after
+// "--") in order; *argc is updated. InvalidArgument naming the flag for an
+// unknown evenstep flag or a bad value.
+absl::Status ParseEvenstepFlags(int* argc, char** argv);
 
 // Every --evenstep_* flag as a Markdown table (name, default, meaning), from
 // the flags' own help texts, sorted by name.

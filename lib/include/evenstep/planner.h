@@ -61,8 +61,9 @@ class Planner {
 
   // The next plan from every rank's fit (index = rank) for a global batch of
   // `units` cost units and micro-batches of about `micro_cap_units` (infinity
-  // when uncapped). Ranks without a valid fit keep their current share until
-  // every rank has one.
+  // when uncapped). A rank without a valid fit yet (warm-up, or no work
+  // under the current plan) counts as the median measured rank, so it gets
+  // work and starts measuring; with no valid fit at all the plan stays.
   const Plan& Update(const std::vector<CostFit>& fits, double units, double micro_cap_units);
   const Plan& plan() const { return plan_; }
   int world_size() const { return static_cast<int>(plan_.shares.size()); }

@@ -1,0 +1,195 @@
+// BalancedStep: one optimizer step of balanced data-parallel training.
+//
+// It wraps the user's model and any torch::optim::Optimizer. Every step it
+// takes the next global batch from the Sampler (the same on every rank),
+// splits it across ranks by the Planner's shares, packs this rank's part into
+// micro-batches (their number is this rank's accumulation count), and drives
+// them: local accumulation for all but the last, GradSync's overlapped
+// bucketed all-reduce on the last (a rank without micro-batches joins with
+// zeros). Each micro-batch's loss must be the SUM of its per-sample (or
+// per-token) losses; BalancedStep scales it by 1 / (the global batch's total
+// count), so the SUM-reduced gradient equals the gradient of the mean loss
+// over the whole global batch, for any split and any world size. (Averaging
+// per micro-batch and then averaging the averages is the classic mistake this
+// avoids.) Then optional clipping on the synced global gradient, the
+// optimizer step and zero_grad; one small all-gather shares every rank's
+// cost fit, busy time and loss, and the next plan follows from them.
+//
+//   auto step = evenstep::BalancedStep::Create(*ctx, *model, optimizer, lengths, *config);
+//   for (int s = 0; s < steps; ++s) {
+//     auto report = (*step)->Step(
+//         [&](const evenstep::MicroBatch& mb) { return dataset.Collate(mb.samples); },
+//         [&](const Batch& b) { return LossSum(model, b); });
+//     if (!report.ok()) { std::cerr << report.status() << "\n"; return 1; }
+//   }
+//
+// Failures (a collective that times out, a peer that died, an exception from
+// the user's callbacks) come back as a status naming the rank, the step and
+// the micro-batch; the step is then abandoned (gradients are not applied).
+// Thread-safety: one training thread drives a BalancedStep.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "evenstep/cost_model.h"
+#include "evenstep/dist_context.h"
+#include "evenstep/grad_sync.h"
+#include "evenstep/planner.h"
+#include "evenstep/sampler.h"
+#include "evenstep/status_macros.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+namespace optim {
+class Optimizer;
+}
+}  // namespace torch
+
+namespace evenstep {
+
+struct BalanceConfig {
+  SamplerOptions sampler;
+  PlannerOptions planner;
+  CostModelOptions cost_model;
+  GradSyncOptions grad_sync;
+  // Cost units of a sample from its length; null = the length (tokens).
+  CostFunction cost;
+  // Re-plan every this many optimizer steps.
+  int plan_interval = 1;
+  // Clip the global gradient's norm to this value after the sync; 0 = off.
+  double clip_grad_norm = 0;
+  // dynamic: the shares used until every rank has measurements (e.g. known
+  // device speeds); empty = equal.
+  std::vector<double> initial_shares;
+  // Called after the sync with the global gradient in param.grad(), before
+  // clipping and the optimizer step (e.g. to log gradient norms).
+  std::function<void()> after_sync;
+
+  // Everything from the --evenstep_* flags. InvalidArgument naming the flag
+  // for a bad value.
+  static absl::StatusOr<BalanceConfig> FromFlags();
+};
+
+struct StepReport {
+  int64_t step = 0;  // optimizer steps completed, this one included
+  int64_t epoch = 0;
+  int64_t epoch_step = 0;  // index of the global batch within its epoch
+  int micro_batches = 0;   // this rank's accumulation count
+  int64_t samples = 0;     // this rank's
+  int64_t tokens = 0;
+  double units = 0;
+  double global_count = 0;  // the normaliser: samples or tokens of the global batch
+  // Mean loss over the global batch (sum of every rank's scaled losses).
+  double loss = 0;
+  // mean / max over ranks of the busy time (data + compute) before the sync.
+  double balance_efficiency = 1;
+  absl::Duration data, compute, sync_wait, optimizer;
+  absl::Duration busy;              // data + compute of this rank
+  absl::Time begin, arrived, end;   // step start, arrival at the sync, step end
+  std::vector<double> shares;       // the plan this step used
+  std::vector<double> rank_busy_s;  // every rank's busy time
+  std::vector<int> rank_micro_batches;
+};
+
+// Where the balancing stands, for checkpoints.
+struct BalanceState {
+  SamplerState sampler;
+  std::vector<double> shares;
+  int64_t steps = 0;
+};
+
+class BalancedStep {
+ public:
+  // Attaches GradSync to `model` (a collective: every rank calls Create).
+  // `lengths[i]` is sample i's length in tokens; `counts`, when not empty,
+  // overrides each sample's normalisation count.
+  static absl::StatusOr<std::unique_ptr<BalancedStep>> Create(
+      DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+      std::vector<int64_t> lengths, BalanceConfig config, std::vector<double> counts = {});
+  ~BalancedStep();
+
+  // One optimizer step. `load(const MicroBatch&)` returns the micro-batch's
+  // data (timed as data wait); `loss_sum(data)` returns the SUM of its
+  // per-sample (or per-token) losses as a scalar tensor (timed as compute,
+  // with backward).
+  template <typename Load, typename LossSum>
+  absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
+    EVENSTEP_RETURN_IF_ERROR(BeginStep());
+    for (size_t i = 0; i < micro_batches().size(); ++i) {
+      try {
+        auto data = load(micro_batches()[i]);
+        DataReady();
+        EVENSTEP_RETURN_IF_ERROR(Backward(loss_sum(data)));
+      } catch (const std::exception& e) {
+        return Abandon(i, e.what());
+      }
+    }
+    return FinishStep();
+  }
+
+  // The same step, piece by piece, for loops that cannot be written as two
+  // callbacks: BeginStep(); for each micro_batches()[i]: load it, DataReady(),
+  // Backward(loss_sum); then FinishStep().
+  absl::Status BeginStep();
+  const std::vector<MicroBatch>& micro_batches() const { return micro_; }
+  // The global batch of the current step (every rank knows all of it).
+  const GlobalBatch& global_batch() const { return batch_; }
+  void DataReady();
+  absl::Status Backward(const at::Tensor& loss_sum);
+  absl::StatusOr<StepReport> FinishStep();
+
+  const Plan& plan() const { return planner_.plan(); }
+  const StepReport& last_report() const { return report_; }
+  Sampler& sampler() { return sampler_; }
+  GradSync& grad_sync() { return *sync_; }
+  const CostModel& cost_model() const { return cost_model_; }
+  DistContext& context() { return ctx_; }
+
+  BalanceState state() const;
+  // Continues from `state` (same dataset, seed and world size for the shares;
+  // another world size starts from equal shares).
+  absl::Status Restore(const BalanceState& state);
+
+ private:
+  BalancedStep(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+               Sampler sampler, BalanceConfig config, std::unique_ptr<GradSync> sync);
+  absl::Status Abandon(size_t micro_batch, const std::string& what);
+  absl::Status Exchange();
+
+  DistContext& ctx_;
+  torch::nn::Module& model_;
+  torch::optim::Optimizer& optimizer_;
+  Sampler sampler_;
+  BalanceConfig config_;
+  std::unique_ptr<GradSync> sync_;
+  CostModel cost_model_;
+  Planner planner_;
+
+  // The step in progress.
+  bool in_step_ = false;
+  GlobalBatch batch_;
+  std::vector<MicroBatch> micro_;
+  size_t next_micro_ = 0;
+  double scale_ = 1;
+  double loss_sum_ = 0;
+  absl::Time micro_begin_, data_end_;
+  bool data_marked_ = false;
+  std::vector<CostFit> fits_;  // every rank's, from the last exchange
+  int64_t steps_ = 0;
+  StepReport report_;
+};
+
+}  // namespace evenstep

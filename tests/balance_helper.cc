@@ -1,0 +1,159 @@
+// Rank program for the BalancedStep tests (started by balanced_step_test.cc
+// with the torchrun convention). It trains a small per-token model on
+// synthetic variable-length sequences with BalancedStep configured from the
+// --evenstep_* flags on its command line, and after every sync compares the
+// global gradient with the gradient one process computes over the whole
+// global batch (mean loss, normalised by the global count).
+//
+//   balance_helper [--evenstep_*...] [--steps N] [--split_seed S] [--fail_rank R]
+//
+// --split_seed seeds random initial shares with one rank at zero (before the
+// planner has measurements, so with a large --evenstep_warmup_steps they
+// persist). --fail_rank makes that rank's loss callback throw on step 2.
+// Prints one line per step: "step S rank R micro M samples N loss L err E".
+// Exit codes: 0 passed, 1 gradient mismatch, 2 BalancedStep error, 3 init.
+#include <torch/torch.h>
+
+#include <cmath>
+#include <iostream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "evenstep/balanced_step.h"
+#include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
+
+ABSL_FLAG(int, steps, 3, "Optimizer steps.");
+ABSL_FLAG(int, split_seed, 0, "Seed of random initial shares (0 = equal).");
+ABSL_FLAG(int, fail_rank, -1, "Rank whose loss callback throws on step 2.");
+ABSL_FLAG(int, samples, 300, "Samples in the synthetic dataset.");
+
+namespace {
+
+constexpr int kDim = 6, kHidden = 10;
+
+struct Data {
+  std::vector<int64_t> lengths;
+  std::vector<torch::Tensor> x, y;  // [L, kDim], [L, 1]
+};
+
+Data MakeData(int n) {
+  Data d;
+  std::mt19937 rng(77);
+  std::uniform_int_distribution<int> len(1, 24);
+  torch::manual_seed(123);
+  for (int i = 0; i < n; ++i) {
+    const int l = len(rng);
+    d.lengths.push_back(l);
+    d.x.push_back(torch::randn({l, kDim}));
+    d.y.push_back(torch::randn({l, 1}));
+  }
+  return d;
+}
+
+torch::nn::Sequential MakeModel() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(kDim, kHidden), torch::nn::Tanh(),
+                               torch::nn::Linear(kHidden, kHidden), torch::nn::Tanh(),
+                               torch::nn::Linear(kHidden, 1));
+}
+
+// Sum over `samples` of each sample's loss: the mean squared error over its
+// tokens (normalise=samples) or the sum (normalise=tokens).
+torch::Tensor LossSum(torch::nn::Sequential& model, const Data& d,
+                      const std::vector<int64_t>& samples, bool per_token) {
+  torch::Tensor total = torch::zeros({});
+  for (int64_t i : samples) {
+    const torch::Tensor err = (model->forward(d.x[i]) - d.y[i]).pow(2);
+    total = total + (per_token ? err.sum() : err.mean());
+  }
+  return total;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  torch::set_num_threads(1);
+  auto ctx = evenstep::DistContext::CreateFromFlags();
+  if (!ctx.ok()) {
+    std::cerr << ctx.status() << "\n";
+    return 3;
+  }
+  const int rank = (*ctx)->rank(), world = (*ctx)->world_size();
+  absl::StatusOr<evenstep::BalanceConfig> config = evenstep::BalanceConfig::FromFlags();
+  if (!config.ok()) {
+    std::cerr << config.status() << "\n";
+    return 3;
+  }
+  const bool per_token = config->sampler.normalization == evenstep::Normalization::kTokens;
+  const Data data = MakeData(absl::GetFlag(FLAGS_samples));
+  torch::nn::Sequential model = MakeModel();
+  torch::nn::Sequential reference = MakeModel();
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05));
+
+  if (const int seed = absl::GetFlag(FLAGS_split_seed); seed != 0 && world > 1) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(0.1, 1.0);
+    config->initial_shares.resize(world);
+    for (double& s : config->initial_shares) s = u(rng);
+    config->initial_shares[seed % world] = 0;
+  }
+  evenstep::BalancedStep* step_ptr = nullptr;
+  double max_err = 0;
+  config->after_sync = [&] {
+    // Reference: one process, the whole global batch, mean loss.
+    torch::NoGradGuard no_grad;
+    auto params = model->parameters(), ref_params = reference->parameters();
+    for (size_t i = 0; i < params.size(); ++i) ref_params[i].copy_(params[i]);
+    for (auto& p : ref_params) p.mutable_grad() = torch::Tensor();
+    {
+      torch::AutoGradMode enable(true);
+      const evenstep::GlobalBatch& batch = step_ptr->global_batch();
+      (LossSum(reference, data, batch.samples, per_token) / batch.count).backward();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor ref = ref_params[i].grad();
+      const double scale = ref.abs().max().item<double>();
+      const double err = (params[i].grad() - ref).abs().max().item<double>() / scale;
+      max_err = std::max(max_err, err);
+    }
+  };
+  auto step = evenstep::BalancedStep::Create(**ctx, *model, optimizer, data.lengths, *config);
+  if (!step.ok()) {
+    std::cerr << step.status() << "\n";
+    return 3;
+  }
+  step_ptr = step->get();
+  for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
+    max_err = 0;
+    auto report =
+        (*step)->Step([&](const evenstep::MicroBatch& mb) { return mb.samples; },
+                      [&](const std::vector<int64_t>& samples) {
+                        if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank)) {
+                          throw std::runtime_error("injected failure in the loss callback");
+                        }
+                        return LossSum(model, data, samples, per_token);
+                      });
+    if (!report.ok()) {
+      std::cerr << report.status() << "\n";
+      return 2;
+    }
+    std::cout << absl::StrFormat(
+        "step %d rank %d micro %d samples %d loss %.6f eff %.3f err %.3g shares", s, rank,
+        report->micro_batches, report->samples, report->loss, report->balance_efficiency, max_err);
+    for (double share : report->shares) std::cout << absl::StrFormat(" %.3f", share);
+    std::cout << std::endl;
+    if (!(max_err <= 1e-5)) {
+      std::cerr << "gradient mismatch: max relative error " << max_err << " > 1e-5\n";
+      return 1;
+    }
+  }
+  std::cout << "balance ok" << std::endl;
+  return 0;
+}
