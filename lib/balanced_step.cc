@@ -94,9 +94,7 @@ absl::Status BalancedStep::BeginStep() {
     planner_.Update(fits_, batch_.cost, sampler_.micro_batch_cost_cap());
   }
   const Plan& plan = planner_.plan();
-  const PartitionBy by =
-      plan.mode == BalanceMode::kStatic ? PartitionBy::kCount : PartitionBy::kCost;
-  std::vector<std::vector<int64_t>> parts = sampler_.Partition(batch_, plan.shares, by);
+  std::vector<std::vector<int64_t>> parts = SplitGlobalBatch(sampler_, batch_, plan);
   micro_ = sampler_.Pack(std::move(parts[ctx_.rank()]));
   next_micro_ = 0;
   scale_ = batch_.count > 0 ? 1.0 / batch_.count : 0.0;

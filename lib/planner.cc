@@ -30,24 +30,46 @@ const char* BalanceModeName(BalanceMode mode) {
   return "?";
 }
 
+std::vector<std::vector<int64_t>> SplitGlobalBatch(const Sampler& sampler, const GlobalBatch& batch,
+                                                   const Plan& plan) {
+  if (!plan.fits.empty()) return sampler.PartitionByTime(batch, plan.fits, plan.predicted_s);
+  return sampler.Partition(
+      batch, plan.shares,
+      plan.mode == BalanceMode::kStatic ? PartitionBy::kCount : PartitionBy::kCost);
+}
+
+double PredictedTime(const CostFit& fit, double units, double micro_cap_units) {
+  if (!(units > 0)) return 0;
+  const bool capped = std::isfinite(micro_cap_units) && micro_cap_units > 0;
+  return fit.Predict(capped ? std::max(1.0, units / micro_cap_units) : 1.0, units);
+}
+
 std::vector<double> BalancedShares(const std::vector<CostFit>& fits, double units,
                                    double micro_cap_units, int max_micro_batches) {
   const size_t n = fits.size();
   std::vector<double> shares(n, n > 0 ? 1.0 / n : 0);
   if (n <= 1 || !(units > 0)) return shares;
   const bool capped = std::isfinite(micro_cap_units) && micro_cap_units > 0;
-  // Rank r finishes u units at f[r] + c[r] * u: with a cap, the fixed cost
-  // of a micro-step is spread over the cap's units; without one, every rank
-  // takes one micro-step and pays its fixed cost once.
-  std::vector<double> f(n), c(n), upper(n);
+  // Rank r's time for u > 0 units: its fixed cost once per micro-step plus
+  // per_unit * u. Without a cap every rank takes one micro-step; with one, a
+  // rank takes ceil(u / cap) micro-steps, modelled as one micro-step up to
+  // the cap and the fixed cost spread over the cap's units beyond it.
+  std::vector<double> f(n), b(n), beyond(n), upper(n);
   for (size_t r = 0; r < n; ++r) {
-    f[r] = capped ? 0 : fits[r].fixed_s;
-    c[r] = fits[r].per_unit_s + (capped ? fits[r].fixed_s / micro_cap_units : 0);
-    c[r] = std::max(c[r], 1e-12);
+    f[r] = fits[r].fixed_s;
+    b[r] = std::max(fits[r].per_unit_s, 1e-15);
+    beyond[r] = b[r] + (capped ? fits[r].fixed_s / micro_cap_units : 0);
     upper[r] = capped && max_micro_batches > 0 ? max_micro_batches * micro_cap_units
                                                : std::numeric_limits<double>::infinity();
   }
-  auto assigned = [&](double t, size_t r) { return std::clamp((t - f[r]) / c[r], 0.0, upper[r]); };
+  auto assigned = [&](double t, size_t r) {
+    if (t <= f[r]) return 0.0;
+    double u = (t - f[r]) / b[r];
+    if (capped && u > micro_cap_units) {
+      u = micro_cap_units + (t - f[r] - b[r] * micro_cap_units) / beyond[r];
+    }
+    return std::min(u, upper[r]);
+  };
   const double capacity = std::accumulate(upper.begin(), upper.end(), 0.0);
   if (capacity <= units) {
     for (size_t r = 0; r < n; ++r) shares[r] = upper[r] / capacity;
@@ -57,7 +79,7 @@ std::vector<double> BalancedShares(const std::vector<CostFit>& fits, double unit
   // units is found by bisection (the total is monotonic in T).
   double lo = *std::min_element(f.begin(), f.end());
   double hi = 0;
-  for (size_t r = 0; r < n; ++r) hi = std::max(hi, f[r] + c[r] * units);
+  for (size_t r = 0; r < n; ++r) hi = std::max(hi, f[r] + beyond[r] * units);
   for (int iteration = 0; iteration < 100 && hi - lo > 1e-12 * hi; ++iteration) {
     const double mid = 0.5 * (lo + hi);
     double total = 0;
@@ -142,10 +164,9 @@ const Plan& Planner::Update(const std::vector<CostFit>& fits, double units,
       plan_.shares[r] += options_.damping * (target[r] - plan_.shares[r]);
     }
   }
-  const bool capped = std::isfinite(micro_cap_units) && micro_cap_units > 0;
+  plan_.fits = filled;
   for (size_t r = 0; r < n; ++r) {
-    const double u = plan_.shares[r] * units;
-    plan_.predicted_s[r] = filled[r].Predict(capped ? u / micro_cap_units : 1.0, u);
+    plan_.predicted_s[r] = PredictedTime(filled[r], plan_.shares[r] * units, micro_cap_units);
   }
   return plan_;
 }

@@ -242,27 +242,106 @@ std::vector<std::vector<int64_t>> Sampler::Partition(const GlobalBatch& batch,
     return parts;
   }
   const double total_share = std::accumulate(shares.begin(), shares.end(), 0.0);
+  std::vector<double> target(ranks, 0);
+  for (size_t r = 0; r < ranks; ++r) {
+    const double share = total_share > 0 ? shares[r] / total_share : 1.0 / ranks;
+    target[r] = std::max(share, 0.0) * batch.cost;
+  }
+  return Assign(
+      batch, target, [&](size_t, int64_t i) { return costs_[i]; }, [](size_t, int64_t) {});
+}
+
+std::vector<std::vector<int64_t>> Sampler::PartitionByTime(
+    const GlobalBatch& batch, const std::vector<CostFit>& fits,
+    const std::vector<double>& target_s) const {
+  // The micro-batch each rank is filling, as Pack will cut it (samples
+  // arrive longest first, as Pack orders them).
+  struct Open {
+    int64_t n = 0;
+    int64_t max_length = 0;
+  };
+  std::vector<double> target = target_s;
+  std::vector<std::vector<int64_t>> parts;
+  for (int pass = 0; pass < 2; ++pass) {
+    std::vector<Open> open(target.size());
+    auto fits_open = [&](size_t r, int64_t i) {
+      const Open& o = open[r];
+      const int64_t n = o.n + 1;
+      return o.n > 0 && (options_.micro_batch_samples == 0 || n <= options_.micro_batch_samples) &&
+             (options_.micro_batch_tokens == 0 ||
+              n * std::max(o.max_length, lengths_[i]) <= options_.micro_batch_tokens);
+    };
+    auto cost = [&](size_t r, int64_t i) {
+      return fits[r].per_unit_s * costs_[i] + (fits_open(r, i) ? 0.0 : fits[r].fixed_s);
+    };
+    double charged = 0;
+    parts = Assign(batch, target, cost, [&](size_t r, int64_t i) {
+      charged += cost(r, i);
+      Open& o = open[r];
+      if (fits_open(r, i)) {
+        ++o.n;
+        o.max_length = std::max(o.max_length, lengths_[i]);
+      } else {
+        o.n = 1;
+        o.max_length = lengths_[i];
+      }
+    });
+    // The targets come from a smooth model of micro-steps; when the real
+    // packing costs more in total, every target grows by that ratio and the
+    // split is redone once, so the extra is spread in proportion instead of
+    // landing on whichever ranks take the last samples.
+    const double planned = std::accumulate(target.begin(), target.end(), 0.0);
+    if (!(planned > 0) || charged <= planned * 1.001) break;
+    for (double& t : target) t *= charged / planned;
+  }
+  return parts;
+}
+
+template <typename Cost, typename Commit>
+std::vector<std::vector<int64_t>> Sampler::Assign(const GlobalBatch& batch,
+                                                  const std::vector<double>& target, Cost&& cost,
+                                                  Commit&& commit) const {
+  const size_t ranks = std::max<size_t>(target.size(), 1);
+  std::vector<std::vector<int64_t>> parts(ranks);
   std::vector<int64_t> by_cost = batch.samples;
   std::stable_sort(by_cost.begin(), by_cost.end(),
                    [&](int64_t a, int64_t b) { return costs_[a] > costs_[b]; });
-  // Longest first to the rank furthest below its target (the largest
-  // remaining deficit); ties to the lower rank, so every rank computes the
-  // same split.
-  using Entry = std::pair<double, int64_t>;  // (deficit, -rank)
-  std::priority_queue<Entry> heap;
+  // Longest first, each sample to the rank left furthest below its target
+  // after taking it (deficit - cost(rank, sample)): for samples of similar
+  // size that is the rank that would finish it earliest, which fills the last
+  // gaps with the ranks that are fastest for them. The heap holds
+  // deficit - cost(rank, reference sample); the reference is renewed (and the
+  // heap rebuilt, O(ranks)) whenever the samples have become 10 % cheaper, so
+  // a key is never far from the truth for the current sample. Ties go to the
+  // lower rank, so every rank computes the same split. Ranks with a zero
+  // target get nothing.
+  using Entry = std::pair<double, int64_t>;  // (key, -rank)
   std::vector<double> deficit(ranks, 0);
-  for (size_t r = 0; r < ranks; ++r) {
-    const double share = total_share > 0 ? shares[r] / total_share : 1.0 / ranks;
-    if (share <= 0) continue;
-    deficit[r] = share * batch.cost;
-    heap.push({deficit[r], -static_cast<int64_t>(r)});
+  std::vector<size_t> active;
+  for (size_t r = 0; r < target.size(); ++r) {
+    if (target[r] > 0) {
+      deficit[r] = target[r];
+      active.push_back(r);
+    }
   }
+  if (active.empty()) active.push_back(0);  // nothing planned: rank 0 takes all
+  std::vector<Entry> heap;
+  double reference_cost = 0;
+  auto rebuild = [&](int64_t reference) {
+    reference_cost = costs_[reference];
+    heap.clear();
+    for (size_t r : active) heap.push_back({deficit[r] - cost(r, reference), -int64_t(r)});
+    std::make_heap(heap.begin(), heap.end());
+  };
   for (int64_t i : by_cost) {
-    const size_t r = static_cast<size_t>(-heap.top().second);
-    heap.pop();
+    if (heap.empty() || costs_[i] < 0.9 * reference_cost) rebuild(i);
+    std::pop_heap(heap.begin(), heap.end());
+    const size_t r = static_cast<size_t>(-heap.back().second);
+    deficit[r] -= cost(r, i);
+    commit(r, i);
     parts[r].push_back(i);
-    deficit[r] -= costs_[i];
-    heap.push({deficit[r], -static_cast<int64_t>(r)});
+    heap.back().first = deficit[r] - cost(r, i);  // against a sample like this one
+    std::push_heap(heap.begin(), heap.end());
   }
   return parts;
 }

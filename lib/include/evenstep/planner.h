@@ -6,10 +6,10 @@
 //   static   equal sample counts (the usual practice; the reference)
 //   work     equal cost units
 //   dynamic  cost units in proportion to measured speed: rank r's predicted
-//            time for u units is fixed_r * k_r(u) + per_unit_r * u, with
-//            k_r(u) = u / micro_cap micro-steps; the shares equalise the
-//            predicted finish times (water-filling), within the bound of
-//            max_micro_batches micro-steps per rank.
+//            time for u > 0 units is fixed_r * k_r(u) + per_unit_r * u, with
+//            k_r(u) = max(1, u / micro_cap) micro-steps (PredictedTime); the
+//            shares equalise the predicted finish times (water-filling),
+//            within the bound of max_micro_batches micro-steps per rank.
 // Stability: a target that differs from the current plan by less than
 // `deadband` (relative, per rank) is ignored; a change up to `jump` is
 // approached with `damping` (a fraction of the gap per plan), so noisy
@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "evenstep/cost_model.h"
+#include "evenstep/sampler.h"
 
 namespace evenstep {
 
@@ -49,6 +50,10 @@ struct Plan {
   // Predicted busy time of each rank for a global batch of `units` (dynamic
   // with valid fits; zeros otherwise).
   std::vector<double> predicted_s;
+  // dynamic: the fits the plan was computed from (ranks without measurements
+  // filled in with the median rank), for Sampler::PartitionByTime; empty
+  // until measurements exist.
+  std::vector<CostFit> fits;
 };
 
 class Planner {
@@ -72,6 +77,15 @@ class Planner {
   PlannerOptions options_;
   Plan plan_;
 };
+
+// Splits `batch` across ranks as `plan` says: static by sample count, work by
+// cost units, dynamic by predicted time once measurements exist
+// (Sampler::PartitionByTime), by cost units before.
+std::vector<std::vector<int64_t>> SplitGlobalBatch(const Sampler& sampler, const GlobalBatch& batch,
+                                                   const Plan& plan);
+
+// Predicted busy time of a rank with `fit` for `units` cost units (0 for none).
+double PredictedTime(const CostFit& fit, double units, double micro_cap_units);
 
 // The shares that equalise predicted finish times, without damping
 // (exposed for tests and the simulation benchmark).

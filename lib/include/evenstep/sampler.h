@@ -28,6 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "evenstep/cost_model.h"
 
 namespace evenstep {
 
@@ -117,6 +118,15 @@ class Sampler {
   std::vector<std::vector<int64_t>> Partition(const GlobalBatch& batch,
                                               const std::vector<double>& shares,
                                               PartitionBy by) const;
+  // Each sample, longest first, goes to the rank furthest below its
+  // target time (`target_s[r]`, zero = no work), where a rank's time is
+  // predicted from its fit with the micro-batches it would actually pack: a
+  // sample that opens a new micro-batch also costs that rank's fixed cost.
+  // This keeps the discrete micro-step costs the planner's smooth model
+  // cannot see out of the imbalance.
+  std::vector<std::vector<int64_t>> PartitionByTime(const GlobalBatch& batch,
+                                                    const std::vector<CostFit>& fits,
+                                                    const std::vector<double>& target_s) const;
   // Cuts one rank's samples into micro-batches under the caps, longest first.
   std::vector<MicroBatch> Pack(std::vector<int64_t> samples) const;
 
@@ -134,6 +144,13 @@ class Sampler {
           SamplerOptions options);
   // Builds epoch_batches_ for `epoch`.
   void BuildEpoch(int64_t epoch);
+  // Longest first to the rank with the largest target - charged so far;
+  // cost(rank, sample) is what the sample would add to that rank;
+  // commit(rank, sample) records that it went there.
+  template <typename Cost, typename Commit>
+  std::vector<std::vector<int64_t>> Assign(const GlobalBatch& batch,
+                                           const std::vector<double>& target, Cost&& cost,
+                                           Commit&& commit) const;
 
   std::vector<int64_t> lengths_;
   std::vector<double> costs_;
