@@ -14,10 +14,8 @@
 #include "evenstep/grad_sync.h"
 
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -28,6 +26,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/relaunch.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/status_macros.h"
 
@@ -166,24 +165,7 @@ void Print(const Result& r, int batch, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (std::getenv("RANK") == nullptr) {
-    // Not under a launcher: run 2 ranks of this program.
-    std::vector<char*> args = {const_cast<char*>(EVENSTEP_RUN), const_cast<char*>("-n"),
-                               const_cast<char*>("2"), const_cast<char*>("--"),
-                               const_cast<char*>("/proc/self/exe")};
-    std::string self = std::string("/proc/") + std::to_string(getpid()) + "/exe";
-    char resolved[4096];
-    ssize_t n = readlink(self.c_str(), resolved, sizeof(resolved) - 1);
-    if (n > 0) {
-      resolved[n] = 0;
-      args[4] = resolved;
-    }
-    for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
-    args.push_back(nullptr);
-    execv(args[0], args.data());
-    perror("exec evenstep-run");
-    return 1;
-  }
+  if (int rc = evenstep::bench::RelaunchUnlessLaunched(2, argc, argv); rc != 0) return rc;
   absl::ParseCommandLine(argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
   const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : (quick ? 5 : 20);

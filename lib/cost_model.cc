@@ -8,6 +8,8 @@
 namespace evenstep {
 namespace {
 
+constexpr int kMinPointsForIntercept = 6;
+
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   const size_t mid = v.size() / 2;
@@ -21,6 +23,13 @@ CostFit RobustLinearFit(const double* x, const double* y, int n) {
   CostFit fit;
   if (n <= 0) return fit;
   fit.observations = n;
+  // The fixed part is only identifiable when sizes vary: with few points or
+  // a narrow spread of units a noisy intercept would swing the plan (a rank
+  // "with a huge fixed cost" gets no work), so the fit is proportional.
+  double mean_x = 0, var_x = 0;
+  for (int i = 0; i < n; ++i) mean_x += x[i] / n;
+  for (int i = 0; i < n; ++i) var_x += (x[i] - mean_x) * (x[i] - mean_x) / n;
+  const bool identifiable = n >= kMinPointsForIntercept && var_x > 0.01 * mean_x * mean_x;
   std::vector<double> w(n, 1.0), residual(n);
   double a = 0, b = 0;
   constexpr double kHuber = 1.345;  // 95 % efficiency under Gaussian noise
@@ -41,7 +50,7 @@ CostFit RobustLinearFit(const double* x, const double* y, int n) {
     }
     // Units (nearly) constant: fixed and per-unit parts cannot be told apart;
     // a proportional fit predicts other sizes best.
-    const bool degenerate = sxx <= 1e-9 * sxx0;
+    const bool degenerate = !identifiable || sxx <= 1e-9 * sxx0;
     if (!degenerate) {
       b = sxy / sxx;
       a = ym - b * xm;
@@ -69,7 +78,7 @@ CostFit RobustLinearFit(const double* x, const double* y, int n) {
 void CostModel::Record(double units, double data_s, double compute_s) {
   if (steps_ <= options_.warmup_steps) return;
   const Observation obs{units, data_s, compute_s, data_s + compute_s};
-  if (static_cast<int>(window_.size()) >= options_.change_run) {
+  if (static_cast<int>(window_.size()) >= kMinPointsForIntercept) {
     const CostFit fit = total_fit();
     const double predicted = fit.Predict(1, units);
     const double relative = predicted > 0 ? (obs.total_s - predicted) / predicted : 0;

@@ -158,7 +158,15 @@ const Plan& Planner::Update(const std::vector<CostFit>& fits, double units,
     largest_change = std::max(largest_change, std::abs(target[r] - plan_.shares[r]) / reference);
   }
   if (largest_change > options_.jump) {
-    plan_.shares = target;
+    // A real change is followed at once, but no share moves by more than a
+    // factor of 2 per plan, so one bad measurement cannot empty a rank.
+    double total = 0;
+    for (size_t r = 0; r < n; ++r) {
+      const double floor = plan_.shares[r] > 0 ? plan_.shares[r] / 2 : 0;
+      const double ceiling = plan_.shares[r] > 0 ? plan_.shares[r] * 2 : target[r];
+      total += (plan_.shares[r] = std::clamp(target[r], floor, std::max(floor, ceiling)));
+    }
+    for (double& s : plan_.shares) s /= total;
   } else if (largest_change > options_.deadband) {
     for (size_t r = 0; r < n; ++r) {
       plan_.shares[r] += options_.damping * (target[r] - plan_.shares[r]);

@@ -1,6 +1,7 @@
 // DistContext over real processes: each test starts rank_helper processes over
 // Gloo on 127.0.0.1, with a c10d store hosted by the test (port from the OS)
 // or by rank 0, and bounds every wait so a hang fails.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,7 +69,13 @@ TEST(DistContextTest, SingleProcessNeedsNoLauncher) {
 TEST(DistContextTest, Rank0HostsTheStoreWhenNoAgent) {
   const int port = evenstep::testing::PickFreePort();
   auto specs = TorchrunRanks(2, port, HelperArgs({"collectives"}));
-  for (auto& spec : specs) spec.env.pop_back();  // no TORCHELASTIC_USE_AGENT_STORE
+  for (auto& spec : specs) {  // no TORCHELASTIC_USE_AGENT_STORE: rank 0 hosts the store
+    auto& env = spec.env;
+    env.erase(
+        std::remove_if(env.begin(), env.end(),
+                       [](const auto& kv) { return kv.first == "TORCHELASTIC_USE_AGENT_STORE"; }),
+        env.end());
+  }
   auto results = RunAll(specs, kHangBound);
   for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
   EXPECT_THAT(results[0].output, HasSubstr("hosted by rank 0"));

@@ -30,13 +30,19 @@ TEST(PlannerTest, SharesProportionalToSpeedForLinearCosts) {
   std::vector<CostFit> fits;
   for (double s : speed) fits.push_back(Fit(0, 1 / s));
   Planner planner(4, PlannerOptions{});
-  const Plan& plan = planner.Update(fits, 10000, 100);
+  // From equal shares: each plan moves a share by at most 2x, small moves
+  // are damped; it converges within a few plans.
+  for (int i = 0; i < 30; ++i) planner.Update(fits, 10000, 100);
+  const Plan& plan = planner.plan();
   const double total = 1 + 2 + 0.5 + 1.5;
   for (int r = 0; r < 4; ++r) {
     EXPECT_NEAR(plan.shares[r], speed[r] / total, 0.02 * speed[r] / total) << "rank " << r;
   }
-  // Equal predicted finish times.
-  for (int r = 1; r < 4; ++r) EXPECT_NEAR(plan.predicted_s[r], plan.predicted_s[0], 1e-6);
+  // Predicted finish times equal up to the 2 % deadband (the plan stops
+  // moving once within it).
+  for (int r = 1; r < 4; ++r) {
+    EXPECT_NEAR(plan.predicted_s[r], plan.predicted_s[0], 0.03 * plan.predicted_s[0]);
+  }
 }
 
 TEST(PlannerTest, FixedCostPerMicroStepIsAccounted) {
@@ -94,6 +100,14 @@ TEST(PlannerTest, DoesNotOscillateOnNoisyMeasurements) {
   EXPECT_NEAR(plans.back()[1], (1 / 2e-3) / total, 0.02 * (1 / 2e-3) / total);
 }
 
+TEST(PlannerTest, NoShareMovesMoreThan2xPerPlan) {
+  Planner planner(2, PlannerOptions{});
+  const Plan& plan = planner.Update({Fit(0, 1e-3), Fit(0, 1e-1)}, 1000, kUncapped);
+  // The target gives rank 1 under 1 %; one plan only halves its share.
+  // Clamped to [0.25, 1] before normalising: 0.25 / (0.99 + 0.25).
+  EXPECT_NEAR(plan.shares[1], 0.25 / (0.25 + 0.99), 1e-3);
+}
+
 TEST(PlannerTest, RealChangeIsFollowedAtOnce) {
   Planner planner(4, PlannerOptions{});
   std::vector<CostFit> fits(4, Fit(0, 1e-3));
@@ -120,7 +134,8 @@ TEST(PlannerTest, SeededSharesUntilMeasuredAndIdleRanksGetWork) {
   EXPECT_EQ(planner.Update(none, 100, kUncapped).shares, (std::vector<double>{0.25, 0, 0.75}));
   // Rank 1 has had no work, so no fit: it counts as the median rank.
   std::vector<CostFit> fits = {Fit(0, 1e-3), CostFit{}, Fit(0, 3e-3)};
-  const Plan& plan = planner.Update(fits, 1000, kUncapped);
+  for (int i = 0; i < 30; ++i) planner.Update(fits, 1000, kUncapped);
+  const Plan& plan = planner.plan();
   EXPECT_GE(plan.shares[1], 0.19);
   EXPECT_NEAR(plan.shares[1], plan.shares[2], 0.02);
   EXPECT_THAT(planner.SetShares({1, -1, 1}).message(), ::testing::HasSubstr("rank 1"));

@@ -6,7 +6,9 @@
 // to each, robustly: the first `warmup_steps` optimizer steps are ignored,
 // Huber-weighted least squares over a window of recent micro-steps keeps
 // single outliers (a page fault, a GC pause in the data loader) from swinging
-// the fit, and a run of `change_run` consecutive residuals beyond
+// the fit (with fewer than 6 points, or units that hardly vary, the fit is
+// proportional: a noisy intercept would swing the plan), and once the window
+// holds 6 points a run of `change_run` consecutive residuals beyond
 // `change_threshold` on the same side is taken as a real change of speed
 // (thermal throttling, a noisy neighbour): the window restarts from them so
 // the planner follows within a step or two.

@@ -14,7 +14,8 @@
 // `deadband` (relative, per rank) is ignored; a change up to `jump` is
 // approached with `damping` (a fraction of the gap per plan), so noisy
 // measurements do not make the plan oscillate; a larger change (a rank whose
-// speed really changed) is applied at once.
+// speed really changed) is applied at once, bounded to a factor of 2 per
+// share and plan so a single bad measurement cannot empty a rank.
 //
 // Thread-safety: not thread-safe.
 #pragma once

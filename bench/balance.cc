@@ -1,0 +1,286 @@
+// Balance benchmark: 4 real ranks (Gloo, evenstep-run) train on the
+// variable-length fortune-cookie collection with BalancedStep in each mode —
+// static (equal sample counts, the usual practice), work (equal bytes),
+// dynamic (bytes x measured speed) — side by side in one run.
+//
+// Scenarios:
+//   steady  rank 3 is slowed by --slow (default 2x) per cost unit throughout
+//   change  every rank starts equal; rank 3 becomes --slow x slower halfway
+//   model   a real byte-level model (embedding + MLP, next-byte loss) instead
+//           of calibrated sleep, rank 3 slowed by an injected per-unit delay
+//
+// In steady and change, compute is a calibrated sleep per cost unit plus a
+// fixed cost per micro-step (plus a negligible loss over the byte model's
+// parameters, so real gradients are synced),
+// so 4 ranks do not contend for the machine's cores and the ideal step time
+// is known: all work spread in proportion to the true speeds. The model
+// scenario shows the same modes with real compute (4 ranks sharing the
+// cores; no ideal).
+//
+// Per mode: mean step time, balance efficiency (mean/max of per-rank busy
+// time before the sync), step time / ideal (everything: the sync, the
+// optimizer and the per-step exchange included), slowest rank's busy time /
+// ideal (what balancing controls), and in `change` the steps until
+// efficiency is back to >= 0.95. Last line: SUMMARY {json}.
+//
+//   evenstep_bench_balance [--quick] [--steps N] [--slow F] [--scenarios steady,change,model]
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "bench/relaunch.h"
+#include "evenstep/balanced_step.h"
+#include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
+#include "samples/fortunes.h"
+
+ABSL_FLAG(bool, quick, false, "Few steps, less work per step (the smoke test).");
+ABSL_FLAG(int, steps, 0, "Steps per mode and scenario (default 30, quick 10).");
+ABSL_FLAG(double, slow, 2.0, "Slow-down factor of the slowed rank.");
+ABSL_FLAG(int, slow_rank, 3, "The slowed rank.");
+ABSL_FLAG(double, us_per_byte, 0, "Sleep per cost unit (default 40 us, quick 10 us).");
+ABSL_FLAG(double, fixed_ms, 1.0, "Sleep per micro-step.");
+ABSL_FLAG(bool, verbose, false, "Print every step: shares, micro-batches and busy time per rank.");
+ABSL_FLAG(std::string, scenarios, "steady,change,model", "Scenarios to run.");
+
+namespace {
+
+using evenstep::BalanceMode;
+
+struct Texts {
+  std::vector<std::string> texts;
+  std::vector<int64_t> lengths;
+};
+
+struct RunResult {
+  // ideal_ratio: step time / ideal; busy_ratio: slowest rank's busy time
+  // (data + compute, no sync or optimizer) / ideal.
+  double step_ms = 0, efficiency = 0, ideal_ratio = 0, busy_ratio = 0;
+  int rebalance_steps = -1;  // change: steps after the change until efficiency >= 0.95
+};
+
+// Byte-level next-byte model for the `model` scenario.
+struct ByteModelImpl : torch::nn::Module {
+  ByteModelImpl()
+      : embed(register_module("embed", torch::nn::Embedding(256, 64))),
+        hidden(register_module("hidden", torch::nn::Linear(64, 128))),
+        out(register_module("out", torch::nn::Linear(128, 256))) {}
+  // Sum over real bytes of the next-byte cross-entropy.
+  torch::Tensor LossSum(const Texts& data, const std::vector<int64_t>& samples) {
+    int64_t longest = 0;
+    for (int64_t i : samples) longest = std::max(longest, data.lengths[i]);
+    const int64_t n = static_cast<int64_t>(samples.size());
+    torch::Tensor bytes = torch::zeros({n, longest + 1}, torch::kLong);
+    torch::Tensor mask = torch::zeros({n, longest}, torch::kFloat);
+    for (int64_t k = 0; k < n; ++k) {
+      const std::string& t = data.texts[samples[k]];
+      for (size_t j = 0; j < t.size(); ++j) {
+        bytes[k][j + 1] = static_cast<int64_t>(static_cast<unsigned char>(t[j]));
+      }
+      mask[k].narrow(0, 0, static_cast<int64_t>(t.size())).fill_(1);
+    }
+    torch::Tensor x = bytes.narrow(1, 0, longest), y = bytes.narrow(1, 1, longest);
+    torch::Tensor logits = out(torch::tanh(hidden(embed(x))));
+    torch::Tensor nll = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, 256}), y.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+    return (nll * mask.reshape({-1})).sum();
+  }
+  torch::nn::Embedding embed;
+  torch::nn::Linear hidden, out;
+};
+TORCH_MODULE(ByteModel);
+
+double Mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / v.size();
+}
+
+absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, BalanceMode mode,
+                              const std::string& scenario, int steps) {
+  const int rank = ctx.rank();
+  const double slow = absl::GetFlag(FLAGS_slow);
+  const int slow_rank = absl::GetFlag(FLAGS_slow_rank);
+  const double per_unit_s =
+      (absl::GetFlag(FLAGS_us_per_byte) > 0 ? absl::GetFlag(FLAGS_us_per_byte)
+                                            : (absl::GetFlag(FLAGS_quick) ? 10 : 40)) *
+      1e-6;
+  const double fixed_s = absl::GetFlag(FLAGS_fixed_ms) * 1e-3;
+  const bool real = scenario == "model";
+  const int change_at = steps / 2;
+  auto factor = [&](int r, int step) {
+    if (r != slow_rank) return 1.0;
+    if (scenario == "change") return step > change_at ? slow : 1.0;
+    return slow;
+  };
+
+  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig config, evenstep::BalanceConfig::FromFlags());
+  config.planner.mode = mode;
+  torch::manual_seed(0);
+  ByteModel model;
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01));
+  EVENSTEP_ASSIGN_OR_RETURN(
+      std::unique_ptr<evenstep::BalancedStep> step,
+      evenstep::BalancedStep::Create(ctx, *model, optimizer, data.lengths, config));
+
+  const double cap = step->sampler().micro_batch_cost_cap();
+  std::vector<double> step_ms, efficiency, ideal_ratio, busy_ratio;
+  RunResult result;
+  for (int s = 1; s <= steps; ++s) {
+    auto report = step->Step(
+        [&](const evenstep::MicroBatch& mb) { return mb; },
+        [&](const evenstep::MicroBatch& mb) -> torch::Tensor {
+          if (real) {
+            torch::Tensor loss = model->LossSum(data, mb.samples);
+            const double extra = (factor(rank, s) - 1) * per_unit_s * mb.cost;
+            if (extra > 0) std::this_thread::sleep_for(std::chrono::duration<double>(extra));
+            return loss;
+          }
+          std::this_thread::sleep_for(
+              std::chrono::duration<double>(fixed_s + per_unit_s * factor(rank, s) * mb.cost));
+          // A negligible loss over every parameter, so GradSync has real
+          // gradients to reduce (weight decay of the byte model).
+          torch::Tensor decay = torch::zeros({});
+          for (const auto& p : model->parameters()) decay = decay + p.pow(2).sum();
+          return decay * 1e-6;
+        });
+    if (!report.ok()) return report.status();
+    const double ms = absl::ToDoubleMilliseconds(report->end - report->begin);
+    // The ideal: the step's work spread in proportion to the true speeds.
+    std::vector<evenstep::CostFit> truth(ctx.world_size());
+    for (int r = 0; r < ctx.world_size(); ++r) {
+      truth[r].fixed_s = fixed_s;
+      truth[r].per_unit_s = per_unit_s * factor(r, s);
+      truth[r].observations = 1;
+    }
+    const double units = step->global_batch().cost;
+    const auto shares = evenstep::BalancedShares(truth, units, cap, 0);
+    const double ideal_ms = 1e3 * evenstep::PredictedTime(truth[0], shares[0] * units, cap);
+    if (absl::GetFlag(FLAGS_verbose) && rank == 0) {
+      std::vector<std::string> per_rank;
+      for (int r = 0; r < ctx.world_size(); ++r) {
+        per_rank.push_back(absl::StrFormat("r%d %.3f x%d %.1fms", r, report->shares[r],
+                                           report->rank_micro_batches[r],
+                                           1e3 * report->rank_busy_s[r]));
+      }
+      std::cout << absl::StrFormat(
+          "    %s %s step %d: %.1f ms (ideal %.1f; rank 0: sync wait %.1f, optimizer %.1f), "
+          "efficiency %.3f | %s\n",
+          scenario, evenstep::BalanceModeName(mode), s, ms, ideal_ms,
+          absl::ToDoubleMilliseconds(report->sync_wait),
+          absl::ToDoubleMilliseconds(report->optimizer), report->balance_efficiency,
+          absl::StrJoin(per_rank, " | "));
+    }
+    const bool counted =
+        scenario == "change" ? s > change_at + 5 || (s > 3 && s <= change_at) : s > 3;
+    if (counted) {
+      step_ms.push_back(ms);
+      efficiency.push_back(report->balance_efficiency);
+      ideal_ratio.push_back(ms / ideal_ms);
+      busy_ratio.push_back(
+          1e3 * *std::max_element(report->rank_busy_s.begin(), report->rank_busy_s.end()) /
+          ideal_ms);
+    }
+    if (scenario == "change" && s > change_at && result.rebalance_steps < 0 &&
+        report->balance_efficiency >= 0.95) {
+      result.rebalance_steps = s - change_at;
+    }
+  }
+  result.step_ms = Mean(step_ms);
+  result.efficiency = Mean(efficiency);
+  result.ideal_ratio = real ? 0 : Mean(ideal_ratio);
+  result.busy_ratio = real ? 0 : Mean(busy_ratio);
+  return result;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (int rc = evenstep::bench::RelaunchUnlessLaunched(4, argc, argv); rc != 0) return rc;
+  // The benchmark's defaults; --evenstep_* on the command line override them.
+  absl::SetFlag(&FLAGS_evenstep_micro_batch_tokens, 4096);
+  absl::SetFlag(&FLAGS_evenstep_timeout, absl::Minutes(2));
+  absl::ParseCommandLine(argc, argv);
+  torch::set_num_threads(1);
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : (quick ? 10 : 30);
+  auto ctx = evenstep::DistContext::CreateFromFlags();
+  if (!ctx.ok()) {
+    std::cerr << ctx.status() << "\n";
+    return 1;
+  }
+  const bool print = (*ctx)->rank() == 0;
+  auto fortunes = evenstep::samples::LoadFortunes();
+  if (!fortunes.ok()) {
+    std::cerr << fortunes.status() << "\n";
+    return 1;
+  }
+  Texts data;
+  data.texts = *std::move(fortunes);
+  data.lengths = evenstep::samples::Lengths(data.texts);
+  if (print) {
+    std::cout << absl::StrFormat(
+        "balance: %d ranks, %d fortunes (1-%d bytes), global batch %d samples, micro-batch cap %d "
+        "padded bytes, rank %d slowed %.1fx, %d steps per mode\n",
+        (*ctx)->world_size(), data.lengths.size(),
+        *std::max_element(data.lengths.begin(), data.lengths.end()),
+        absl::GetFlag(FLAGS_evenstep_global_batch),
+        absl::GetFlag(FLAGS_evenstep_micro_batch_tokens), absl::GetFlag(FLAGS_slow_rank),
+        absl::GetFlag(FLAGS_slow), steps);
+  }
+  std::map<std::string, std::map<std::string, RunResult>> all;
+  for (absl::string_view sv : absl::StrSplit(absl::GetFlag(FLAGS_scenarios), ',')) {
+    const std::string scenario(sv);
+    if (print) {
+      std::cout << absl::StrFormat("%s:\n  %-8s %10s %10s %11s %11s %10s\n", scenario, "mode",
+                                   "step ms", "efficiency", "step/ideal", "busy/ideal",
+                                   "rebalance");
+    }
+    for (BalanceMode mode : {BalanceMode::kStatic, BalanceMode::kWork, BalanceMode::kDynamic}) {
+      absl::StatusOr<RunResult> r = Run(**ctx, data, mode, scenario, steps);
+      if (!r.ok()) {
+        std::cerr << "rank " << (*ctx)->rank() << ": " << r.status() << "\n";
+        return 1;
+      }
+      all[scenario][evenstep::BalanceModeName(mode)] = *r;
+      if (print) {
+        std::cout << absl::StrFormat(
+            "  %-8s %10.1f %10.3f %11s %11s %10s\n", evenstep::BalanceModeName(mode), r->step_ms,
+            r->efficiency, r->ideal_ratio > 0 ? absl::StrFormat("%.3f", r->ideal_ratio) : "-",
+            r->busy_ratio > 0 ? absl::StrFormat("%.3f", r->busy_ratio) : "-",
+            scenario != "change"     ? "-"
+            : r->rebalance_steps < 0 ? "never"
+                                     : absl::StrCat(r->rebalance_steps, " steps"));
+      }
+    }
+  }
+  if (print) {
+    std::vector<std::string> fields = {"\"bench\": \"balance\""};
+    for (const auto& [scenario, modes] : all) {
+      const RunResult& d = modes.at("dynamic");
+      fields.push_back(absl::StrFormat(
+          "\"%s\": {\"dynamic_efficiency\": %.4f, \"dynamic_step_over_ideal\": %.4f, "
+          "\"dynamic_busy_over_ideal\": %.4f, "
+          "\"static_efficiency\": %.4f, \"work_efficiency\": %.4f, \"static_step_over_dynamic\": "
+          "%.4f, \"work_step_over_dynamic\": %.4f, \"dynamic_rebalance_steps\": %d}",
+          scenario, d.efficiency, d.ideal_ratio, d.busy_ratio, modes.at("static").efficiency,
+          modes.at("work").efficiency, modes.at("static").step_ms / d.step_ms,
+          modes.at("work").step_ms / d.step_ms, d.rebalance_steps));
+    }
+    fields.push_back(absl::StrFormat("\"quick\": %s", quick ? "true" : "false"));
+    std::cout << "SUMMARY {" << absl::StrJoin(fields, ", ") << "}" << std::endl;
+  }
+  return 0;
+}

@@ -1,0 +1,12 @@
+// Benchmarks that need several ranks re-run themselves under evenstep-run when
+// started without a launcher, so `./evenstep_bench_x` is all a user types.
+#pragma once
+
+namespace evenstep::bench {
+
+// When RANK is not set: execs `evenstep-run -n ranks -- <this program> args...`
+// and does not return (returns 1 after printing why, if the exec fails).
+// Under a launcher: returns 0 at once.
+int RelaunchUnlessLaunched(int ranks, int argc, char** argv);
+
+}  // namespace evenstep::bench
