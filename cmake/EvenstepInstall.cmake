@@ -10,6 +10,7 @@ install(TARGETS evenstep evenstep_torch
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/lib/include/evenstep
   ${PROJECT_SOURCE_DIR}/hooks/include/evenstep
+  ${PROJECT_SOURCE_DIR}/io/include/evenstep
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(FILES ${CMAKE_BINARY_DIR}/generated/evenstep/internal/build_config.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/evenstep/internal)

@@ -11,7 +11,7 @@ PACKAGES=(
   libabsl-dev
   libboost-fiber-dev libboost-context-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev
+  libxxhash-dev nlohmann-json3-dev hdf5-tools
   python3 python3-h5py python3-numpy
   fortunes procps
 )

@@ -1,0 +1,400 @@
+// CheckpointWriter: snapshot on the training thread, everything else on the
+// I/O fibers; the commit protocol is written down in checkpoint.h.
+#include <ATen/ATen.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "evenstep/checkpoint.h"
+#include "evenstep/internal/dtypes.h"
+#include "evenstep/internal/h5_shard.h"
+#include "evenstep/internal/names.h"
+#include "evenstep/internal/shard_plan.h"
+#include "evenstep/io_runtime.h"
+
+namespace evenstep {
+namespace {
+
+using internal::Piece;
+using internal::ShardDataset;
+using internal::TensorMeta;
+
+constexpr size_t kWriteChunk = 64 << 20;
+
+class InProcessCommitStore : public CommitStore {
+ public:
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    values_[key] = value;
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return values_.count(key) > 0; })) {
+      return absl::DeadlineExceededError("commit store: no value for " + key);
+    }
+    return values_[key];
+  }
+  absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return counters_[key] += delta;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> values_;
+  std::map<std::string, int64_t> counters_;
+};
+
+std::string ShardName(int rank, int world) {
+  return absl::StrFormat("shard-%05d-of-%05d.h5", rank, world);
+}
+
+std::string StepDirName(int64_t step) { return absl::StrFormat("step-%010d", step); }
+
+// One reusable staging buffer: the shard's HDF5 image for one state layout.
+struct Staging {
+  std::string signature;
+  std::string image;
+  std::vector<ShardDataset> datasets;
+  std::vector<Piece> pieces;
+  bool busy = false;
+};
+
+}  // namespace
+
+std::unique_ptr<CommitStore> NewInProcessCommitStore() {
+  return std::make_unique<InProcessCommitStore>();
+}
+
+std::string CheckpointPath(const std::string& dir, int64_t step) {
+  return absl::StrCat(dir, "/", StepDirName(step));
+}
+
+struct CheckpointWriter::Impl {
+  CheckpointOptions options;
+  CommitStore* store;
+  int rank, world;
+  Env* env;
+  std::unique_ptr<IoRuntime> runtime;
+  std::mutex mu;  // guards staging[].busy
+  std::condition_variable freed;
+  std::vector<Staging> staging;
+  std::deque<std::shared_future<absl::Status>> in_flight;
+  int64_t saves = 0;  // sequence number of Save calls: the commit key
+
+  absl::Status WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
+                              const std::vector<TensorMeta>& metas, const std::string& extras);
+  absl::Status Commit(int64_t seq, int64_t step, const std::vector<TensorMeta>& metas,
+                      const std::string& extras);
+  absl::Status Retain(int64_t committed_step);
+};
+
+CheckpointWriter::CheckpointWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  WaitAll().IgnoreError();
+  impl_->runtime.reset();
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(
+    CheckpointOptions options, CommitStore* store, int rank, int world_size) {
+  if (options.dir.empty()) return absl::InvalidArgumentError("checkpoint directory is empty");
+  if (store == nullptr) return absl::InvalidArgumentError("checkpoint writer needs a CommitStore");
+  if (rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", world_size));
+  }
+  if (options.max_in_flight < 1 || options.keep < 1 || options.slice_bytes < 1) {
+    return absl::InvalidArgumentError("max_in_flight, keep and slice_bytes must be >= 1");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->env = options.env != nullptr ? options.env : Env::Default();
+  impl->options = std::move(options);
+  impl->store = store;
+  impl->rank = rank;
+  impl->world = world_size;
+  impl->runtime = std::make_unique<IoRuntime>(impl->options.io_threads);
+  impl->staging.resize(impl->options.max_in_flight);
+  if (absl::Status s = impl->env->CreateDirs(impl->options.dir); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("checkpoint writer, rank ", rank, ": ", s.message()));
+  }
+  return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
+}
+
+absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) {
+  Impl& m = *impl_;
+  const absl::Time begin = absl::Now();
+  SaveTicket ticket;
+  ticket.step = state.step;
+  const int64_t seq = m.saves++;
+  // Describe the state; the same on every rank.
+  std::vector<TensorMeta> metas;
+  std::string signature;
+  for (const auto& [name, tensor] : state.tensors) {
+    if (absl::Status s = internal::ValidateTensorName(name); !s.ok()) return s;
+    std::optional<std::string> dtype = internal::DtypeName(tensor.scalar_type());
+    if (!dtype) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": dtype ",
+                                                     c10::toString(tensor.scalar_type()),
+                                                     " cannot be checkpointed"));
+    }
+    TensorMeta meta{name, *dtype, tensor.sizes().vec(), tensor.numel(),
+                    static_cast<int64_t>(tensor.element_size())};
+    absl::StrAppend(&signature, name, ":", meta.dtype, ":", absl::StrJoin(meta.shape, "x"), ";");
+    metas.push_back(std::move(meta));
+  }
+  // A staging buffer: free, or the oldest save finishes (kWait), or skip.
+  int slot = -1;
+  {
+    std::unique_lock<std::mutex> lock(m.mu);
+    auto find_free = [&] {
+      for (size_t i = 0; i < m.staging.size(); ++i) {
+        if (!m.staging[i].busy) return static_cast<int>(i);
+      }
+      return -1;
+    };
+    slot = find_free();
+    if (slot < 0 && m.options.when_busy == WhenBusy::kSkip) {
+      ticket.skipped = true;
+      std::promise<absl::Status> p;
+      p.set_value(absl::OkStatus());
+      ticket.done = p.get_future().share();
+      return ticket;
+    }
+    m.freed.wait(lock, [&] { return (slot = find_free()) >= 0; });
+    m.staging[slot].busy = true;
+  }
+  Staging& stage = m.staging[slot];
+  auto release = [&m, &stage] {
+    std::lock_guard<std::mutex> lock(m.mu);
+    stage.busy = false;
+    m.freed.notify_all();
+  };
+  if (stage.signature != signature) {
+    const auto plan = internal::PlanShards(metas, m.world, m.options.slice_bytes);
+    stage.pieces = plan[m.rank];
+    stage.datasets.clear();
+    for (const Piece& p : stage.pieces) {
+      const TensorMeta& t = metas[p.tensor];
+      ShardDataset d;
+      d.path = internal::DatasetPath(t, p);
+      d.dtype = t.dtype;
+      d.shape = p.whole ? t.shape : std::vector<int64_t>{p.end - p.begin};
+      d.tensor = t.name;
+      d.begin = p.begin;
+      d.end = p.end;
+      stage.datasets.push_back(std::move(d));
+    }
+    absl::StatusOr<std::string> image = internal::BuildShardImage(&stage.datasets);
+    if (!image.ok()) {
+      stage.signature.clear();
+      release();
+      return image.status();
+    }
+    stage.image = *std::move(image);
+    stage.signature = signature;
+  }
+  // The snapshot: the only part the training thread waits for.
+  try {
+    for (size_t i = 0; i < stage.pieces.size(); ++i) {
+      const Piece& p = stage.pieces[i];
+      const ShardDataset& d = stage.datasets[i];
+      if (d.bytes == 0) continue;
+      at::Tensor src = state.tensors[p.tensor].second.detach();
+      if (!src.device().is_cpu()) src = src.to(at::kCPU);
+      src = src.contiguous().reshape({-1}).slice(0, p.begin, p.end);
+      std::memcpy(stage.image.data() + d.offset, src.data_ptr(), static_cast<size_t>(d.bytes));
+    }
+  } catch (const std::exception& e) {
+    release();
+    return absl::InternalError(
+        absl::StrCat("checkpoint snapshot of step ", state.step, ": ", e.what()));
+  }
+  ticket.snapshot_seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+  const int64_t step = state.step;
+  const std::string extras = state.extras_json;
+  Impl* impl = impl_.get();
+  ticket.done = m.runtime
+                    ->Spawn([impl, &stage, seq, step, metas, extras] {
+                      absl::Status s = impl->WriteAndCommit(stage, seq, step, metas, extras);
+                      {
+                        std::lock_guard<std::mutex> lock(impl->mu);
+                        stage.busy = false;
+                        impl->freed.notify_all();
+                      }
+                      return s;
+                    })
+                    .share();
+  m.in_flight.push_back(ticket.done);
+  while (!m.in_flight.empty() &&
+         m.in_flight.front().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+    m.in_flight.pop_front();
+  }
+  return ticket;
+}
+
+absl::Status CheckpointWriter::WaitAll() {
+  absl::Status first;
+  for (auto& f : impl_->in_flight) {
+    absl::Status s = f.get();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  impl_->in_flight.clear();
+  return first;
+}
+
+absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
+                                                    const std::vector<TensorMeta>& metas,
+                                                    const std::string& extras) {
+  const std::string ckpt = CheckpointPath(options.dir, step);
+  const std::string final_path = absl::StrCat(ckpt, "/", ShardName(rank, world));
+  auto context = [&](const absl::Status& s) {
+    return absl::Status(s.code(),
+                        absl::StrCat("checkpoint step ", step, ", rank ", rank, ": ", s.message()));
+  };
+  absl::Status s = runtime->Blocking([&] {
+    absl::Status made = env->CreateDirs(ckpt);
+    return made.ok() ? env->SyncDir(options.dir) : made;
+  });
+  if (!s.ok()) return context(s);
+  // Checksums of the datasets, from the staging buffer.
+  nlohmann::json datasets = nlohmann::json::array();
+  s = runtime->Blocking([&] {
+    for (const ShardDataset& d : stage.datasets) {
+      const uint64_t h = d.bytes > 0 ? XXH3_64bits(stage.image.data() + d.offset, d.bytes)
+                                     : XXH3_64bits(nullptr, 0);
+      datasets.push_back({{"dataset", d.path},
+                          {"tensor", d.tensor},
+                          {"begin", d.begin},
+                          {"end", d.end},
+                          {"offset", d.offset},
+                          {"bytes", d.bytes},
+                          {"xxh3", absl::StrFormat("%016x", h)}});
+    }
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return context(s);
+  // The shard: tmp, fsync, rename, fsync directory.
+  s = runtime->Blocking([&]() -> absl::Status {
+    const std::string tmp = final_path + ".tmp";
+    auto file = env->Create(tmp);
+    if (!file.ok()) return file.status();
+    absl::Status w;
+    for (size_t off = 0; w.ok() && off < stage.image.size(); off += kWriteChunk) {
+      w = (*file)->PWrite(static_cast<int64_t>(off), stage.image.data() + off,
+                          std::min(kWriteChunk, stage.image.size() - off));
+    }
+    if (w.ok()) w = (*file)->Sync();
+    absl::Status closed = (*file)->Close();
+    if (w.ok()) w = closed;
+    if (w.ok()) w = env->Rename(tmp, final_path);
+    if (!w.ok()) {
+      env->Remove(tmp).IgnoreError();
+      return w;
+    }
+    return env->SyncDir(ckpt);
+  });
+  if (!s.ok()) return context(s);
+  // Report; the last rank to arrive commits.
+  const std::string key = absl::StrCat("evenstep/ckpt/", seq, "/");
+  nlohmann::json shard = {{"file", ShardName(rank, world)},
+                          {"bytes", static_cast<int64_t>(stage.image.size())},
+                          {"datasets", std::move(datasets)}};
+  s = store->Set(absl::StrCat(key, "shard/", rank), shard.dump());
+  if (!s.ok()) return context(s);
+  absl::StatusOr<int64_t> arrived = store->Add(key + "arrived", 1);
+  if (!arrived.ok()) return context(arrived.status());
+  if (*arrived != world) return absl::OkStatus();
+  s = Commit(seq, step, metas, extras);
+  return s.ok() ? s : context(s);
+}
+
+absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
+                                            const std::vector<TensorMeta>& metas,
+                                            const std::string& extras) {
+  const std::string key = absl::StrCat("evenstep/ckpt/", seq, "/");
+  Manifest manifest;
+  manifest.step = step;
+  manifest.world_size = world;
+  manifest.extras_json = extras;
+  std::map<std::string, int> index;
+  for (const TensorMeta& t : metas) {
+    index[t.name] = static_cast<int>(manifest.tensors.size());
+    manifest.tensors.push_back({t.name, t.dtype, t.shape, {}});
+  }
+  for (int r = 0; r < world; ++r) {
+    absl::StatusOr<std::string> value = store->Get(absl::StrCat(key, "shard/", r));
+    if (!value.ok()) return value.status();
+    const nlohmann::json shard = nlohmann::json::parse(*value, nullptr, /*allow_exceptions=*/false);
+    if (shard.is_discarded()) return absl::DataLossError(absl::StrCat("shard report of rank ", r));
+    manifest.shards.push_back(shard.at("file").get<std::string>());
+    manifest.shard_bytes.push_back(shard.at("bytes").get<int64_t>());
+    for (const auto& d : shard.at("datasets")) {
+      SliceInfo slice;
+      slice.shard = r;
+      slice.dataset = d.at("dataset").get<std::string>();
+      slice.begin = d.at("begin").get<int64_t>();
+      slice.end = d.at("end").get<int64_t>();
+      slice.offset = d.at("offset").get<int64_t>();
+      slice.bytes = d.at("bytes").get<int64_t>();
+      slice.xxh3 = std::stoull(d.at("xxh3").get<std::string>(), nullptr, 16);
+      manifest.tensors[index.at(d.at("tensor").get<std::string>())].slices.push_back(slice);
+    }
+  }
+  for (TensorInfo& t : manifest.tensors) {
+    std::sort(t.slices.begin(), t.slices.end(),
+              [](const SliceInfo& a, const SliceInfo& b) { return a.begin < b.begin; });
+  }
+  const std::string ckpt = CheckpointPath(options.dir, step);
+  absl::Status s = runtime->Blocking(
+      [&] { return WriteFileAtomically(*env, ckpt + "/manifest.json", ManifestToJson(manifest)); });
+  if (!s.ok()) return s;
+  s = runtime->Blocking(
+      [&] { return WriteFileAtomically(*env, options.dir + "/latest", StepDirName(step)); });
+  if (!s.ok()) return s;
+  return runtime->Blocking([&] { return Retain(step); });
+}
+
+absl::Status CheckpointWriter::Impl::Retain(int64_t committed_step) {
+  absl::StatusOr<std::vector<std::string>> names = env->List(options.dir);
+  if (!names.ok()) return names.status();
+  std::vector<std::string> committed;
+  const std::string newest = StepDirName(committed_step);
+  for (const std::string& name : *names) {
+    if (!absl::StartsWith(name, "step-") || name.size() != newest.size()) continue;
+    const std::string path = options.dir + "/" + name;
+    if (env->Exists(path + "/manifest.json")) {
+      committed.push_back(name);
+    } else if (name < newest) {
+      env->RemoveTree(path).IgnoreError();  // an older save that never committed
+    }
+  }
+  // Keep the newest `keep` committed; names sort by step.
+  for (size_t i = 0; i + options.keep < committed.size(); ++i) {
+    if (committed[i] == newest) continue;
+    // Manifest first, made durable, so a crash mid-removal cannot leave a
+    // "committed" checkpoint with missing shards.
+    const std::string path = options.dir + "/" + committed[i];
+    absl::Status s = env->Remove(path + "/manifest.json");
+    if (s.ok()) s = env->SyncDir(path);
+    if (s.ok()) s = env->RemoveTree(path);
+    if (!s.ok()) return s;
+  }
+  return env->SyncDir(options.dir);
+}
+
+}  // namespace evenstep

@@ -1,0 +1,197 @@
+// PosixEnv: Env over POSIX syscalls.
+#include "evenstep/env.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+
+namespace evenstep {
+
+absl::Status ErrnoStatus(int error, const std::string& operation, const std::string& path) {
+  const std::string message = absl::StrCat(operation, " ", path, ": ", std::strerror(error));
+  switch (error) {
+    case ENOSPC:
+    case EDQUOT:
+      return absl::ResourceExhaustedError(message);
+    case ENOENT:
+      return absl::NotFoundError(message);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(message);
+    case EEXIST:
+      return absl::AlreadyExistsError(message);
+    case EINTR:
+    case EAGAIN:
+      return absl::UnavailableError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+namespace {
+
+class PosixFile : public File {
+ public:
+  PosixFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  ~PosixFile() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  const std::string& path() const override { return path_; }
+  absl::Status PWrite(int64_t offset, const void* data, size_t n) override {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd_, p, std::min<size_t>(n, 1 << 30), offset);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoStatus(errno, "pwrite", path_);
+      }
+      p += w;
+      offset += w;
+      n -= static_cast<size_t>(w);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status PRead(int64_t offset, void* data, size_t n) const override {
+    char* p = static_cast<char*>(data);
+    while (n > 0) {
+      const ssize_t r = ::pread(fd_, p, std::min<size_t>(n, 1 << 30), offset);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoStatus(errno, "pread", path_);
+      }
+      if (r == 0) {
+        return absl::OutOfRangeError(
+            absl::StrCat("pread ", path_, ": ", n, " bytes missing at offset ", offset));
+      }
+      p += r;
+      offset += r;
+      n -= static_cast<size_t>(r);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Sync() override {
+    if (::fsync(fd_) != 0) return ErrnoStatus(errno, "fsync", path_);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int64_t> Size() const override {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return ErrnoStatus(errno, "fstat", path_);
+    return static_cast<int64_t>(st.st_size);
+  }
+  absl::Status Close() override {
+    if (fd_ < 0) return absl::OkStatus();
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) return ErrnoStatus(errno, "close", path_);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
+class PosixEnv : public Env {
+ public:
+  absl::StatusOr<std::unique_ptr<File>> Create(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus(errno, "create", path);
+    return std::unique_ptr<File>(new PosixFile(path, fd));
+  }
+  absl::StatusOr<std::unique_ptr<File>> OpenForRead(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus(errno, "open", path);
+    return std::unique_ptr<File>(new PosixFile(path, fd));
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      return ErrnoStatus(errno, "rename", from + " -> " + to);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status SyncDir(const std::string& dir) override {
+    const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus(errno, "open directory", dir);
+    const int rc = ::fsync(fd);
+    const int error = errno;
+    ::close(fd);
+    if (rc != 0) return ErrnoStatus(error, "fsync directory", dir);
+    return absl::OkStatus();
+  }
+  absl::Status Remove(const std::string& path) override {
+    if (::unlink(path.c_str()) != 0) return ErrnoStatus(errno, "remove", path);
+    return absl::OkStatus();
+  }
+  absl::Status CreateDirs(const std::string& dir) override {
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    if (error) return ErrnoStatus(error.value(), "create directory", dir);
+    return absl::OkStatus();
+  }
+  absl::Status RemoveTree(const std::string& dir) override {
+    std::error_code error;
+    std::filesystem::remove_all(dir, error);
+    if (error) return ErrnoStatus(error.value(), "remove directory", dir);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<std::string>> List(const std::string& dir) override {
+    std::error_code error;
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+      names.push_back(entry.path().filename().string());
+    }
+    if (error) return ErrnoStatus(error.value(), "list", dir);
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+  absl::StatusOr<int64_t> FreeSpace(const std::string& dir) override {
+    struct statvfs st;
+    if (::statvfs(dir.c_str(), &st) != 0) return ErrnoStatus(errno, "statvfs", dir);
+    return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+  }
+  bool Exists(const std::string& path) override { return ::access(path.c_str(), F_OK) == 0; }
+};
+
+}  // namespace
+
+Env* Env::Default() {
+  static PosixEnv* env = new PosixEnv;
+  return env;
+}
+
+absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path) {
+  auto file = env.OpenForRead(path);
+  if (!file.ok()) return file.status();
+  auto size = (*file)->Size();
+  if (!size.ok()) return size.status();
+  std::string data(static_cast<size_t>(*size), '\0');
+  if (absl::Status s = (*file)->PRead(0, data.data(), data.size()); !s.ok()) return s;
+  return data;
+}
+
+absl::Status WriteFileAtomically(Env& env, const std::string& path, const std::string& data) {
+  const std::string tmp = path + ".tmp";
+  auto file = env.Create(tmp);
+  if (!file.ok()) return file.status();
+  absl::Status s = (*file)->PWrite(0, data.data(), data.size());
+  if (s.ok()) s = (*file)->Sync();
+  absl::Status closed = (*file)->Close();
+  if (s.ok()) s = closed;
+  if (s.ok()) s = env.Rename(tmp, path);
+  if (!s.ok()) {
+    env.Remove(tmp).IgnoreError();
+    return s;
+  }
+  return env.SyncDir(std::filesystem::path(path).parent_path().string());
+}
+
+}  // namespace evenstep

@@ -1,0 +1,190 @@
+// FaultEnv: write-point counting, injected errors and simulated crashes.
+#include "evenstep/fault_env.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+
+namespace evenstep {
+
+class FaultEnv::FaultFile : public File {
+ public:
+  FaultFile(FaultEnv* env, std::unique_ptr<File> base) : env_(env), base_(std::move(base)) {}
+  const std::string& path() const override { return base_->path(); }
+  absl::Status PWrite(int64_t offset, const void* data, size_t n) override {
+    if (absl::Status s = env_->Point("pwrite", path()); !s.ok()) return s;
+    std::lock_guard<std::mutex> lock(env_->mu_);
+    env_->files_[path()].dirty = true;
+    return base_->PWrite(offset, data, n);
+  }
+  absl::Status PRead(int64_t offset, void* data, size_t n) const override {
+    return base_->PRead(offset, data, n);
+  }
+  absl::Status Sync() override {
+    if (absl::Status s = env_->Point("fsync", path()); !s.ok()) return s;
+    absl::Status s = base_->Sync();
+    if (s.ok()) {
+      auto size = base_->Size();
+      std::lock_guard<std::mutex> lock(env_->mu_);
+      Tracked& t = env_->files_[path()];
+      t.dirty = false;
+      t.synced_size = size.ok() ? *size : 0;
+    }
+    return s;
+  }
+  absl::StatusOr<int64_t> Size() const override { return base_->Size(); }
+  absl::Status Close() override {
+    absl::Status point = env_->Point("close", path());
+    absl::Status closed = base_->Close();  // the descriptor is released either way
+    return point.ok() ? closed : point;
+  }
+
+ private:
+  FaultEnv* env_;
+  std::unique_ptr<File> base_;
+};
+
+void FaultEnv::FailAt(int64_t n, int error, bool persistent) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fail_at_ = points_ + n;
+  fail_errno_ = error;
+  fail_persistent_ = persistent;
+}
+
+void FaultEnv::CrashAt(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  crash_at_ = points_ + n;
+}
+
+int64_t FaultEnv::write_points() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return points_;
+}
+
+void FaultEnv::Reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  points_ = fail_at_ = crash_at_ = 0;
+  crashed_ = false;
+}
+
+std::string FaultEnv::DirOf(const std::string& path) {
+  return std::filesystem::path(path).parent_path().string();
+}
+
+absl::Status FaultEnv::Point(const std::string& what, const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++points_;
+  if (crashed_ || (crash_at_ > 0 && points_ >= crash_at_)) {
+    crashed_ = true;
+    return absl::AbortedError(absl::StrCat("simulated crash before ", what, " ", path));
+  }
+  if (fail_at_ > 0 && (points_ == fail_at_ || (fail_persistent_ && points_ > fail_at_))) {
+    return ErrnoStatus(fail_errno_, what + " (injected)", path);
+  }
+  return absl::OkStatus();
+}
+
+void FaultEnv::RecoverFromCrash() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Renames not made durable by a directory fsync are undone, newest first.
+  for (auto& [dir, pending] : renames_) {
+    for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
+      if (base_->Exists(it->to)) base_->Rename(it->to, it->from).IgnoreError();
+      auto node = files_.extract(it->to);
+      if (!node.empty()) {
+        node.key() = it->from;
+        files_.insert(std::move(node));
+      }
+    }
+  }
+  renames_.clear();
+  for (auto& [path, t] : files_) {
+    if (!base_->Exists(path)) continue;
+    if (t.created_since_dir_sync || t.synced_size < 0) {
+      base_->Remove(path).IgnoreError();  // the directory entry or the data never became durable
+    } else if (t.dirty) {
+      ::truncate(path.c_str(), t.synced_size);  // unsynced data is lost
+    }
+  }
+  files_.clear();
+  points_ = fail_at_ = crash_at_ = 0;
+  crashed_ = false;
+}
+
+absl::StatusOr<std::unique_ptr<File>> FaultEnv::Create(const std::string& path) {
+  if (absl::Status s = Point("create", path); !s.ok()) return s;
+  auto file = base_->Create(path);
+  if (!file.ok()) return file.status();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Tracked& t = files_[path];
+    t = Tracked{};
+    t.created_since_dir_sync = true;
+  }
+  return std::unique_ptr<File>(new FaultFile(this, *std::move(file)));
+}
+
+absl::StatusOr<std::unique_ptr<File>> FaultEnv::OpenForRead(const std::string& path) {
+  return base_->OpenForRead(path);
+}
+
+absl::Status FaultEnv::Rename(const std::string& from, const std::string& to) {
+  if (absl::Status s = Point("rename", from + " -> " + to); !s.ok()) return s;
+  absl::Status s = base_->Rename(from, to);
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    renames_[DirOf(to)].push_back({from, to});
+    auto node = files_.extract(from);
+    if (!node.empty()) {
+      node.key() = to;
+      files_.insert(std::move(node));
+    }
+  }
+  return s;
+}
+
+absl::Status FaultEnv::SyncDir(const std::string& dir) {
+  if (absl::Status s = Point("fsync directory", dir); !s.ok()) return s;
+  absl::Status s = base_->SyncDir(dir);
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    renames_.erase(dir);
+    for (auto& [path, t] : files_) {
+      if (DirOf(path) == dir) t.created_since_dir_sync = false;
+    }
+  }
+  return s;
+}
+
+absl::Status FaultEnv::Remove(const std::string& path) {
+  if (absl::Status s = Point("remove", path); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    files_.erase(path);
+  }
+  return base_->Remove(path);
+}
+
+absl::Status FaultEnv::CreateDirs(const std::string& dir) {
+  if (absl::Status s = Point("create directory", dir); !s.ok()) return s;
+  return base_->CreateDirs(dir);
+}
+
+absl::Status FaultEnv::RemoveTree(const std::string& dir) {
+  if (absl::Status s = Point("remove directory", dir); !s.ok()) return s;
+  return base_->RemoveTree(dir);
+}
+
+absl::StatusOr<std::vector<std::string>> FaultEnv::List(const std::string& dir) {
+  return base_->List(dir);
+}
+
+absl::StatusOr<int64_t> FaultEnv::FreeSpace(const std::string& dir) {
+  return base_->FreeSpace(dir);
+}
+
+bool FaultEnv::Exists(const std::string& path) { return base_->Exists(path); }
+
+}  // namespace evenstep

@@ -1,0 +1,73 @@
+// Env: the file-system seam of evenstep's I/O. Every file operation of a
+// checkpoint (create, pwrite, pread, fsync, rename, directory fsync, remove,
+// list, free space) goes through an Env, so tests can inject failures (no
+// space, I/O errors) and crashes (FaultEnv) without mocking HDF5: HDF5 only
+// lays out a shard in memory, and the bytes reach the disk through Env.
+//
+// Errors are absl::Status with the path and the operation: ENOSPC/EDQUOT ->
+// ResourceExhausted, ENOENT -> NotFound, EACCES/EPERM -> PermissionDenied,
+// EEXIST -> AlreadyExists, others (EIO, ...) -> Internal/Unavailable.
+// Thread-safety: Env methods are thread-safe; a File is used by one thread at
+// a time (distinct Files may be used concurrently).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace evenstep {
+
+class File {
+ public:
+  virtual ~File() = default;
+  virtual const std::string& path() const = 0;
+  // Writes all `n` bytes at `offset` (retrying short writes).
+  virtual absl::Status PWrite(int64_t offset, const void* data, size_t n) = 0;
+  // Reads exactly `n` bytes at `offset`; OutOfRange past the end.
+  virtual absl::Status PRead(int64_t offset, void* data, size_t n) const = 0;
+  // fsync: data and size are durable once this returns OK.
+  virtual absl::Status Sync() = 0;
+  virtual absl::StatusOr<int64_t> Size() const = 0;
+  virtual absl::Status Close() = 0;
+};
+
+class Env {
+ public:
+  virtual ~Env() = default;
+  // The POSIX file system (process-wide instance).
+  static Env* Default();
+
+  // Creates (or truncates) `path` for writing and reading.
+  virtual absl::StatusOr<std::unique_ptr<File>> Create(const std::string& path) = 0;
+  virtual absl::StatusOr<std::unique_ptr<File>> OpenForRead(const std::string& path) = 0;
+  // Atomic replace of `to` by `from` (rename(2)); durable after SyncDir.
+  virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
+  // fsync of a directory: makes creations, renames and removals in it durable.
+  virtual absl::Status SyncDir(const std::string& dir) = 0;
+  virtual absl::Status Remove(const std::string& path) = 0;
+  // Creates `dir` and missing parents; OK when it exists.
+  virtual absl::Status CreateDirs(const std::string& dir) = 0;
+  // Removes `dir` and everything below it.
+  virtual absl::Status RemoveTree(const std::string& dir) = 0;
+  // Entry names (not paths) in `dir`, sorted.
+  virtual absl::StatusOr<std::vector<std::string>> List(const std::string& dir) = 0;
+  virtual absl::StatusOr<int64_t> FreeSpace(const std::string& dir) = 0;
+  virtual bool Exists(const std::string& path) = 0;
+};
+
+// Status for a failed syscall: the code from errno, the message naming the
+// operation and the path.
+absl::Status ErrnoStatus(int error, const std::string& operation, const std::string& path);
+
+// Reads a whole (small) file through `env`.
+absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path);
+// Writes `data` to `path` crash-safely: `path`.tmp, fsync, rename, fsync of
+// the directory.
+absl::Status WriteFileAtomically(Env& env, const std::string& path, const std::string& data);
+
+}  // namespace evenstep

@@ -1,0 +1,84 @@
+// FaultEnv: an Env for tests that wraps another (usually Env::Default()) and
+// counts its write points — Create, PWrite, Sync, Close, Rename, SyncDir,
+// Remove, CreateDirs, RemoveTree — so a test can run an operation once to
+// count them and then fail or crash at each one in turn:
+//
+//   FaultEnv env(Env::Default());
+//   env.FailAt(7, ENOSPC);          // the 7th write point returns ENOSPC
+//   env.CrashAt(7);                 // the 7th and every later one fail (Aborted)
+//   ...                             // run the save; it reports the failure
+//   env.RecoverFromCrash();         // what a power cut leaves behind:
+//                                   // data written since the file's last Sync
+//                                   // dropped, renames and creations since
+//                                   // the directory's last SyncDir undone
+//
+// Thread-safety: thread-safe.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "evenstep/env.h"
+
+namespace evenstep {
+
+class FaultEnv : public Env {
+ public:
+  explicit FaultEnv(Env* base) : base_(base) {}
+
+  // The n-th write point from now (1-based) fails with `error`; with
+  // `persistent`, every later one as well.
+  void FailAt(int64_t n, int error, bool persistent = false);
+  // The n-th write point from now and all after it fail as if the machine
+  // had stopped.
+  void CrashAt(int64_t n);
+  // Write points since construction or the last Reset().
+  int64_t write_points() const;
+  // Applies a crash's effects to the files touched through this Env, then
+  // clears the crash and the counters.
+  void RecoverFromCrash();
+  // Clears faults and counters (tracking of unsynced state continues).
+  void Reset();
+
+  absl::StatusOr<std::unique_ptr<File>> Create(const std::string& path) override;
+  absl::StatusOr<std::unique_ptr<File>> OpenForRead(const std::string& path) override;
+  absl::Status Rename(const std::string& from, const std::string& to) override;
+  absl::Status SyncDir(const std::string& dir) override;
+  absl::Status Remove(const std::string& path) override;
+  absl::Status CreateDirs(const std::string& dir) override;
+  absl::Status RemoveTree(const std::string& dir) override;
+  absl::StatusOr<std::vector<std::string>> List(const std::string& dir) override;
+  absl::StatusOr<int64_t> FreeSpace(const std::string& dir) override;
+  bool Exists(const std::string& path) override;
+
+ private:
+  class FaultFile;
+  friend class FaultFile;
+  struct Tracked {
+    int64_t synced_size = -1;  // -1: never synced
+    bool dirty = false;        // written since the last Sync
+    bool created_since_dir_sync = false;
+  };
+  struct PendingRename {
+    std::string from, to;
+  };
+  // Counts a write point named `what` on `path`; non-OK when it must fail.
+  absl::Status Point(const std::string& what, const std::string& path);
+  static std::string DirOf(const std::string& path);
+
+  Env* const base_;
+  mutable std::mutex mu_;
+  int64_t points_ = 0;
+  int64_t fail_at_ = 0;
+  int fail_errno_ = 0;
+  bool fail_persistent_ = false;
+  int64_t crash_at_ = 0;
+  bool crashed_ = false;
+  std::map<std::string, Tracked> files_;
+  std::map<std::string, std::vector<PendingRename>> renames_;  // by directory
+};
+
+}  // namespace evenstep

@@ -1,0 +1,326 @@
+// Checkpoints: round trips of every dtype across world sizes (ranks as
+// writers in one process, committing through an in-process store), byte
+// balance, crash at every write point, ENOSPC/EIO at every write point,
+// corruption, hostile manifests, the in-flight bound, retention, and
+// h5py / h5dump reading a shard.
+#include "evenstep/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "evenstep/fault_env.h"
+
+namespace evenstep {
+namespace {
+
+using ::testing::HasSubstr;
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/evenstep_ckpt_XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+CheckpointState MakeState(int64_t step, int seed) {
+  at::manual_seed(seed);
+  CheckpointState state;
+  state.step = step;
+  auto add = [&](const std::string& name, at::Tensor t) { state.tensors.push_back({name, t}); };
+  add("model/embed.weight", at::randn({64, 33}));
+  add("model/big", at::randn({1000}, at::kDouble));  // sliced when slice_bytes is small
+  add("model/half", at::randn({7, 5}).to(at::kHalf));
+  add("model/bf16", at::randn({9}).to(at::kBFloat16));
+  add("model/ints", at::randint(-100, 100, {4, 4}, at::kLong));
+  add("model/i32", at::randint(-100, 100, {6}, at::kInt));
+  add("model/i16", at::randint(-100, 100, {6}, at::kShort));
+  add("model/i8", at::randint(-100, 100, {6}, at::kChar));
+  add("model/u8", at::randint(0, 255, {6}, at::kByte));
+  add("model/mask", at::rand({5}) > 0.5);
+  add("optimizer/0/step", at::scalar_tensor(step, at::kLong));
+  add("optimizer/0/empty", at::empty({0, 3}));
+  state.extras_json = absl::StrCat("{\"sampler\": {\"epoch\": 1, \"step\": ", step, "}}");
+  return state;
+}
+
+bool BitEqual(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const at::Tensor ca = a.contiguous(), cb = b.contiguous();
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
+}
+
+// Saves `state` as `world` ranks (writers in this process) and waits.
+absl::Status SaveAsRanks(const std::string& dir, const CheckpointState& state, int world,
+                         Env* env = nullptr, int64_t slice_bytes = 1024) {
+  auto store = NewInProcessCommitStore();
+  absl::Status first;
+  for (int r = 0; r < world; ++r) {
+    CheckpointOptions options;
+    options.dir = dir;
+    options.env = env;
+    options.slice_bytes = slice_bytes;
+    auto writer = CheckpointWriter::Create(options, store.get(), r, world);
+    if (!writer.ok()) return writer.status();
+    auto ticket = (*writer)->Save(state);
+    if (!ticket.ok()) return ticket.status();
+    absl::Status s = ticket->done.get();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+void ExpectMatches(const std::string& path, const CheckpointState& state) {
+  auto reader = CheckpointReader::Open(*Env::Default(), path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->manifest().step, state.step);
+  for (const auto& [name, tensor] : state.tensors) {
+    auto read = (*reader)->Read(name);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_TRUE(BitEqual(*read, tensor)) << name;
+  }
+  EXPECT_THAT((*reader)->manifest().extras_json, HasSubstr("\"sampler\""));
+}
+
+class CheckpointWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CheckpointWorldTest, RoundTripEveryDtypeBitExact) {
+  TempDir dir;
+  const CheckpointState state = MakeState(7, 1);
+  ASSERT_TRUE(SaveAsRanks(dir.path(), state, GetParam()).ok());
+  auto latest = LatestCheckpoint(*Env::Default(), dir.path());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, CheckpointPath(dir.path(), 7));
+  ExpectMatches(*latest, state);
+  auto reader = CheckpointReader::Open(*Env::Default(), *latest);
+  EXPECT_TRUE((*reader)->Verify().empty());
+  // Bytes per shard: within 5 % of each other plus one slice (1 KiB here).
+  const auto& bytes = (*reader)->manifest().shard_bytes;
+  EXPECT_EQ(static_cast<int>(bytes.size()), GetParam());
+  std::vector<int64_t> data(bytes.size(), 0);
+  for (const TensorInfo& t : (*reader)->manifest().tensors) {
+    for (const SliceInfo& s : t.slices) data[s.shard] += s.bytes;
+  }
+  const auto [lo, hi] = std::minmax_element(data.begin(), data.end());
+  EXPECT_LE(*hi - *lo, 0.05 * *hi + 8 * 1024 / 8 * 8) << "per-rank bytes";
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CheckpointWorldTest, ::testing::Values(1, 2, 3, 4));
+
+TEST(CheckpointTest, CrashAtEveryWritePointLeavesPreviousOrNewComplete) {
+  TempDir counting;
+  FaultEnv probe(Env::Default());
+  ASSERT_TRUE(SaveAsRanks(counting.path(), MakeState(1, 1), 2).ok());
+  probe.Reset();
+  ASSERT_TRUE(SaveAsRanks(counting.path(), MakeState(2, 2), 2, &probe).ok());
+  const int64_t points = probe.write_points();
+  ASSERT_GT(points, 10);
+  for (int64_t n = 1; n <= points; ++n) {
+    TempDir dir;
+    const CheckpointState before = MakeState(1, 1), after = MakeState(2, 2);
+    ASSERT_TRUE(SaveAsRanks(dir.path(), before, 2).ok());
+    FaultEnv env(Env::Default());
+    env.CrashAt(n);
+    const absl::Status s = SaveAsRanks(dir.path(), after, 2, &env);
+    EXPECT_FALSE(s.ok()) << "crash at write point " << n << " went unnoticed";
+    env.RecoverFromCrash();
+    auto latest = LatestCheckpoint(*Env::Default(), dir.path());
+    ASSERT_TRUE(latest.ok()) << "crash at " << n << ": " << latest.status();
+    if (*latest == CheckpointPath(dir.path(), 2)) {
+      ExpectMatches(*latest, after);
+    } else {
+      ExpectMatches(*latest, before);
+    }
+  }
+}
+
+TEST(CheckpointTest, NoSpaceOrIoErrorAtEveryWritePointIsReportedAndNothingIsLost) {
+  for (int error : {ENOSPC, EIO}) {
+    TempDir counting;
+    FaultEnv probe(Env::Default());
+    ASSERT_TRUE(SaveAsRanks(counting.path(), MakeState(1, 1), 2, &probe).ok());
+    const int64_t points = probe.write_points();
+    for (int64_t n = 1; n <= points; ++n) {
+      TempDir dir;
+      const CheckpointState before = MakeState(1, 1);
+      ASSERT_TRUE(SaveAsRanks(dir.path(), before, 2).ok());
+      FaultEnv env(Env::Default());
+      env.FailAt(n, error);
+      const absl::Status s = SaveAsRanks(dir.path(), MakeState(2, 2), 2, &env);
+      ASSERT_FALSE(s.ok()) << "failure at write point " << n << " went unnoticed";
+      EXPECT_EQ(s.code(), error == ENOSPC ? absl::StatusCode::kResourceExhausted
+                                          : absl::StatusCode::kInternal)
+          << s;
+      EXPECT_THAT(s.message(), HasSubstr("rank "));
+      EXPECT_THAT(s.message(), HasSubstr("(injected)"));
+      // The committed checkpoint is intact and training can save again.
+      auto latest = LatestCheckpoint(*Env::Default(), dir.path());
+      ASSERT_TRUE(latest.ok());
+      if (*latest == CheckpointPath(dir.path(), 1)) ExpectMatches(*latest, before);
+      env.Reset();
+      const CheckpointState again = MakeState(3, 3);
+      ASSERT_TRUE(SaveAsRanks(dir.path(), again, 2, &env).ok()) << "after a failure at " << n;
+      ExpectMatches(CheckpointPath(dir.path(), 3), again);
+    }
+  }
+}
+
+TEST(CheckpointTest, FlippedByteIsReportedWithFileAndDataset) {
+  TempDir dir;
+  const CheckpointState state = MakeState(5, 1);
+  ASSERT_TRUE(SaveAsRanks(dir.path(), state, 2).ok());
+  const std::string path = CheckpointPath(dir.path(), 5);
+  auto reader = CheckpointReader::Open(*Env::Default(), path);
+  ASSERT_TRUE(reader.ok());
+  const TensorInfo* t = (*reader)->Find("model/embed.weight");
+  ASSERT_NE(t, nullptr);
+  const SliceInfo& slice = t->slices.front();
+  const std::string shard = path + "/" + (*reader)->manifest().shards[slice.shard];
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(slice.offset + 17);
+    char c;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(slice.offset + 17);
+    f.write(&c, 1);
+  }
+  const std::vector<std::string> problems = (*reader)->Verify();
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_THAT(problems[0], HasSubstr(shard));
+  EXPECT_THAT(problems[0], HasSubstr(slice.dataset));
+  auto read = (*reader)->Read("model/embed.weight");
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(CheckpointTest, HostileManifestsAreRejected) {
+  TempDir dir;
+  ASSERT_TRUE(SaveAsRanks(dir.path(), MakeState(5, 1), 1).ok());
+  const std::string path = CheckpointPath(dir.path(), 5);
+  auto original = ReadFileToString(*Env::Default(), path + "/manifest.json");
+  ASSERT_TRUE(original.ok());
+  auto rejected = [&](const std::string& from, const std::string& to) {
+    std::string json = *original;
+    const size_t at = json.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    json.replace(at, from.size(), to);
+    return ManifestFromJson(json, "manifest.json").status();
+  };
+  EXPECT_THAT(rejected("\"model/embed.weight\"", "\"../../etc/passwd\"").message(),
+              HasSubstr("\"..\""));
+  EXPECT_THAT(rejected("\"model/embed.weight\"", "\"/abs\"").message(), HasSubstr("absolute"));
+  EXPECT_THAT(rejected("shard-00000-of-00001.h5\"", "../x.h5\"").message(),
+              HasSubstr("not a plain name"));
+  EXPECT_THAT(
+      rejected("\"shape\": [\n    64,\n    33\n   ]", "\"shape\": [1000000000000, 1000000000000]")
+          .message(),
+      HasSubstr("impossible shape"));
+  EXPECT_FALSE(rejected("\"offset\": ", "\"offset\": 99999999").ok());
+  EXPECT_FALSE(ManifestFromJson("{not json", "m").ok());
+}
+
+TEST(CheckpointTest, RetentionKeepsTheNewest) {
+  TempDir dir;
+  auto store = NewInProcessCommitStore();
+  CheckpointOptions options;
+  options.dir = dir.path();
+  options.keep = 2;
+  auto writer = CheckpointWriter::Create(options, store.get(), 0, 1);
+  ASSERT_TRUE(writer.ok());
+  for (int step = 1; step <= 4; ++step) {
+    auto ticket = (*writer)->Save(MakeState(step, step));
+    ASSERT_TRUE(ticket.ok());
+    ASSERT_TRUE(ticket->done.get().ok());
+  }
+  auto committed = CommittedCheckpoints(*Env::Default(), dir.path());
+  ASSERT_TRUE(committed.ok());
+  EXPECT_EQ(*committed, (std::vector<std::string>{CheckpointPath(dir.path(), 3),
+                                                  CheckpointPath(dir.path(), 4)}));
+}
+
+// An Env whose shard creation waits for a signal: a save stays in flight.
+class GateEnv : public FaultEnv {
+ public:
+  GateEnv() : FaultEnv(Env::Default()), opened_(gate_.get_future().share()) {}
+  absl::StatusOr<std::unique_ptr<File>> Create(const std::string& path) override {
+    if (path.find("shard-") != std::string::npos) opened_.wait();
+    return FaultEnv::Create(path);
+  }
+  void Open() { gate_.set_value(); }
+
+ private:
+  std::promise<void> gate_;
+  std::shared_future<void> opened_;
+};
+
+TEST(CheckpointTest, InFlightBoundSkipsOrWaits) {
+  TempDir dir;
+  GateEnv env;
+  auto store = NewInProcessCommitStore();
+  CheckpointOptions options;
+  options.dir = dir.path();
+  options.env = &env;
+  options.max_in_flight = 1;
+  options.when_busy = WhenBusy::kSkip;
+  auto writer = CheckpointWriter::Create(options, store.get(), 0, 1);
+  ASSERT_TRUE(writer.ok());
+  auto first = (*writer)->Save(MakeState(1, 1));
+  ASSERT_TRUE(first.ok());
+  EXPECT_FALSE(first->skipped);
+  auto second = (*writer)->Save(MakeState(2, 2));  // the first is held at the gate
+  ASSERT_TRUE(second.ok());
+  EXPECT_TRUE(second->skipped);
+  env.Open();
+  EXPECT_TRUE(first->done.get().ok());
+  auto third = (*writer)->Save(MakeState(3, 3));
+  ASSERT_TRUE(third.ok());
+  EXPECT_FALSE(third->skipped);
+  EXPECT_TRUE(third->done.get().ok());
+}
+
+TEST(CheckpointTest, H5pyAndH5dumpReadAShard) {
+  TempDir dir;
+  CheckpointState state;
+  state.step = 9;
+  state.tensors.push_back({"model/w", at::arange(6, at::kFloat).reshape({2, 3}) * 0.5});
+  state.tensors.push_back({"model/h", at::tensor({1.5, -2.0}, at::kFloat).to(at::kHalf)});
+  ASSERT_TRUE(SaveAsRanks(dir.path(), state, 1).ok());
+  const std::string shard = CheckpointPath(dir.path(), 9) + "/shard-00000-of-00001.h5";
+  auto run = [](const std::string& command) {
+    std::string out;
+    FILE* p = popen(command.c_str(), "r");
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+    const int rc = pclose(p);
+    return std::make_pair(rc, out);
+  };
+  auto [rc, out] = run(absl::StrCat(
+      "/usr/bin/python3 -c \"import h5py; f = h5py.File('", shard,
+      "', 'r'); print(f['model/w'][...].tolist(), f['model/h'].dtype, f['model/h'][...].tolist(),"
+      " f['model/w'].attrs['dtype'])\" 2>&1"));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("[[0.0, 0.5, 1.0], [1.5, 2.0, 2.5]] float16 [1.5, -2.0] "));
+  EXPECT_THAT(out, HasSubstr("float32"));
+  std::tie(rc, out) = run(absl::StrCat("h5dump -d /model/w ", shard, " 2>&1"));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("(0,0): 0, 0.5, 1,"));
+}
+
+}  // namespace
+}  // namespace evenstep
