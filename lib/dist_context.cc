@@ -26,6 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "evenstep/checkpoint.h"
 #include "evenstep/internal/c10d_compat.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/store_server.h"
@@ -233,6 +234,58 @@ absl::Status DistContext::CreateGroups() {
 std::string DistContext::backend_name() const { return compat::BackendName(*groups_->data); }
 
 c10d::Store& DistContext::store() { return *groups_->store; }
+
+namespace {
+
+class C10dCommitStore : public CommitStore {
+ public:
+  explicit C10dCommitStore(compat::StorePtr store) : store_(std::move(store)) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    try {
+      store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("store set ", key, ": ", internal::ErrorText(e)));
+    }
+  }
+  absl::StatusOr<std::string> Get(const std::string& key) override {
+    try {
+      const std::vector<uint8_t> v = store_->get(key);
+      return std::string(v.begin(), v.end());
+    } catch (const std::exception& e) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("store get ", key, ": ", internal::ErrorText(e)));
+    }
+  }
+  absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
+    try {
+      return store_->add(key, delta);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("store add ", key, ": ", internal::ErrorText(e)));
+    }
+  }
+
+ private:
+  compat::StorePtr store_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
+  compat::StorePtr base = groups_->store;  // a HashStore (world 1) is thread-safe
+  if (env_.world_size > 1) {
+    try {
+      base = compat::MakeTcpStore(env_.master_addr, env_.master_port, /*is_server=*/false,
+                                  ToMillis(options_.rendezvous_timeout));
+      base->setTimeout(ToMillis(options_.collective_timeout));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat(
+          "rank ", env_.rank, ": second store connection for I/O: ", internal::ErrorText(e)));
+    }
+  }
+  return std::unique_ptr<CommitStore>(
+      new C10dCommitStore(compat::MakePrefixStore("evenstep/io", std::move(base))));
+}
 c10d::ProcessGroup& DistContext::control_group() { return *groups_->control; }
 c10d::ProcessGroup& DistContext::data_group() { return *groups_->data; }
 

@@ -73,6 +73,20 @@ ABSL_FLAG(double, evenstep_cost_quadratic, 0,
 ABSL_FLAG(double, evenstep_clip_grad_norm, 0,
           "Clip the global gradient's norm (after the sync) to this value; 0 = off.");
 
+ABSL_FLAG(std::string, evenstep_ckpt_dir, "",
+          "Directory of sharded checkpoints (step-*/ with one HDF5 shard per rank and "
+          "manifest.json, plus `latest`); empty = no checkpoints.");
+ABSL_FLAG(int, evenstep_ckpt_keep, 3,
+          "Committed checkpoints kept; older ones are removed (the newest never is).");
+ABSL_FLAG(int, evenstep_ckpt_in_flight, 1,
+          "Saves that may be writing at once (each holds one staging buffer).");
+ABSL_FLAG(std::string, evenstep_ckpt_when_busy, "wait",
+          "When a save is requested while --evenstep_ckpt_in_flight saves still write: wait (for "
+          "the oldest) or skip (this one, and say so).");
+ABSL_FLAG(double, evenstep_ckpt_slice_mb, 64,
+          "Tensors larger than this (MiB) are split into slices owned by different ranks, so "
+          "every rank writes about the same number of bytes.");
+
 namespace evenstep {
 
 absl::StatusOr<DistOptions> DistOptions::FromFlags() {

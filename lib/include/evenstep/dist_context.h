@@ -40,6 +40,8 @@ class Work;
 
 namespace evenstep {
 
+class CommitStore;
+
 enum class CommBackend { kAuto, kGloo, kNccl };
 
 struct DistOptions {
@@ -83,6 +85,10 @@ class DistContext {
 
   // The store every rank shares (keys are namespaced by the caller).
   c10d::Store& store();
+  // A CommitStore for background I/O threads over its own connection to the
+  // job's store (keys under "evenstep/io/"), so I/O never interleaves with
+  // the training thread's store traffic.
+  absl::StatusOr<std::unique_ptr<CommitStore>> NewCommitStore();
   // Gloo over CPU tensors; for small control messages (fingerprints, cost fits).
   c10d::ProcessGroup& control_group();
   // The group for gradients and other bulk data: NCCL for CUDA tensors when

@@ -1,0 +1,451 @@
+// Checkpointer: model / optimizer / balancing state <-> sharded checkpoints;
+// see checkpointer.h.
+#include "evenstep/checkpointer.h"
+
+#include <torch/nn/module.h>
+#include <torch/optim.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "evenstep/balanced_step.h"
+#include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
+#include "evenstep/internal/dtypes.h"
+#include "evenstep/internal/error_text.h"
+#include "evenstep/status_macros.h"
+
+namespace evenstep {
+namespace {
+
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+using torch::optim::OptimizerParamState;
+
+std::string StateKey(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+
+at::Tensor StepTensor(int64_t step) { return at::scalar_tensor(step, at::kLong); }
+
+// Capture: emit (field, tensor) of a state object; Restore: build one.
+struct OptimizerKind {
+  std::string name;
+  std::function<bool(const torch::optim::Optimizer&)> is;
+  std::function<void(const OptimizerParamState&, Named*, const std::string&)> capture;
+  std::function<std::unique_ptr<OptimizerParamState>(const std::map<std::string, at::Tensor>&)>
+      restore;
+};
+
+template <typename Opt, typename State>
+OptimizerKind Kind(const std::string& name, std::vector<const char*> fields, bool has_step) {
+  OptimizerKind k;
+  k.name = name;
+  k.is = [](const torch::optim::Optimizer& o) { return dynamic_cast<const Opt*>(&o) != nullptr; };
+  k.capture = [fields, has_step](const OptimizerParamState& base, Named* out,
+                                 const std::string& prefix) {
+    const auto& s = static_cast<const State&>(base);
+    for (const char* f : fields) {
+      at::Tensor t = State::Field(s, f);
+      if (t.defined()) out->push_back({prefix + f, t});
+    }
+    if (has_step) out->push_back({prefix + "step", StepTensor(State::Step(s))});
+  };
+  k.restore = [fields, has_step](const std::map<std::string, at::Tensor>& values) {
+    auto s = std::make_unique<State>();
+    for (const char* f : fields) {
+      auto it = values.find(f);
+      if (it != values.end()) State::SetField(*s, f, it->second);
+    }
+    if (has_step) {
+      auto it = values.find("step");
+      if (it != values.end()) State::SetStep(*s, it->second.item<int64_t>());
+    }
+    return std::unique_ptr<OptimizerParamState>(std::move(s));
+  };
+  return k;
+}
+
+// Adapters giving every state type the same static interface.
+#define EVENSTEP_FIELD(name)     \
+  if (std::string(f) == #name) { \
+    if (set) s.name(*set);       \
+    return s.name();             \
+  }
+
+template <typename Base>
+struct AdamLike : Base {
+  static at::Tensor Access(Base& s, const char* f, const at::Tensor* set) {
+    EVENSTEP_FIELD(exp_avg)
+    EVENSTEP_FIELD(exp_avg_sq)
+    EVENSTEP_FIELD(max_exp_avg_sq)
+    return {};
+  }
+  static at::Tensor Field(const AdamLike& s, const char* f) {
+    return Access(const_cast<AdamLike&>(s), f, nullptr);
+  }
+  static void SetField(AdamLike& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
+  static int64_t Step(const AdamLike& s) { return s.step(); }
+  static void SetStep(AdamLike& s, int64_t v) { s.step(v); }
+};
+
+struct SgdState : torch::optim::SGDParamState {
+  static at::Tensor Access(torch::optim::SGDParamState& s, const char* f, const at::Tensor* set) {
+    EVENSTEP_FIELD(momentum_buffer)
+    return {};
+  }
+  static at::Tensor Field(const SgdState& s, const char* f) {
+    return Access(const_cast<SgdState&>(s), f, nullptr);
+  }
+  static void SetField(SgdState& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
+  static int64_t Step(const SgdState&) { return 0; }
+  static void SetStep(SgdState&, int64_t) {}
+};
+
+struct RmspropState : torch::optim::RMSpropParamState {
+  static at::Tensor Access(torch::optim::RMSpropParamState& s, const char* f,
+                           const at::Tensor* set) {
+    EVENSTEP_FIELD(square_avg)
+    EVENSTEP_FIELD(momentum_buffer)
+    EVENSTEP_FIELD(grad_avg)
+    return {};
+  }
+  static at::Tensor Field(const RmspropState& s, const char* f) {
+    return Access(const_cast<RmspropState&>(s), f, nullptr);
+  }
+  static void SetField(RmspropState& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
+  static int64_t Step(const RmspropState& s) { return s.step(); }
+  static void SetStep(RmspropState& s, int64_t v) { s.step(v); }
+};
+
+struct AdagradState : torch::optim::AdagradParamState {
+  static at::Tensor Access(torch::optim::AdagradParamState& s, const char* f,
+                           const at::Tensor* set) {
+    EVENSTEP_FIELD(sum)
+    return {};
+  }
+  static at::Tensor Field(const AdagradState& s, const char* f) {
+    return Access(const_cast<AdagradState&>(s), f, nullptr);
+  }
+  static void SetField(AdagradState& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
+  static int64_t Step(const AdagradState& s) { return s.step(); }
+  static void SetStep(AdagradState& s, int64_t v) { s.step(v); }
+};
+#undef EVENSTEP_FIELD
+
+const std::vector<OptimizerKind>& Kinds() {
+  static const std::vector<OptimizerKind> kinds = {
+      Kind<torch::optim::SGD, SgdState>("SGD", {"momentum_buffer"}, false),
+      Kind<torch::optim::Adam, AdamLike<torch::optim::AdamParamState>>(
+          "Adam", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, true),
+      Kind<torch::optim::AdamW, AdamLike<torch::optim::AdamWParamState>>(
+          "AdamW", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, true),
+      Kind<torch::optim::RMSprop, RmspropState>(
+          "RMSprop", {"square_avg", "momentum_buffer", "grad_avg"}, true),
+      Kind<torch::optim::Adagrad, AdagradState>("Adagrad", {"sum"}, true),
+  };
+  return kinds;
+}
+
+absl::StatusOr<const OptimizerKind*> KindOf(const torch::optim::Optimizer& optimizer) {
+  for (const OptimizerKind& k : Kinds()) {
+    if (k.is(optimizer)) return &k;
+  }
+  return absl::InvalidArgumentError(
+      "checkpoint: this optimizer type is not supported (SGD, Adam, AdamW, RMSprop, Adagrad are)");
+}
+
+std::string BalanceJson(const BalanceState& b) {
+  nlohmann::json j = {{"epoch", b.sampler.epoch}, {"step", b.sampler.step},
+                      {"seed", b.sampler.seed},   {"num_samples", b.sampler.num_samples},
+                      {"steps", b.steps},         {"shares", b.shares}};
+  return j.dump();
+}
+
+absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
+  try {
+    BalanceState b;
+    b.sampler.epoch = j.at("epoch").get<int64_t>();
+    b.sampler.step = j.at("step").get<int64_t>();
+    b.sampler.seed = j.at("seed").get<uint64_t>();
+    b.sampler.num_samples = j.at("num_samples").get<int64_t>();
+    b.steps = j.at("steps").get<int64_t>();
+    b.shares = j.at("shares").get<std::vector<double>>();
+    return b;
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat("checkpoint extras: balance state: ", e.what()));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<Named> CaptureTensors(torch::nn::Module* model, torch::optim::Optimizer* optimizer) {
+  Named out;
+  if (model != nullptr) {
+    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
+      out.push_back({"model/" + p.key(), p.value()});
+    }
+    for (const auto& b : model->named_buffers(/*recurse=*/true)) {
+      out.push_back({"model/" + b.key(), b.value()});
+    }
+  }
+  if (optimizer != nullptr) {
+    EVENSTEP_ASSIGN_OR_RETURN(const OptimizerKind* kind, KindOf(*optimizer));
+    auto& groups = optimizer->param_groups();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      out.push_back({absl::StrCat("optimizer/", g, "/lr"),
+                     at::scalar_tensor(groups[g].options().get_lr(), at::kDouble)});
+      const auto& params = groups[g].params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto it = optimizer->state().find(StateKey(params[i]));
+        if (it == optimizer->state().end()) continue;  // no step taken yet
+        kind->capture(*it->second, &out, absl::StrCat("optimizer/", g, "/", i, "/"));
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags() {
+  CheckpointOptions options;
+  options.dir = absl::GetFlag(FLAGS_evenstep_ckpt_dir);
+  options.keep = absl::GetFlag(FLAGS_evenstep_ckpt_keep);
+  options.max_in_flight = absl::GetFlag(FLAGS_evenstep_ckpt_in_flight);
+  const std::string busy = absl::GetFlag(FLAGS_evenstep_ckpt_when_busy);
+  if (busy != "wait" && busy != "skip") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_ckpt_when_busy=", busy, ": expected wait or skip"));
+  }
+  options.when_busy = busy == "skip" ? WhenBusy::kSkip : WhenBusy::kWait;
+  const double slice_mb = absl::GetFlag(FLAGS_evenstep_ckpt_slice_mb);
+  if (options.keep < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_ckpt_keep=", options.keep, ": must be >= 1"));
+  }
+  if (options.max_in_flight < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_ckpt_in_flight=", options.max_in_flight, ": must be >= 1"));
+  }
+  if (!(slice_mb > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_ckpt_slice_mb=", slice_mb, ": must be positive"));
+  }
+  options.slice_bytes = std::max<int64_t>(1, static_cast<int64_t>(slice_mb * (1 << 20)));
+  return options;
+}
+
+Checkpointer::Checkpointer(DistContext& ctx, CheckpointOptions options,
+                           std::unique_ptr<CommitStore> store,
+                           std::unique_ptr<CheckpointWriter> writer)
+    : ctx_(ctx),
+      options_(std::move(options)),
+      store_(std::move(store)),
+      writer_(std::move(writer)) {}
+
+Checkpointer::~Checkpointer() { writer_.reset(); }
+
+absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(DistContext& ctx,
+                                                                   CheckpointOptions options) {
+  if (options.dir.empty()) {
+    return absl::InvalidArgumentError("checkpoint directory not set (--evenstep_ckpt_dir)");
+  }
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<CommitStore> store, ctx.NewCommitStore());
+  EVENSTEP_ASSIGN_OR_RETURN(
+      std::unique_ptr<CheckpointWriter> writer,
+      CheckpointWriter::Create(options, store.get(), ctx.rank(), ctx.world_size()));
+  return std::unique_ptr<Checkpointer>(
+      new Checkpointer(ctx, std::move(options), std::move(store), std::move(writer)));
+}
+
+absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& state) {
+  CheckpointState ckpt;
+  ckpt.step = step;
+  EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, state.optimizer));
+  nlohmann::json extras = {{"user", nlohmann::json::parse(state.user_json, nullptr, false)}};
+  if (extras["user"].is_discarded()) {
+    return absl::InvalidArgumentError("checkpoint: user_json is not valid JSON");
+  }
+  if (state.balance != nullptr) {
+    extras["balance"] = nlohmann::json::parse(BalanceJson(state.balance->state()));
+  }
+  ckpt.extras_json = extras.dump();
+  return writer_->Save(ckpt);
+}
+
+absl::Status Checkpointer::WaitAll() { return writer_->WaitAll(); }
+
+absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const LoadOptions& options) {
+  Env& env = *(options_.env != nullptr ? options_.env : Env::Default());
+  LoadResult result;
+  // Every rank must agree on which checkpoint: rank 0 picks, the others
+  // learn the step through a broadcast.
+  std::string path = options.path;
+  at::Tensor chosen = at::full({1}, -1, at::kLong);
+  if (ctx_.rank() == 0) {
+    if (path.empty()) {
+      absl::StatusOr<std::string> latest = LatestCheckpoint(env, options_.dir);
+      if (latest.ok()) path = *latest;
+    }
+    if (!path.empty()) {
+      absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(env, path);
+      if (r.ok()) chosen[0] = (*r)->manifest().step;
+    }
+  }
+  EVENSTEP_RETURN_IF_ERROR(ctx_.Broadcast(chosen, 0));
+  const int64_t step = chosen[0].item<int64_t>();
+  if (step < 0) {
+    return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", options_.dir));
+  }
+  if (options.path.empty()) path = CheckpointPath(options_.dir, step);
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
+                            CheckpointReader::Open(env, path));
+  const Manifest& manifest = reader->manifest();
+  result.step = manifest.step;
+  result.path = path;
+  // What the training state expects.
+  EVENSTEP_ASSIGN_OR_RETURN(Named expected, CaptureTensors(state.model, nullptr));
+  std::map<std::string, at::Tensor> targets(expected.begin(), expected.end());
+  // Balanced reading: whole tensors, largest first to the least-loaded rank.
+  const int world = ctx_.world_size();
+  std::vector<const TensorInfo*> order;
+  for (const TensorInfo& t : manifest.tensors) order.push_back(&t);
+  auto bytes_of = [](const TensorInfo* t) {
+    int64_t b = 0;
+    for (const SliceInfo& s : t->slices) b += s.bytes;
+    return b;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](const TensorInfo* a, const TensorInfo* b) {
+    return bytes_of(a) > bytes_of(b);
+  });
+  std::map<std::string, int> owner;
+  std::vector<int64_t> load(world, 0);
+  for (const TensorInfo* t : order) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[t->name] = r;
+    load[r] += bytes_of(t);
+  }
+  // Read my part, then each rank broadcasts its part as one byte buffer.
+  std::map<std::string, at::Tensor> loaded;
+  for (int root = 0; root < world; ++root) {
+    std::vector<const TensorInfo*> part;
+    int64_t total = 0;
+    for (const TensorInfo& t : manifest.tensors) {
+      if (owner[t.name] == root) {
+        part.push_back(&t);
+        total += bytes_of(&t);
+      }
+    }
+    at::Tensor buffer = at::empty({total}, at::kByte);
+    if (root == ctx_.rank()) {
+      int64_t at_byte = 0;
+      for (const TensorInfo* t : part) {
+        EVENSTEP_ASSIGN_OR_RETURN(at::Tensor value, reader->Read(t->name));
+        const int64_t n = bytes_of(t);
+        if (n > 0) std::memcpy(buffer.data_ptr<uint8_t>() + at_byte, value.data_ptr(), n);
+        at_byte += n;
+        result.bytes_read += n;
+      }
+    }
+    if (world > 1 && total > 0) {
+      absl::Status s = ctx_.Broadcast(buffer, root);
+      if (!s.ok()) {
+        return absl::Status(s.code(),
+                            absl::StrCat("checkpoint load of ", path, ": broadcast of rank ", root,
+                                         "'s part: ", s.message()));
+      }
+    }
+    int64_t at_byte = 0;
+    for (const TensorInfo* t : part) {
+      const int64_t n = bytes_of(t);
+      loaded[t->name] = buffer.narrow(0, at_byte, n);
+      at_byte += n;
+    }
+  }
+  // Apply: model tensors.
+  torch::NoGradGuard no_grad;
+  std::set<std::string> seen;
+  for (const TensorInfo& t : manifest.tensors) {
+    if (!absl::StartsWith(t.name, "model/")) continue;
+    auto target = targets.find(t.name);
+    if (target == targets.end()) {
+      result.unexpected.push_back(t.name);
+      continue;
+    }
+    seen.insert(t.name);
+    at::Tensor& dst = target->second;
+    const std::string want = c10::toString(dst.scalar_type());
+    if (dst.sizes().vec() != t.shape ||
+        dst.numel() * static_cast<int64_t>(dst.element_size()) != loaded[t.name].numel()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint ", path, ": tensor ", t.name, " has shape [", absl::StrJoin(t.shape, ","),
+          "] ", t.dtype, "; the model has [", absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
+    }
+    at::Tensor bytes = loaded[t.name];
+    at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
+    std::memcpy(cpu.data_ptr(), bytes.data_ptr(), bytes.numel());
+    dst.copy_(cpu);
+  }
+  for (const auto& [name, tensor] : expected) {
+    if (!seen.count(name)) result.missing.push_back(name);
+  }
+  if (options.strict && (!result.missing.empty() || !result.unexpected.empty())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint ", path, " does not match the model: missing [",
+                     absl::StrJoin(result.missing, ", "), "], unexpected [",
+                     absl::StrJoin(result.unexpected, ", "), "]"));
+  }
+  // Optimizer state.
+  if (state.optimizer != nullptr) {
+    EVENSTEP_ASSIGN_OR_RETURN(const OptimizerKind* kind, KindOf(*state.optimizer));
+    auto& groups = state.optimizer->param_groups();
+    std::map<std::pair<size_t, size_t>, std::map<std::string, at::Tensor>> fields;
+    for (const TensorInfo& t : manifest.tensors) {
+      std::vector<std::string> parts = absl::StrSplit(t.name, '/');
+      if (parts.size() < 3 || parts[0] != "optimizer") continue;
+      size_t g = 0, i = 0;
+      if (!absl::SimpleAtoi(parts[1], &g) || g >= groups.size()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint ", path, ": ", t.name, ": the optimizer has ", groups.size(), " groups"));
+      }
+      auto typed = [&] {
+        at::Tensor out =
+            at::empty(t.shape, at::TensorOptions().dtype(*internal::DtypeFromName(t.dtype)));
+        std::memcpy(out.data_ptr(), loaded[t.name].data_ptr(), loaded[t.name].numel());
+        return out;
+      };
+      if (parts.size() == 3 && parts[2] == "lr") {
+        groups[g].options().set_lr(typed().item<double>());
+        continue;
+      }
+      if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &i) || i >= groups[g].params().size()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint ", path, ": ", t.name, " does not match the optimizer's parameters"));
+      }
+      at::Tensor value = typed();
+      const at::Tensor& param = groups[g].params()[i];
+      if (value.dim() > 0) value = value.to(param.device());
+      fields[{g, i}][parts[3]] = value;
+    }
+    for (auto& [index, values] : fields) {
+      const at::Tensor& param = groups[index.first].params()[index.second];
+      state.optimizer->state()[StateKey(param)] = kind->restore(values);
+    }
+  }
+  // Balancing state and user extras.
+  const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
+  if (!extras.is_discarded() && extras.is_object()) {
+    if (extras.contains("user")) result.user_json = extras["user"].dump();
+    if (state.balance != nullptr && extras.contains("balance")) {
+      EVENSTEP_ASSIGN_OR_RETURN(BalanceState b, BalanceFromJson(extras["balance"]));
+      EVENSTEP_RETURN_IF_ERROR(state.balance->Restore(b));
+    }
+  }
+  return result;
+}
+
+}  // namespace evenstep

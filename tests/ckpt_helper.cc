@@ -1,0 +1,144 @@
+// Rank program for the distributed checkpoint tests (checkpointer_test.cc):
+//   ckpt_helper --mode=save --evenstep_ckpt_dir=D [--optimizer=adam] [--steps=3]
+//     trains a few BalancedSteps, saves at the last step, waits for the
+//     commit, prints "digest <hex>" of every model and optimizer tensor.
+//   ckpt_helper --mode=load --evenstep_ckpt_dir=D [--optimizer=adam]
+//     builds the same model from another seed, loads the latest checkpoint
+//     (any world size) and prints "digest <hex>", the step and the sampler
+//     position it resumed.
+// Exit codes: 0 ok, 2 evenstep error, 3 init.
+#include <torch/torch.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "evenstep/balanced_step.h"
+#include "evenstep/checkpointer.h"
+#include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
+
+ABSL_FLAG(std::string, mode, "save", "save or load");
+ABSL_FLAG(std::string, optimizer, "adam", "sgd, adam, adamw, rmsprop or adagrad");
+ABSL_FLAG(int, steps, 3, "Steps before the save.");
+
+namespace {
+
+// Scales by a buffer (model state that is not a parameter; the same on
+// every rank, as DDP keeps buffers).
+struct ScaleImpl : torch::nn::Module {
+  explicit ScaleImpl(int64_t n) { scale = register_buffer("scale", torch::rand({n}) + 0.5); }
+  torch::Tensor forward(torch::Tensor x) { return x * scale; }
+  torch::Tensor scale;
+};
+TORCH_MODULE(Scale);
+
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(torch::nn::Module& model,
+                                                       const std::string& name) {
+  auto params = model.parameters();
+  if (name == "sgd") {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  if (name == "adamw") return std::make_unique<torch::optim::AdamW>(params);
+  if (name == "rmsprop") {
+    return std::make_unique<torch::optim::RMSprop>(
+        params, torch::optim::RMSpropOptions(0.01).momentum(0.5).centered(true));
+  }
+  if (name == "adagrad") return std::make_unique<torch::optim::Adagrad>(params);
+  return std::make_unique<torch::optim::Adam>(params,
+                                              torch::optim::AdamOptions(1e-2).amsgrad(true));
+}
+
+std::string Digest(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  auto tensors = evenstep::CaptureTensors(&model, &optimizer);
+  std::sort(tensors->begin(), tensors->end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  XXH64_state_t* state = XXH64_createState();
+  XXH64_reset(state, 0);
+  for (const auto& [name, t] : *tensors) {
+    const at::Tensor c = t.contiguous().cpu();
+    XXH64_update(state, name.data(), name.size());
+    XXH64_update(state, c.data_ptr(), c.numel() * c.element_size());
+    if (std::getenv("CKPT_DEBUG")) {
+      std::cerr << name << " " << c.scalar_type() << " " << c.sizes() << " "
+                << XXH64(c.data_ptr(), c.numel() * c.element_size(), 0) << "\n";
+    }
+  }
+  const uint64_t h = XXH64_digest(state);
+  XXH64_freeState(state);
+  return absl::StrFormat("%016x (%d tensors)", h, tensors->size());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  torch::set_num_threads(1);
+  auto ctx = evenstep::DistContext::CreateFromFlags();
+  if (!ctx.ok()) {
+    std::cerr << ctx.status() << "\n";
+    return 3;
+  }
+  const bool save = absl::GetFlag(FLAGS_mode) == "save";
+  torch::manual_seed(save ? 0 : 99);
+  torch::nn::Sequential model(torch::nn::Linear(4, 300), torch::nn::Tanh(), Scale(300),
+                              torch::nn::Linear(300, 1));
+  auto optimizer = MakeOptimizer(*model, absl::GetFlag(FLAGS_optimizer));
+  auto config = evenstep::BalanceConfig::FromFlags();
+  std::vector<int64_t> lengths(200);
+  for (size_t i = 0; i < lengths.size(); ++i) lengths[i] = 1 + static_cast<int64_t>(i % 13);
+  auto step = evenstep::BalancedStep::Create(**ctx, *model, *optimizer, lengths, *config);
+  auto options = evenstep::CheckpointOptionsFromFlags();
+  if (!step.ok() || !options.ok()) {
+    std::cerr << (step.ok() ? options.status() : step.status()) << "\n";
+    return 3;
+  }
+  auto ckpt = evenstep::Checkpointer::Create(**ctx, *options);
+  if (!ckpt.ok()) {
+    std::cerr << ckpt.status() << "\n";
+    return 3;
+  }
+  const evenstep::TrainState state{model.ptr().get(), optimizer.get(), step->get(),
+                                   "{\"note\": \"hello\"}"};
+  if (save) {
+    for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
+      auto report =
+          (*step)->Step([](const evenstep::MicroBatch& mb) { return mb.samples; },
+                        [&](const std::vector<int64_t>& samples) {
+                          torch::Tensor x = torch::zeros({static_cast<int64_t>(samples.size()), 4});
+                          for (size_t k = 0; k < samples.size(); ++k) x[k].fill_(samples[k] * 0.01);
+                          return model->forward(x).pow(2).sum();
+                        });
+      if (!report.ok()) {
+        std::cerr << report.status() << "\n";
+        return 2;
+      }
+    }
+    auto ticket = (*ckpt)->Save(absl::GetFlag(FLAGS_steps), state);
+    if (!ticket.ok() || !ticket->done.get().ok()) {
+      std::cerr << (ticket.ok() ? ticket->done.get() : ticket.status()) << "\n";
+      return 2;
+    }
+    // Every rank's part is durable; wait until the commit is visible.
+    (*ctx)->Barrier().IgnoreError();
+    std::cout << "digest " << Digest(*model, *optimizer) << std::endl;
+  } else {
+    auto loaded = (*ckpt)->Load(state);
+    if (!loaded.ok()) {
+      std::cerr << loaded.status() << "\n";
+      return 2;
+    }
+    std::cout << "loaded step " << loaded->step << " user " << loaded->user_json << " read "
+              << loaded->bytes_read << " bytes, sampler at epoch " << (*step)->state().sampler.epoch
+              << " step " << (*step)->state().sampler.step << std::endl;
+    std::cout << "digest " << Digest(*model, *optimizer) << std::endl;
+  }
+  return 0;
+}
