@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -57,6 +58,17 @@ CheckpointState MakeState(int64_t step, int seed) {
   add("optimizer/0/empty", at::empty({0, 3}));
   state.extras_json = absl::StrCat("{\"sampler\": {\"epoch\": 1, \"step\": ", step, "}}");
   return state;
+}
+
+// Runs a shell command; (exit status, combined output).
+std::pair<int, std::string> RunShell(const std::string& command) {
+  std::string out;
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int rc = pclose(p);
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
 }
 
 bool BitEqual(const at::Tensor& a, const at::Tensor& b) {
@@ -301,25 +313,52 @@ TEST(CheckpointTest, H5pyAndH5dumpReadAShard) {
   state.tensors.push_back({"model/h", at::tensor({1.5, -2.0}, at::kFloat).to(at::kHalf)});
   ASSERT_TRUE(SaveAsRanks(dir.path(), state, 1).ok());
   const std::string shard = CheckpointPath(dir.path(), 9) + "/shard-00000-of-00001.h5";
-  auto run = [](const std::string& command) {
-    std::string out;
-    FILE* p = popen(command.c_str(), "r");
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-    const int rc = pclose(p);
-    return std::make_pair(rc, out);
-  };
-  auto [rc, out] = run(absl::StrCat(
+  auto [rc, out] = RunShell(absl::StrCat(
       "/usr/bin/python3 -c \"import h5py; f = h5py.File('", shard,
       "', 'r'); print(f['model/w'][...].tolist(), f['model/h'].dtype, f['model/h'][...].tolist(),"
-      " f['model/w'].attrs['dtype'])\" 2>&1"));
+      " f['model/w'].attrs['dtype'])\""));
   EXPECT_EQ(rc, 0) << out;
   EXPECT_THAT(out, HasSubstr("[[0.0, 0.5, 1.0], [1.5, 2.0, 2.5]] float16 [1.5, -2.0] "));
   EXPECT_THAT(out, HasSubstr("float32"));
-  std::tie(rc, out) = run(absl::StrCat("h5dump -d /model/w ", shard, " 2>&1"));
+  std::tie(rc, out) = RunShell(absl::StrCat("h5dump -d /model/w ", shard));
   EXPECT_EQ(rc, 0) << out;
   EXPECT_THAT(out, HasSubstr("(0,0): 0, 0.5, 1,"));
+}
+
+TEST(CheckpointTest, CkptToolListsShowsVerifiesAndConsolidates) {
+  TempDir dir;
+  const CheckpointState state = MakeState(4, 1);
+  ASSERT_TRUE(SaveAsRanks(dir.path(), state, 2).ok());
+  const std::string tool = EVENSTEP_CKPT_TOOL;
+  auto [rc, out] = RunShell(tool + " ls " + dir.path());
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, ::testing::ContainsRegex("step-0000000004 +[0-9]+ +yes <- latest"));
+  std::tie(rc, out) = RunShell(tool + " show " + dir.path());
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("model/bf16"));
+  std::tie(rc, out) = RunShell(tool + " verify " + dir.path());
+  EXPECT_EQ(rc, 0) << out;
+  const std::string merged = dir.path() + "/merged.h5";
+  std::tie(rc, out) = RunShell(tool + " consolidate " + dir.path() + " " + merged);
+  EXPECT_EQ(rc, 0) << out;
+  std::tie(rc, out) = RunShell("/usr/bin/python3 -c \"import h5py; f = h5py.File('" + merged +
+                               "', 'r'); print(f['model/big'].shape, f['model/ints'][0, 0])\"");
+  EXPECT_EQ(rc, 0) << out;
+  const int64_t first = state.tensors[4].second[0][0].item<int64_t>();
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("(1000,) ", first)));
+  // A flipped byte makes verify fail and name the shard.
+  auto reader = CheckpointReader::Open(*Env::Default(), CheckpointPath(dir.path(), 4));
+  const SliceInfo& slice = (*reader)->Find("model/ints")->slices[0];
+  const std::string shard =
+      CheckpointPath(dir.path(), 4) + "/" + (*reader)->manifest().shards[slice.shard];
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(slice.offset);
+    f.write("\x7f", 1);
+  }
+  std::tie(rc, out) = RunShell(tool + " verify " + dir.path());
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, HasSubstr("CORRUPT " + shard));
 }
 
 }  // namespace
