@@ -197,28 +197,40 @@ const TensorInfo* CheckpointReader::Find(const std::string& name) const {
 
 absl::StatusOr<at::Tensor> CheckpointReader::Read(const std::string& name) const {
   const TensorInfo* t = Find(name);
-  if (t == nullptr) {
-    return absl::NotFoundError(absl::StrCat(path_, ": no tensor ", name));
-  }
-  const c10::ScalarType type = *internal::DtypeFromName(t->dtype);
-  at::Tensor out = at::empty(t->shape, at::TensorOptions().dtype(type));
-  char* base = static_cast<char*>(out.data_ptr());
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat(path_, ": no tensor ", name));
+  at::Tensor out =
+      at::empty(t->shape, at::TensorOptions().dtype(*internal::DtypeFromName(t->dtype)));
+  absl::Status s = ReadInto(name, out.data_ptr(), out.numel() * out.element_size());
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::Status CheckpointReader::ReadInto(const std::string& name, void* dst, int64_t size) const {
+  const TensorInfo* t = Find(name);
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat(path_, ": no tensor ", name));
   const int64_t element = internal::DtypeSize(t->dtype);
+  int64_t total = 0;
+  for (const SliceInfo& s : t->slices) total += s.bytes;
+  if (total != size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", name, " holds ", total, " bytes, the destination ", size));
+  }
+  char* base = static_cast<char*>(dst);
   for (const SliceInfo& s : t->slices) {
     if (s.bytes == 0) continue;
     const std::string shard = path_ + "/" + manifest_.shards[s.shard];
     auto file = env_.OpenForRead(shard);
     if (!file.ok()) return file.status();
-    char* dst = base + s.begin * element;
-    if (absl::Status st = (*file)->PRead(s.offset, dst, static_cast<size_t>(s.bytes)); !st.ok()) {
+    char* out = base + s.begin * element;
+    if (absl::Status st = (*file)->PRead(s.offset, out, static_cast<size_t>(s.bytes)); !st.ok()) {
       return st;
     }
-    if (XXH3_64bits(dst, static_cast<size_t>(s.bytes)) != s.xxh3) {
+    if (XXH3_64bits(out, static_cast<size_t>(s.bytes)) != s.xxh3) {
       return absl::DataLossError(
           absl::StrCat(shard, ", dataset ", s.dataset, ": checksum mismatch (tensor ", name, ")"));
     }
   }
-  return out;
+  return absl::OkStatus();
 }
 
 std::vector<std::string> CheckpointReader::Verify() const {

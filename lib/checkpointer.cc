@@ -344,9 +344,9 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
     if (root == ctx_.rank()) {
       int64_t at_byte = 0;
       for (const TensorInfo* t : part) {
-        EVENSTEP_ASSIGN_OR_RETURN(at::Tensor value, reader->Read(t->name));
         const int64_t n = bytes_of(t);
-        if (n > 0) std::memcpy(buffer.data_ptr<uint8_t>() + at_byte, value.data_ptr(), n);
+        EVENSTEP_RETURN_IF_ERROR(
+            reader->ReadInto(t->name, buffer.data_ptr<uint8_t>() + at_byte, n));
         at_byte += n;
         result.bytes_read += n;
       }
@@ -386,9 +386,13 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
           "] ", t.dtype, "; the model has [", absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
     }
     at::Tensor bytes = loaded[t.name];
-    at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
-    std::memcpy(cpu.data_ptr(), bytes.data_ptr(), bytes.numel());
-    dst.copy_(cpu);
+    if (dst.device().is_cpu() && dst.is_contiguous()) {
+      std::memcpy(dst.data_ptr(), bytes.data_ptr(), bytes.numel());
+    } else {
+      at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
+      std::memcpy(cpu.data_ptr(), bytes.data_ptr(), bytes.numel());
+      dst.copy_(cpu);
+    }
   }
   for (const auto& [name, tensor] : expected) {
     if (!seen.count(name)) result.missing.push_back(name);

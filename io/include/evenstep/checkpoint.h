@@ -156,6 +156,8 @@ class CheckpointReader {
   // Reads one tensor (all its slices), verifying checksums: DataLoss naming
   // the shard file and dataset on a mismatch.
   absl::StatusOr<at::Tensor> Read(const std::string& name) const;
+  // The same into `dst` (the tensor's bytes, row-major; `size` must match).
+  absl::Status ReadInto(const std::string& name, void* dst, int64_t size) const;
   // Verifies every checksum; the list of problems (empty when intact).
   std::vector<std::string> Verify() const;
 
