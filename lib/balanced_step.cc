@@ -149,7 +149,9 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
     compute -= stats.wait;
     report_.sync_wait += stats.wait;
     report_.arrived = stats.arrived;
+    report_.synced = stats.done;
   }
+  report_.micro.push_back({micro_begin_, data_end_, end, micro_[index].cost});
   const absl::Duration data = data_end_ - micro_begin_;
   report_.data += data;
   report_.compute += compute;
@@ -183,7 +185,8 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
     // No work on this rank this step: join the collectives with zeros.
     report_.arrived = absl::Now();
     absl::Status synced = sync_->SyncNow();
-    report_.sync_wait = absl::Now() - report_.arrived;
+    report_.synced = absl::Now();
+    report_.sync_wait = report_.synced - report_.arrived;
     if (!synced.ok()) {
       return absl::Status(synced.code(),
                           absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
@@ -196,6 +199,7 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
                                                steps_ + 1, ": ", s.message()));
   }
   const absl::Time optimizer_begin = absl::Now();
+  report_.optimizer_begin = optimizer_begin;
   try {
     if (config_.after_sync) config_.after_sync();
     if (config_.clip_grad_norm > 0) {

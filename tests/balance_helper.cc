@@ -19,19 +19,29 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "evenstep/balanced_step.h"
+#include "evenstep/checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/timeline.h"
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
 ABSL_FLAG(int, split_seed, 0, "Seed of random initial shares (0 = equal).");
 ABSL_FLAG(int, fail_rank, -1, "Rank whose loss callback throws on step 2.");
 ABSL_FLAG(int, samples, 300, "Samples in the synthetic dataset.");
+ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
+ABSL_FLAG(std::string, duty, "none",
+          "Extra duty after every step: none; rank0 (rank 0 alone blocks for --duty_ms, like a "
+          "synchronous torch::save or evaluation on rank 0); evenstep (every rank saves its share "
+          "through the Checkpointer, in the background)");
+ABSL_FLAG(int, duty_ms, 60, "Length of the rank0 duty.");
+ABSL_FLAG(int, sleep_ms_per_micro, 0, "Sleep in every micro-batch (stable step times).");
 
 namespace {
 
@@ -130,6 +140,29 @@ int main(int argc, char** argv) {
     return 3;
   }
   step_ptr = step->get();
+  std::unique_ptr<evenstep::Timeline> timeline;
+  if (!absl::GetFlag(FLAGS_trace_dir).empty()) {
+    auto opened = evenstep::Timeline::Open(absl::GetFlag(FLAGS_trace_dir), rank);
+    if (!opened.ok()) {
+      std::cerr << opened.status() << "\n";
+      return 3;
+    }
+    timeline = *std::move(opened);
+  }
+  const std::string duty = absl::GetFlag(FLAGS_duty);
+  std::unique_ptr<evenstep::Checkpointer> checkpointer;
+  if (duty == "evenstep") {
+    auto options = evenstep::CheckpointOptionsFromFlags();
+    auto created = options.ok()
+                       ? evenstep::Checkpointer::Create(**ctx, *options)
+                       : absl::StatusOr<std::unique_ptr<evenstep::Checkpointer>>(options.status());
+    if (!created.ok()) {
+      std::cerr << created.status() << "\n";
+      return 3;
+    }
+    checkpointer = *std::move(created);
+  }
+  const int sleep_ms = absl::GetFlag(FLAGS_sleep_ms_per_micro);
   for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
     max_err = 0;
     auto report =
@@ -138,12 +171,27 @@ int main(int argc, char** argv) {
                         if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank)) {
                           throw std::runtime_error("injected failure in the loss callback");
                         }
+                        if (sleep_ms > 0) {
+                          std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+                        }
                         return LossSum(model, data, samples, per_token);
                       });
     if (!report.ok()) {
       std::cerr << report.status() << "\n";
       return 2;
     }
+    if (timeline) timeline->AddStep(*report);
+    const absl::Time duty_begin = absl::Now();
+    if (duty == "rank0" && rank == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_duty_ms)));
+    } else if (duty == "evenstep") {
+      auto ticket = checkpointer->Save(s, {model.ptr().get(), &optimizer, step_ptr, "{}"});
+      if (!ticket.ok()) {
+        std::cerr << ticket.status() << "\n";
+        return 2;
+      }
+    }
+    if (timeline && duty != "none") timeline->Span("checkpoint", duty_begin, absl::Now(), s);
     std::cout << absl::StrFormat(
         "step %d rank %d micro %d samples %d loss %.6f eff %.3f err %.3g shares", s, rank,
         report->micro_batches, report->samples, report->loss, report->balance_efficiency, max_err);
@@ -152,6 +200,18 @@ int main(int argc, char** argv) {
     if (!(max_err <= 1e-5)) {
       std::cerr << "gradient mismatch: max relative error " << max_err << " > 1e-5\n";
       return 1;
+    }
+  }
+  if (checkpointer) {
+    if (absl::Status w = checkpointer->WaitAll(); !w.ok()) {
+      std::cerr << w << "\n";
+      return 2;
+    }
+  }
+  if (timeline) {
+    if (absl::Status c = timeline->Close(); !c.ok()) {
+      std::cerr << c << "\n";
+      return 2;
     }
   }
   std::cout << "balance ok" << std::endl;

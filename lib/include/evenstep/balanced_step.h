@@ -83,6 +83,14 @@ struct BalanceConfig {
   static absl::StatusOr<BalanceConfig> FromFlags();
 };
 
+// One micro-step's timestamps (for the timeline).
+struct MicroTiming {
+  absl::Time begin;     // the micro-step starts: data loading
+  absl::Time data_end;  // DataReady(): forward + backward start
+  absl::Time end;       // backward returned (on the last: after the sync wait)
+  double units = 0;
+};
+
 struct StepReport {
   int64_t step = 0;  // optimizer steps completed, this one included
   int64_t epoch = 0;
@@ -99,6 +107,9 @@ struct StepReport {
   absl::Duration data, compute, sync_wait, optimizer;
   absl::Duration busy;              // data + compute of this rank
   absl::Time begin, arrived, end;   // step start, arrival at the sync, step end
+  absl::Time synced;                // the gradients are reduced
+  absl::Time optimizer_begin;       // after the sync: clipping, optimizer, zero_grad
+  std::vector<MicroTiming> micro;   // this rank's micro-steps
   std::vector<double> shares;       // the plan this step used
   std::vector<double> rank_busy_s;  // every rank's busy time
   std::vector<int> rank_micro_batches;

@@ -1,0 +1,82 @@
+#!/usr/bin/python3
+"""Pictures for evenstep-report: per-rank phase bars over steps and the
+arrival-skew histogram, from RUN_DIR/trace.json and RUN_DIR/report.json, plus
+RUN_DIR/report.html showing them with the table. Uses Debian's
+python3-matplotlib; without it, says so and exits 0."""
+import html
+import json
+import os
+import sys
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    print("no pictures: install python3-matplotlib (apt install python3-matplotlib)")
+    sys.exit(0)
+
+run = sys.argv[1]
+report = json.load(open(os.path.join(run, "report.json")))
+events = json.load(open(os.path.join(run, "trace.json")))
+phases = ["data", "compute", "sync_wait", "optimizer", "io", "other"]
+io_names = {"checkpoint", "eval", "log"}
+per = {}  # rank -> step -> phase -> ms
+for e in events:
+    if e.get("ph") != "X":
+        continue
+    name = e["name"]
+    phase = "io" if name in io_names else (name if name in phases else "other")
+    if name == "exchange":
+        phase = "other"
+    step = e.get("args", {}).get("step", 0)
+    per.setdefault(e["pid"], {}).setdefault(step, {}).setdefault(phase, 0.0)
+    per[e["pid"]][step][phase] += e.get("dur", 0) / 1e3
+
+ranks = sorted(per)
+fig, axes = plt.subplots(len(ranks), 1, figsize=(10, 1.8 * len(ranks) + 1), sharex=True, squeeze=False)
+colors = {"data": "#4e79a7", "compute": "#59a14f", "sync_wait": "#e15759",
+          "optimizer": "#f28e2b", "io": "#b07aa1", "other": "#bab0ac"}
+for ax, rank in zip(axes[:, 0], ranks):
+    steps = sorted(per[rank])
+    bottom = [0.0] * len(steps)
+    for phase in phases:
+        values = [per[rank][s].get(phase, 0.0) for s in steps]
+        ax.bar(steps, values, bottom=bottom, color=colors[phase], label=phase, width=0.9)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("rank %d\nms" % rank)
+axes[0, 0].legend(ncol=len(phases), fontsize="small", loc="upper left", bbox_to_anchor=(0, 1.45))
+axes[-1, 0].set_xlabel("step")
+fig.tight_layout()
+fig.savefig(os.path.join(run, "phases.png"), dpi=90)
+
+fig, ax = plt.subplots(figsize=(8, 3.5))
+skews = {}
+for step in report["steps"]:
+    for rank, ms in zip(ranks, step.get("arrival_ms", [])):
+        skews.setdefault(rank, []).append(ms)
+for rank in ranks:
+    ax.hist(skews.get(rank, []), bins=30, alpha=0.6, label="rank %d" % rank)
+ax.set_xlabel("arrival at the gradient sync relative to the median rank (ms)")
+ax.set_ylabel("steps")
+ax.legend(fontsize="small")
+fig.tight_layout()
+fig.savefig(os.path.join(run, "arrival_skew.png"), dpi=90)
+
+rows = "".join(
+    "<tr>" + "".join("<td>%s</td>" % html.escape("%.2f" % v if isinstance(v, float) else str(v))
+                     for v in (r["rank"], r["steps"], r["step_ms_mean"], r["step_ms_p50"], r["step_ms_p95"],
+                               r["data_ms"], r["compute_ms"], r["sync_wait_ms"], r["optimizer_ms"], r["io_ms"]))
+    + "</tr>" for r in report["ranks"])
+straggler = report.get("straggler")
+verdict = ("rank %d is the straggler; it loses the time in %s" % (straggler["rank"], straggler["phase"])
+           if straggler else "no straggler")
+with open(os.path.join(run, "report.html"), "w") as out:
+    out.write("<!doctype html><title>evenstep report</title><h1>evenstep report</h1>"
+              "<p>%s; balance efficiency %.3f%s</p>"
+              "<table border=1 cellpadding=4><tr><th>rank</th><th>steps</th><th>mean ms</th><th>p50</th>"
+              "<th>p95</th><th>data</th><th>compute</th><th>sync wait</th><th>optimizer</th><th>io</th></tr>%s</table>"
+              "<h2>Phases per step</h2><img src=phases.png><h2>Arrival at the sync</h2><img src=arrival_skew.png>"
+              % (html.escape(verdict), report["balance_efficiency"],
+                 ("; " + html.escape(report["periodic"])) if report.get("periodic") else "", rows))
+print("wrote %s/phases.png, %s/arrival_skew.png, %s/report.html" % (run, run, run))

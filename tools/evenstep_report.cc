@@ -1,0 +1,323 @@
+// evenstep-report RUN_DIR: reads the ranks' timelines (RUN_DIR/trace-*.json,
+// see lib/include/evenstep/timeline.h) and reports
+//   - per rank: steps, mean/p50/p95 step time, and its split into data /
+//     compute / sync wait / optimizer / io (checkpoint, eval, log) / other
+//   - balance efficiency per step: mean/max over ranks of data + compute
+//   - stragglers by arrival at the gradient sync: which rank arrives last,
+//     how often, by how much, in which phase it lost the time (its phase
+//     times since the previous step against the other ranks' median), and
+//     whether it is periodic (late every N steps)
+// and writes RUN_DIR/trace.json (all ranks merged, for Perfetto or
+// chrome://tracing), RUN_DIR/report.json, and with Debian's
+// python3-matplotlib RUN_DIR/phases.png, RUN_DIR/arrival_skew.png and
+// RUN_DIR/report.html.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace {
+
+using nlohmann::json;
+
+const std::vector<std::string> kPhases = {"data",     "compute", "sync_wait", "optimizer",
+                                          "exchange", "io",      "other"};
+
+std::string PhaseOf(const std::string& name) {
+  if (name == "checkpoint" || name == "eval" || name == "log") return "io";
+  for (const std::string& p : kPhases) {
+    if (p == name) return p;
+  }
+  return "other";
+}
+
+struct Span {
+  std::string name;
+  double ts = 0, dur = 0;  // microseconds
+  int64_t step = 0;
+};
+
+struct RankTrace {
+  std::vector<Span> spans;
+  std::map<int64_t, double> arrive;  // step -> ts
+};
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
+
+// A trace file; tolerates a missing closing bracket (a rank that died).
+bool ReadTrace(const std::string& path, json* events) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string text = ss.str();
+  *events = json::parse(text, nullptr, false);
+  if (events->is_discarded()) {
+    while (!text.empty() && (text.back() == '\n' || text.back() == ',' || text.back() == ' ')) {
+      text.pop_back();
+    }
+    *events = json::parse(text + "\n]", nullptr, false);
+  }
+  return !events->is_discarded() && events->is_array();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: evenstep-report RUN_DIR\n";
+    return 2;
+  }
+  const std::string dir = argv[1];
+  std::map<int, RankTrace> ranks;
+  json merged = json::array();
+  std::error_code error;
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = e.path().filename().string();
+    if (absl::StartsWith(name, "trace-") && absl::EndsWith(name, ".json")) {
+      files.push_back(e.path().string());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  if (error || files.empty()) {
+    std::cerr << "evenstep-report: no trace-*.json in " << dir << "\n";
+    return 1;
+  }
+  for (const std::string& file : files) {
+    json events;
+    if (!ReadTrace(file, &events)) {
+      std::cerr << "evenstep-report: " << file << " is not a trace (skipped)\n";
+      continue;
+    }
+    for (const json& e : events) {
+      merged.push_back(e);
+      if (!e.contains("pid") || !e.contains("ts")) continue;
+      const int rank = e["pid"].get<int>();
+      const int64_t step =
+          e.contains("args") && e["args"].contains("step") ? e["args"]["step"].get<int64_t>() : 0;
+      const std::string name = e.value("name", "");
+      if (e.value("ph", "") == "X") {
+        ranks[rank].spans.push_back({name, e["ts"].get<double>(), e.value("dur", 0.0), step});
+      } else if (name == "arrive") {
+        ranks[rank].arrive[step] = e["ts"].get<double>();
+      }
+    }
+  }
+  std::ofstream(dir + "/trace.json") << merged.dump();
+  const int world = static_cast<int>(ranks.size());
+
+  // Steps every rank reached the sync in.
+  std::set<int64_t> steps;
+  for (const auto& [r, t] : ranks) {
+    for (const auto& [s, ts] : t.arrive) steps.insert(s);
+  }
+  for (const auto& [r, t] : ranks) {
+    for (auto it = steps.begin(); it != steps.end();) {
+      it = t.arrive.count(*it) ? std::next(it) : steps.erase(it);
+    }
+  }
+  // Per rank and step: the window since the previous step ended (its
+  // exchange end) up to the arrival, split by phase; and the step's time.
+  struct StepView {
+    std::map<std::string, double> window;  // phase -> us before arrival
+    std::map<std::string, double> total;   // phase -> us in the whole step
+    double end = 0;                        // exchange end
+    double busy = 0;                       // data + compute
+  };
+  std::map<int, std::map<int64_t, StepView>> views;
+  for (auto& [r, t] : ranks) {
+    std::sort(t.spans.begin(), t.spans.end(),
+              [](const Span& a, const Span& b) { return a.ts < b.ts; });
+    for (const Span& sp : t.spans) {
+      StepView& v = views[r][sp.step];
+      v.total[PhaseOf(sp.name)] += sp.dur;
+      if (sp.name == "data" || sp.name == "compute") v.busy += sp.dur;
+      if (sp.name == "exchange") v.end = std::max(v.end, sp.ts + sp.dur);
+    }
+    double previous_end = t.spans.empty() ? 0 : t.spans.front().ts;
+    for (int64_t s : steps) {
+      StepView& v = views[r][s];
+      const double arrive = t.arrive[s];
+      double covered = 0;
+      for (const Span& sp : t.spans) {
+        // Spans that end in (previous_end, arrive]: the time before the sync.
+        const double b = std::max(sp.ts, previous_end), e = std::min(sp.ts + sp.dur, arrive);
+        if (e <= b) continue;
+        const std::string phase = PhaseOf(sp.name);
+        if (phase == "sync_wait" || phase == "optimizer" || phase == "exchange") continue;
+        v.window[phase] += e - b;
+        covered += e - b;
+      }
+      v.window["other"] += std::max(0.0, arrive - previous_end - covered);
+      v.total["step"] = arrive - previous_end;  // filled below with the full step
+      if (v.end > 0) previous_end = v.end;
+    }
+  }
+  // Per-rank table.
+  json report = {{"ranks", json::array()}, {"steps", json::array()}};
+  std::cout << absl::StrFormat("evenstep-report %s: %d ranks, %d steps\n", dir, world,
+                               steps.size());
+  std::cout << absl::StrFormat("  %4s %6s %9s %9s %9s | %8s %8s %8s %8s %8s %8s (mean ms)\n",
+                               "rank", "steps", "mean ms", "p50 ms", "p95 ms", "data", "compute",
+                               "sync", "optim", "io", "other");
+  for (const auto& [r, t] : ranks) {
+    std::vector<double> step_ms;
+    std::map<std::string, double> sums;
+    double previous = -1;
+    for (int64_t s : steps) {
+      const StepView& v = views[r][s];
+      if (previous >= 0 && v.end > 0) step_ms.push_back((v.end - previous) / 1e3);
+      if (v.end > 0) previous = v.end;
+      for (const auto& [phase, us] : v.total) sums[phase] += us / 1e3;
+      sums["other_window"] += v.window.count("other") ? v.window.at("other") / 1e3 : 0;
+    }
+    const double n = std::max<size_t>(steps.size(), 1);
+    std::cout << absl::StrFormat(
+        "  %4d %6d %9.2f %9.2f %9.2f | %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f\n", r, steps.size(),
+        step_ms.empty() ? 0 : std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / step_ms.size(),
+        Median(step_ms), Percentile(step_ms, 0.95), sums["data"] / n, sums["compute"] / n,
+        sums["sync_wait"] / n, sums["optimizer"] / n, sums["io"] / n,
+        (sums["other"] + sums["other_window"]) / n);
+    report["ranks"].push_back(
+        {{"rank", r},
+         {"steps", steps.size()},
+         {"step_ms_mean",
+          step_ms.empty() ? 0
+                          : std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / step_ms.size()},
+         {"step_ms_p50", Median(step_ms)},
+         {"step_ms_p95", Percentile(step_ms, 0.95)},
+         {"data_ms", sums["data"] / n},
+         {"compute_ms", sums["compute"] / n},
+         {"sync_wait_ms", sums["sync_wait"] / n},
+         {"optimizer_ms", sums["optimizer"] / n},
+         {"io_ms", sums["io"] / n}});
+  }
+  // Per step: efficiency, last arriver and skew.
+  std::map<int, int> late_count;
+  std::map<int, std::vector<int64_t>> late_steps;
+  std::map<int, std::map<std::string, double>> excess;  // rank -> phase -> us
+  std::vector<double> efficiencies;
+  std::vector<double> step_lengths;
+  for (int64_t s : steps) {
+    std::vector<double> busy, arrivals;
+    int last = -1;
+    double last_ts = -1;
+    for (const auto& [r, t] : ranks) {
+      busy.push_back(views[r][s].busy);
+      arrivals.push_back(t.arrive.at(s));
+      if (t.arrive.at(s) > last_ts) {
+        last_ts = t.arrive.at(s);
+        last = r;
+      }
+      step_lengths.push_back(views[r][s].total["step"]);
+    }
+    const double max_busy = *std::max_element(busy.begin(), busy.end());
+    const double efficiency =
+        max_busy > 0 ? std::accumulate(busy.begin(), busy.end(), 0.0) / busy.size() / max_busy : 1;
+    efficiencies.push_back(efficiency);
+    const double skew = last_ts - Median(arrivals);
+    json step = {
+        {"step", s}, {"efficiency", efficiency}, {"last_rank", last}, {"skew_ms", skew / 1e3}};
+    for (const auto& [r, t] : ranks)
+      step["arrival_ms"].push_back((t.arrive.at(s) - Median(arrivals)) / 1e3);
+    report["steps"].push_back(step);
+    // Significant: more than 5 % of the median step and over 1 ms.
+    const double typical = Median(step_lengths);
+    if (world > 1 && skew > std::max(1000.0, 0.05 * typical)) {
+      ++late_count[last];
+      late_steps[last].push_back(s);
+      for (const std::string& phase : {"data", "compute", "io", "other"}) {
+        std::vector<double> others;
+        for (const auto& [r, t] : ranks) {
+          if (r != last) others.push_back(views[r][s].window[phase]);
+        }
+        excess[last][phase] += views[last][s].window[phase] - Median(others);
+      }
+    }
+  }
+  const double mean_eff =
+      efficiencies.empty()
+          ? 1
+          : std::accumulate(efficiencies.begin(), efficiencies.end(), 0.0) / efficiencies.size();
+  std::cout << absl::StrFormat(
+      "  balance efficiency (mean/max busy before the sync): mean %.3f, min %.3f\n", mean_eff,
+      efficiencies.empty() ? 1 : *std::min_element(efficiencies.begin(), efficiencies.end()));
+  report["balance_efficiency"] = mean_eff;
+  // The straggler: last in at least half of the steps, by a significant margin.
+  int straggler = -1;
+  for (const auto& [r, count] : late_count) {
+    if (count >= 3 && count * 2 >= static_cast<int>(steps.size()) &&
+        (straggler < 0 || count > late_count[straggler])) {
+      straggler = r;
+    }
+  }
+  // Periodic stalls: a rank late every N steps (N > 1) in most of its late steps.
+  std::string periodic;
+  for (const auto& [r, list] : late_steps) {
+    if (list.size() < 3) continue;
+    std::map<int64_t, int> gaps;
+    for (size_t i = 1; i < list.size(); ++i) ++gaps[list[i] - list[i - 1]];
+    const auto best = std::max_element(
+        gaps.begin(), gaps.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+    if (best->first > 1 && best->second * 5 >= 4 * static_cast<int>(list.size() - 1)) {
+      periodic = absl::StrFormat("rank %d is late every %d steps", r, best->first);
+    }
+  }
+  if (straggler >= 0) {
+    std::string phase = "other";
+    double worst = -1;
+    for (const auto& [p, us] : excess[straggler]) {
+      if (us > worst) {
+        worst = us;
+        phase = p;
+      }
+    }
+    const std::string line = absl::StrFormat(
+        "straggler: rank %d arrives last at the gradient sync in %d of %d steps; it loses the "
+        "time in %s (%.1f ms per late step more than the other ranks)",
+        straggler, late_count[straggler], steps.size(), phase,
+        worst / 1e3 / std::max(1, late_count[straggler]));
+    std::cout << "  " << line << "\n";
+    report["straggler"] = {
+        {"rank", straggler}, {"phase", phase}, {"late_steps", late_count[straggler]}};
+  } else {
+    std::cout << "  no straggler: no rank arrives last in most steps by more than 5 % of a step\n";
+    report["straggler"] = nullptr;
+  }
+  if (!periodic.empty()) {
+    std::cout << "  periodic stall: " << periodic << "\n";
+    report["periodic"] = periodic;
+  }
+  std::ofstream(dir + "/report.json") << report.dump(1);
+  std::cout << "  wrote " << dir
+            << "/trace.json (open in https://ui.perfetto.dev or chrome://tracing), " << dir
+            << "/report.json\n";
+  // Pictures.
+  const std::string plot =
+      absl::StrCat("/usr/bin/python3 ", EVENSTEP_PLOT_SCRIPT, " ", dir, " 2>&1");
+  FILE* p = popen(plot.c_str(), "r");
+  char buf[1024];
+  while (p != nullptr && fgets(buf, sizeof(buf), p) != nullptr) std::cout << "  " << buf;
+  if (p != nullptr) pclose(p);
+  return 0;
+}
