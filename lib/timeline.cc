@@ -1,37 +1,24 @@
-// Timeline: streamed Chrome trace of one rank.
+// Timeline: streamed Chrome trace of one rank (through an AsyncAppender).
 #include "evenstep/timeline.h"
 
-#include <future>
-#include <vector>
+#include <algorithm>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "evenstep/async_appender.h"
 #include "evenstep/balanced_step.h"
-#include "evenstep/env.h"
-#include "evenstep/io_runtime.h"
 
 namespace evenstep {
 namespace {
-
-constexpr size_t kFlushBytes = 256 << 10;
 
 int64_t Micros(absl::Time t) { return absl::ToUnixMicros(t); }
 
 }  // namespace
 
-struct Timeline::Pending {
-  std::vector<std::future<absl::Status>> writes;
-  absl::Status first_error;
-};
-
 absl::StatusOr<std::unique_ptr<Timeline>> Timeline::Open(const std::string& dir, int rank) {
-  Env& env = *Env::Default();
-  if (absl::Status s = env.CreateDirs(dir); !s.ok()) return s;
-  auto file = env.Create(absl::StrFormat("%s/trace-%05d.json", dir, rank));
-  if (!file.ok()) return file.status();
-  std::unique_ptr<Timeline> t(
-      new Timeline(rank, *std::move(file), std::make_unique<IoRuntime>(/*io_threads=*/1)));
-  t->buffer_ = "[\n";
+  auto out = AsyncAppender::Create(absl::StrFormat("%s/trace-%05d.json", dir, rank));
+  if (!out.ok()) return out.status();
+  std::unique_ptr<Timeline> t(new Timeline(rank, *std::move(out)));
+  t->out_->Append("[\n");
   t->Append(absl::StrFormat(
       R"({"name": "process_name", "ph": "M", "pid": %d, "tid": 0, "args": {"name": "rank %d"}})",
       rank, rank));
@@ -41,41 +28,15 @@ absl::StatusOr<std::unique_ptr<Timeline>> Timeline::Open(const std::string& dir,
   return t;
 }
 
-Timeline::Timeline(int rank, std::unique_ptr<File> file, std::unique_ptr<IoRuntime> io)
-    : rank_(rank), file_(std::move(file)), io_(std::move(io)), pending_(new Pending) {}
+Timeline::Timeline(int rank, std::unique_ptr<AsyncAppender> out)
+    : rank_(rank), out_(std::move(out)) {}
 
 Timeline::~Timeline() { Close().IgnoreError(); }
 
 void Timeline::Append(const std::string& event) {
   if (closed_) return;
-  if (!first_) buffer_ += ",\n";
+  out_->Append(first_ ? event : ",\n" + event);
   first_ = false;
-  buffer_ += event;
-  if (buffer_.size() >= kFlushBytes) StartWrite();
-}
-
-void Timeline::StartWrite() {
-  if (buffer_.empty()) return;
-  auto chunk = std::make_shared<std::string>(std::move(buffer_));
-  buffer_.clear();
-  const int64_t at = offset_;
-  offset_ += static_cast<int64_t>(chunk->size());
-  File* file = file_.get();
-  IoRuntime* io = io_.get();
-  pending_->writes.push_back(io_->Spawn([io, file, chunk, at] {
-    return io->Blocking([&] { return file->PWrite(at, chunk->data(), chunk->size()); });
-  }));
-  // Keep the list short: collect finished writes.
-  auto& w = pending_->writes;
-  for (auto it = w.begin(); it != w.end();) {
-    if (it->wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-      absl::Status s = it->get();
-      if (pending_->first_error.ok() && !s.ok()) pending_->first_error = s;
-      it = w.erase(it);
-    } else {
-      ++it;
-    }
-  }
 }
 
 void Timeline::Span(const std::string& phase, absl::Time begin, absl::Time end, int64_t step) {
@@ -105,24 +66,13 @@ void Timeline::AddStep(const StepReport& r) {
   Span("exchange", r.optimizer_begin + r.optimizer, r.end, r.step);
 }
 
-absl::Status Timeline::Flush() {
-  StartWrite();
-  for (auto& f : pending_->writes) {
-    absl::Status s = f.get();
-    if (pending_->first_error.ok() && !s.ok()) pending_->first_error = s;
-  }
-  pending_->writes.clear();
-  return pending_->first_error;
-}
+absl::Status Timeline::Flush() { return out_->Flush(); }
 
 absl::Status Timeline::Close() {
-  if (closed_) return pending_->first_error;
-  buffer_ += "\n]\n";
-  absl::Status s = Flush();
+  if (closed_) return absl::OkStatus();
+  out_->Append("\n]\n");
   closed_ = true;
-  if (s.ok()) s = file_->Sync();
-  absl::Status c = file_->Close();
-  return s.ok() ? c : s;
+  return out_->Close();
 }
 
 }  // namespace evenstep

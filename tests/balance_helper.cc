@@ -29,6 +29,7 @@
 #include "evenstep/checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/metrics.h"
 #include "evenstep/timeline.h"
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
@@ -41,6 +42,8 @@ ABSL_FLAG(std::string, duty, "none",
           "synchronous torch::save or evaluation on rank 0); evenstep (every rank saves its share "
           "through the Checkpointer, in the background)");
 ABSL_FLAG(int, duty_ms, 60, "Length of the rank0 duty.");
+ABSL_FLAG(std::string, metrics_dir, "", "Log loss and rank through a MetricsLogger there.");
+ABSL_FLAG(bool, evaluate, false, "Evaluate on a held-out set after the last step.");
 ABSL_FLAG(int, sleep_ms_per_micro, 0, "Sleep in every micro-batch (stable step times).");
 
 namespace {
@@ -163,6 +166,15 @@ int main(int argc, char** argv) {
     checkpointer = *std::move(created);
   }
   const int sleep_ms = absl::GetFlag(FLAGS_sleep_ms_per_micro);
+  std::unique_ptr<evenstep::MetricsLogger> metrics;
+  if (!absl::GetFlag(FLAGS_metrics_dir).empty()) {
+    auto created = evenstep::MetricsLogger::Create(**ctx, {absl::GetFlag(FLAGS_metrics_dir), 2});
+    if (!created.ok()) {
+      std::cerr << created.status() << "\n";
+      return 3;
+    }
+    metrics = *std::move(created);
+  }
   for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
     max_err = 0;
     auto report =
@@ -181,6 +193,24 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (timeline) timeline->AddStep(*report);
+    if (metrics) {
+      metrics->Log(s, "loss", report->loss);
+      metrics->Log(s, "rank", rank);
+      if (s == 4 && rank == 1) {
+        // Rank 1 reaches the interval boundary late, only after rank 0 has
+        // passed it: rank 0's EndStep must not have waited for it.
+        (*ctx)->store().wait({"evenstep-test/rank0-passed"});
+      }
+      if (absl::Status m = metrics->EndStep(s); !m.ok()) {
+        std::cerr << m << "\n";
+        return 2;
+      }
+      if (s == 4 && rank == 0) {
+        std::cout << "after EndStep: reduction in flight " << metrics->reduction_in_flight()
+                  << std::endl;
+        (*ctx)->store().set("evenstep-test/rank0-passed", std::vector<uint8_t>{1});
+      }
+    }
     const absl::Time duty_begin = absl::Now();
     if (duty == "rank0" && rank == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_duty_ms)));
@@ -201,6 +231,36 @@ int main(int argc, char** argv) {
       std::cerr << "gradient mismatch: max relative error " << max_err << " > 1e-5\n";
       return 1;
     }
+  }
+  if (metrics) {
+    if (absl::Status m = metrics->Close(); !m.ok()) {
+      std::cerr << m << "\n";
+      return 2;
+    }
+    for (const auto& [name, mean] : metrics->last_means()) {
+      std::cout << "metric " << name << " " << mean << std::endl;
+    }
+  }
+  if (absl::GetFlag(FLAGS_evaluate)) {
+    // A held-out set: the last 100 samples' lengths; metrics = (loss sum, tokens).
+    std::vector<int64_t> eval_lengths(data.lengths.end() - 100, data.lengths.end());
+    evenstep::SamplerOptions eval_options;
+    eval_options.micro_batch_samples = 8;
+    eval_options.shuffle = false;
+    auto eval_set = evenstep::Sampler::Create(eval_lengths, eval_options);
+    const int64_t offset = static_cast<int64_t>(data.lengths.size()) - 100;
+    auto result = evenstep::Evaluate(**ctx, *eval_set, [&](const evenstep::MicroBatch& mb) {
+      torch::NoGradGuard no_grad;
+      std::vector<int64_t> samples;
+      for (int64_t i : mb.samples) samples.push_back(offset + i);
+      return torch::stack({LossSum(model, data, samples, true), torch::tensor(static_cast<float>(mb.tokens))});
+    });
+    if (!result.ok()) {
+      std::cerr << result.status() << "\n";
+      return 2;
+    }
+    std::cout << absl::StrFormat("eval loss_sum %.6f tokens %.0f", (*result)[0], (*result)[1])
+              << std::endl;
   }
   if (checkpointer) {
     if (absl::Status w = checkpointer->WaitAll(); !w.ok()) {

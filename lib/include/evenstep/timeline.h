@@ -27,8 +27,7 @@
 namespace evenstep {
 
 struct StepReport;
-class IoRuntime;
-class File;
+class AsyncAppender;
 
 class Timeline {
  public:
@@ -45,19 +44,13 @@ class Timeline {
   absl::Status Close();
 
  private:
-  Timeline(int rank, std::unique_ptr<File> file, std::unique_ptr<IoRuntime> io);
+  Timeline(int rank, std::unique_ptr<AsyncAppender> out);
   void Append(const std::string& event);
-  void StartWrite();
 
   int rank_;
-  std::unique_ptr<File> file_;
-  std::unique_ptr<IoRuntime> io_;
-  std::string buffer_;
-  int64_t offset_ = 0;
+  std::unique_ptr<AsyncAppender> out_;
   bool first_ = true;
   bool closed_ = false;
-  struct Pending;
-  std::unique_ptr<Pending> pending_;
 };
 
 }  // namespace evenstep

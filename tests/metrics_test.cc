@@ -1,0 +1,114 @@
+// MetricsLogger and Evaluate over real ranks: Log/EndStep never wait for the
+// other ranks, every rank writes its shard, the aggregate rotates between
+// ranks and holds the cross-rank means; evaluation is split by work and its
+// result does not depend on the world size.
+#include "evenstep/metrics.h"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/subprocess.h"
+
+namespace evenstep {
+namespace {
+
+using ::evenstep::testing::Describe;
+using ::evenstep::testing::ProcessResult;
+using ::testing::HasSubstr;
+
+std::vector<nlohmann::json> ReadLines(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
+  char tmpl[] = "/tmp/evenstep_metrics_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  auto results = evenstep::testing::RunRanks(
+      3, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--steps=6", "--metrics_dir=" + dir});
+  for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
+  // Rank 1 reached step 4's boundary only after rank 0 had returned from it.
+  EXPECT_THAT(results[0].output, HasSubstr("after EndStep: reduction in flight 1"));
+  for (int r = 0; r < 3; ++r) {
+    const auto own = ReadLines(absl::StrFormat("%s/metrics-%05d.jsonl", dir, r));
+    ASSERT_EQ(own.size(), 12u) << "rank " << r;  // 6 steps x 2 names
+    EXPECT_EQ(own[1]["name"], "rank");
+    EXPECT_EQ(own[1]["value"], r);
+    // Interval k (steps 2, 4, 6) is aggregated by rank k % 3.
+    const auto aggregate = ReadLines(absl::StrFormat("%s/metrics-aggregate-%05d.jsonl", dir, r));
+    ASSERT_EQ(aggregate.size(), 1u) << "rank " << r;
+    EXPECT_EQ(aggregate[0]["interval"], r);
+    EXPECT_EQ(aggregate[0]["step"], 2 * (r + 1));
+    EXPECT_DOUBLE_EQ(aggregate[0]["rank"].get<double>(), 1.0);  // mean of 0, 1, 2
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(MetricsTest, EvaluateIsTheSameAtAnyWorldSize) {
+  std::vector<std::string> lines;
+  for (int world : {1, 2, 3}) {
+    auto results = evenstep::testing::RunRanks(
+        world, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--steps=2", "--evaluate"});
+    for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
+    const std::string& out = results[0].output;
+    const size_t at = out.find("eval loss_sum ");
+    ASSERT_NE(at, std::string::npos) << out;
+    lines.push_back(out.substr(at, out.find('\n', at) - at));
+  }
+  auto parse = [](const std::string& line) {
+    double loss = 0;
+    std::vector<std::string> f = absl::StrSplit(line, ' ');
+    EXPECT_TRUE(absl::SimpleAtod(f[2], &loss)) << line;
+    return std::make_pair(loss, f[4]);
+  };
+  for (size_t w = 1; w < lines.size(); ++w) {
+    EXPECT_NEAR(parse(lines[w]).first, parse(lines[0]).first, 1e-6 * parse(lines[0]).first);
+    EXPECT_EQ(parse(lines[w]).second, parse(lines[0]).second);  // same token count
+  }
+}
+
+TEST(MetricsTest, EvalSharesAreWithinOneMicroBatchOfEqualWork) {
+  std::mt19937 rng(4);
+  std::lognormal_distribution<double> len(4.0, 1.0);
+  std::vector<int64_t> lengths(777);
+  for (auto& l : lengths) l = 1 + static_cast<int64_t>(len(rng));
+  SamplerOptions options;
+  options.micro_batch_samples = 6;
+  options.shuffle = false;
+  auto set = Sampler::Create(lengths, options);
+  ASSERT_TRUE(set.ok());
+  for (int world : {1, 2, 3, 4, 7}) {
+    double largest_micro = 0;
+    int64_t samples = 0;
+    std::vector<double> cost;
+    for (int r = 0; r < world; ++r) {
+      const EvalShare share = EvalSplit(*set, r, world);
+      cost = share.rank_cost;
+      for (const MicroBatch& mb : share.micro_batches) {
+        largest_micro = std::max(largest_micro, mb.cost);
+        samples += static_cast<int64_t>(mb.samples.size());
+      }
+    }
+    EXPECT_EQ(samples, 777) << "world " << world;
+    const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
+    for (double c : cost) {
+      EXPECT_LE(c, total / world + largest_micro) << "world " << world;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace evenstep
