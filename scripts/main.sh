@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds, and runs the sample on
-# local ranks (2 by default; EVENSTEP_NPROC=N for more). Extra arguments go to
-# the sample (e.g. --evenstep_timeout=30s).
+# The main job: installs what is missing, builds, and trains the sample (a
+# byte-level transformer on Debian's fortune cookies, wrapped with evenstep)
+# on local ranks (2 by default; EVENSTEP_NPROC=N for more), then writes the
+# imbalance report. Output goes to runs/fortunes/; running it again resumes
+# from the latest checkpoint. Extra arguments go to the trainer, e.g.
+# --steps 2000 for a longer run, --run NAME for another run directory, or any
+# --evenstep_* flag.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install_deps.sh
-./scripts/build.sh evenstep-run evenstep_collective_demo
+./scripts/build.sh evenstep-run evenstep-report evenstep-ckpt train_fortunes
 build_dir=${EVENSTEP_BUILD_DIR:-build}
 nproc_ranks=${EVENSTEP_NPROC:-2}
-echo "[evenstep] running the sample on $nproc_ranks local ranks"
-exec "$build_dir/tools/evenstep-run" -n "$nproc_ranks" -- \
-  "$build_dir/samples/evenstep_collective_demo" "$@"
+run=fortunes
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[$i]}" in
+    --run=*) run="${args[$i]#--run=}" ;;
+    --run) run="${args[$((i + 1))]}" ;;
+  esac
+done
+echo "[evenstep] training the fortunes sample on $nproc_ranks local ranks (runs/$run)"
+"$build_dir/tools/evenstep-run" -n "$nproc_ranks" -- "$build_dir/samples/train_fortunes" "$@"
+echo "[evenstep] report"
+"$build_dir/tools/evenstep-report" "runs/$run"
+"$build_dir/tools/evenstep-ckpt" ls "runs/$run/ckpt"
