@@ -40,7 +40,7 @@ class SampleTest : public ::testing::Test {
                                      "--runs_dir=" + dir_,
                                      "--run=" + run,
                                      "--steps=12",
-                                     "--ckpt_every=4",
+                                     "--evenstep_ckpt_every=4",
                                      "--eval_every=100",
                                      "--dim=32",
                                      "--layers=1",

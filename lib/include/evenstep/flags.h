@@ -37,6 +37,10 @@ ABSL_DECLARE_FLAG(int, evenstep_ckpt_keep);
 ABSL_DECLARE_FLAG(int, evenstep_ckpt_in_flight);
 ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_when_busy);
 ABSL_DECLARE_FLAG(double, evenstep_ckpt_slice_mb);
+ABSL_DECLARE_FLAG(int, evenstep_ckpt_every);
+ABSL_DECLARE_FLAG(bool, evenstep_resume);
+ABSL_DECLARE_FLAG(bool, evenstep_timeline);
+ABSL_DECLARE_FLAG(int, evenstep_log_every);
 
 namespace evenstep {
 

@@ -1,0 +1,145 @@
+// What the plain and the evenstep fortune trainers share besides the model:
+// flags, data, evaluation sums, progress output and the test hooks. Keeping
+// it here leaves only the distribution of the training loop different
+// between samples/train_fortunes_plain.cc and samples/train_fortunes.cc.
+#pragma once
+
+#include <signal.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <iostream>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "samples/byte_lm.h"
+#include "samples/fortunes.h"
+
+ABSL_FLAG(int, steps, 300, "Optimizer steps in total (a resumed run continues up to this).");
+ABSL_FLAG(std::string, runs_dir, "runs", "Where runs live.");
+ABSL_FLAG(std::string, run, "fortunes", "This run's name: RUNS_DIR/NAME.");
+ABSL_FLAG(int, max_len, 192, "Bytes per fortune kept (longer ones are cut).");
+ABSL_FLAG(int, dim, 64, "Model width.");
+ABSL_FLAG(int, layers, 2, "Transformer blocks.");
+ABSL_FLAG(double, lr, 3e-3, "Adam learning rate.");
+ABSL_FLAG(int, batch, 32, "Samples per optimizer step over all ranks (plain trainer).");
+ABSL_FLAG(int, eval_every, 100, "Evaluate on the held-out fortunes every this many steps.");
+ABSL_FLAG(int, log_every, 10, "Progress line every this many steps.");
+ABSL_FLAG(bool, print_losses, false, "Print every step's global loss exactly (tests).");
+ABSL_FLAG(int, kill_at_step, 0, "Rank 0 SIGKILLs itself after this step (the resume test).");
+
+namespace evenstep::samples {
+
+struct Data {
+  std::vector<std::string> train, eval;
+};
+
+inline std::string RunDir() {
+  return absl::GetFlag(FLAGS_runs_dir) + "/" + absl::GetFlag(FLAGS_run);
+}
+
+// Fortunes cut to --max_len bytes; every 20th held out for evaluation.
+inline absl::StatusOr<Data> LoadData() {
+  auto all = LoadFortunes();
+  if (!all.ok()) return all.status();
+  Data d;
+  for (size_t i = 0; i < all->size(); ++i) {
+    std::string t = (*all)[i].substr(0, absl::GetFlag(FLAGS_max_len));
+    (i % 20 == 0 ? d.eval : d.train).push_back(std::move(t));
+  }
+  return d;
+}
+
+inline ByteLM MakeModel() {
+  torch::manual_seed(0);
+  return ByteLM(absl::GetFlag(FLAGS_dim), absl::GetFlag(FLAGS_layers), 4,
+                absl::GetFlag(FLAGS_max_len));
+}
+
+inline int64_t Tokens(const std::vector<std::string>& texts, const std::vector<int64_t>& ids) {
+  int64_t n = 0;
+  for (int64_t i : ids) n += static_cast<int64_t>(texts[i].size());
+  return n;
+}
+
+// [loss sum, tokens] of some held-out fortunes.
+inline torch::Tensor EvalSums(ByteLM& model, const std::vector<std::string>& texts,
+                              const std::vector<int64_t>& ids) {
+  torch::NoGradGuard no_grad;
+  return torch::stack(
+      {LossSum(model, texts, ids), torch::tensor(static_cast<float>(Tokens(texts, ids)))});
+}
+
+inline void PrintEval(int64_t step, double loss_sum, double tokens) {
+  std::cout << absl::StrFormat("step %d eval loss %.4f (%.3f bits/byte)\n", step, loss_sum / tokens,
+                               loss_sum / tokens / std::log(2.0));
+}
+
+// Progress line (rank 0) and the test hooks, after every step.
+inline void AfterStep(int rank, int64_t step, int64_t first, double loss, double tokens,
+                      double balance, absl::Time start) {
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  if (absl::GetFlag(FLAGS_print_losses) && rank == 0) {
+    std::cout << absl::StrFormat("loss %d %.9g", step, loss) << std::endl;
+  }
+  if (step == absl::GetFlag(FLAGS_kill_at_step) && rank == 0) ::kill(::getpid(), SIGKILL);
+  if (rank != 0 || (step % absl::GetFlag(FLAGS_log_every) != 0 && step != steps)) return;
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  const int done = static_cast<int>(20.0 * step / steps);
+  std::cout << absl::StrFormat(
+                   "step %d/%d loss %.4f  %.0f tokens/s  balance %s  [%s%s]  %.0fs left", step,
+                   steps, loss, tokens / elapsed,
+                   balance < 0 ? "-" : absl::StrFormat("%.3f", balance), std::string(done, '#'),
+                   std::string(20 - done, '.'), elapsed / (step - first + 1) * (steps - step))
+            << std::endl;
+}
+
+// --- The usual practice, for the plain trainer --------------------------
+
+// A fixed shuffle of the training set.
+inline std::vector<int64_t> ShuffledOrder(size_t n) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(0));
+  return order;
+}
+
+// This rank's samples of step `step`: every world-th of the global batch
+// (equal sample counts, whatever their lengths).
+inline std::vector<int64_t> RankSlice(const std::vector<int64_t>& order, int64_t step, int rank,
+                                      int world) {
+  const int64_t batch = absl::GetFlag(FLAGS_batch);
+  std::vector<int64_t> mine;
+  for (int64_t k = rank; k < batch; k += world) {
+    mine.push_back(order[((step - 1) * batch + k) % order.size()]);
+  }
+  return mine;
+}
+
+// Rank 0 evaluates the whole held-out set while the others wait.
+inline void EvalOnRank0(int rank, int64_t step, ByteLM& model,
+                        const std::vector<std::string>& eval) {
+  if (rank != 0) return;
+  torch::Tensor sums = torch::zeros({2});
+  for (size_t b = 0; b < eval.size(); b += 16) {
+    std::vector<int64_t> ids(16);
+    std::iota(ids.begin(), ids.end(), static_cast<int64_t>(b));
+    ids.resize(std::min<size_t>(16, eval.size() - b));
+    sums += EvalSums(model, eval, ids);
+  }
+  PrintEval(step, sums[0].item<double>(), sums[1].item<double>());
+}
+
+inline void PrintSample(ByteLM& model) {
+  std::cout << "\nsample: " << Generate(model, "The ", 200, absl::GetFlag(FLAGS_max_len), 1)
+            << "\n";
+}
+
+}  // namespace evenstep::samples
