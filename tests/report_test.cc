@@ -39,8 +39,8 @@ std::string TraceRun(const std::string& duty) {
   const std::string dir = mkdtemp(tmpl);
   auto results = evenstep::testing::RunRanks(
       3, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--evenstep_balance=static",
-          "--evenstep_global_batch=24", "--evenstep_micro_batch_samples=4", "--steps=10",
-          "--sleep_ms_per_micro=15", "--duty=" + duty, "--duty_ms=80", "--trace_dir=" + dir,
+          "--evenstep_global_batch=24", "--evenstep_micro_batch_samples=4", "--steps=12",
+          "--sleep_ms_per_micro=25", "--duty=" + duty, "--duty_ms=80", "--trace_dir=" + dir,
           "--evenstep_ckpt_dir=" + dir + "/ckpt"});
   for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
   return dir;
