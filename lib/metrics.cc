@@ -62,6 +62,17 @@ void MetricsLogger::Log(int64_t step, const std::string& name, double value) {
       "\n";
 }
 
+void MetricsLogger::Log(int64_t step, const std::string& name, const at::Tensor& value) {
+  pending_tensors_.push_back({step, name, std::make_shared<at::Tensor>(value.detach())});
+}
+
+void MetricsLogger::ResolveTensors() {
+  for (const PendingTensor& p : pending_tensors_) {
+    Log(p.step, p.name, p.value->to(at::kDouble).mean().item<double>());
+  }
+  pending_tensors_.clear();
+}
+
 absl::Status MetricsLogger::Consume() {
   if (!in_flight_) return absl::OkStatus();
   std::unique_ptr<Interval> done = std::move(in_flight_);
@@ -102,6 +113,7 @@ absl::Status MetricsLogger::Consume() {
 absl::Status MetricsLogger::EndStep(int64_t step) {
   if (closed_) return absl::FailedPreconditionError("metrics: closed");
   if ((step % options_.interval) != 0) return absl::OkStatus();
+  ResolveTensors();
   own_->Append(current_lines_);
   current_lines_.clear();
   // The previous interval's reduction finished long ago: write it.
@@ -147,6 +159,7 @@ absl::Status MetricsLogger::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
   absl::Status s = Consume();
+  ResolveTensors();
   own_->Append(current_lines_);
   absl::Status a = own_->Close();
   absl::Status b = aggregate_->Close();

@@ -1,6 +1,8 @@
 // Timeline: streamed Chrome trace of one rank (through an AsyncAppender).
 #include "evenstep/timeline.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
@@ -64,6 +66,13 @@ void Timeline::AddStep(const StepReport& r) {
   Span("sync_wait", r.arrived, r.synced, r.step);
   Span("optimizer", r.optimizer_begin, r.optimizer_begin + r.optimizer, r.step);
   Span("exchange", r.optimizer_begin + r.optimizer, r.end, r.step);
+  // Peak resident memory of this process so far (a Chrome counter track).
+  struct rusage usage;
+  if (getrusage(RUSAGE_SELF, &usage) == 0) {
+    Append(absl::StrFormat(
+        R"({"name": "peak_rss_mb", "ph": "C", "pid": %d, "tid": 0, "ts": %d, "args": {"peak_rss_mb": %.1f, "step": %d}})",
+        rank_, Micros(r.end), usage.ru_maxrss / 1024.0, r.step));
+  }
 }
 
 absl::Status Timeline::Flush() { return out_->Flush(); }

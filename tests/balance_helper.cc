@@ -196,6 +196,7 @@ int main(int argc, char** argv) {
     if (metrics) {
       metrics->Log(s, "loss", report->loss);
       metrics->Log(s, "rank", rank);
+      metrics->Log(s, "rank_tensor", torch::full({2}, static_cast<double>(rank)));
       if (s == 4 && rank == 1) {
         // Rank 1 reaches the interval boundary late, only after rank 0 has
         // passed it: rank 0's EndStep must not have waited for it.
@@ -253,7 +254,8 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       std::vector<int64_t> samples;
       for (int64_t i : mb.samples) samples.push_back(offset + i);
-      return torch::stack({LossSum(model, data, samples, true), torch::tensor(static_cast<float>(mb.tokens))});
+      return torch::stack(
+          {LossSum(model, data, samples, true), torch::tensor(static_cast<float>(mb.tokens))});
     });
     if (!result.ok()) {
       std::cerr << result.status() << "\n";

@@ -44,7 +44,7 @@ TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
   EXPECT_THAT(results[0].output, HasSubstr("after EndStep: reduction in flight 1"));
   for (int r = 0; r < 3; ++r) {
     const auto own = ReadLines(absl::StrFormat("%s/metrics-%05d.jsonl", dir, r));
-    ASSERT_EQ(own.size(), 12u) << "rank " << r;  // 6 steps x 2 names
+    ASSERT_EQ(own.size(), 18u) << "rank " << r;  // 6 steps x 3 names
     EXPECT_EQ(own[1]["name"], "rank");
     EXPECT_EQ(own[1]["value"], r);
     // Interval k (steps 2, 4, 6) is aggregated by rank k % 3.
@@ -52,7 +52,8 @@ TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
     ASSERT_EQ(aggregate.size(), 1u) << "rank " << r;
     EXPECT_EQ(aggregate[0]["interval"], r);
     EXPECT_EQ(aggregate[0]["step"], 2 * (r + 1));
-    EXPECT_DOUBLE_EQ(aggregate[0]["rank"].get<double>(), 1.0);  // mean of 0, 1, 2
+    EXPECT_DOUBLE_EQ(aggregate[0]["rank"].get<double>(), 1.0);         // mean of 0, 1, 2
+    EXPECT_DOUBLE_EQ(aggregate[0]["rank_tensor"].get<double>(), 1.0);  // a tensor value
   }
   std::filesystem::remove_all(dir);
 }

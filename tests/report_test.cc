@@ -51,6 +51,13 @@ TEST(ReportTest, NamesRank0WithTheUsualDuties) {
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("straggler: rank 0 arrives last"));
   EXPECT_THAT(out, HasSubstr("loses the time in io"));
+  EXPECT_THAT(out, HasSubstr("peak MB"));
+  {
+    std::ifstream report(dir + "/report.json");
+    const nlohmann::json j = nlohmann::json::parse(report, nullptr, false);
+    ASSERT_TRUE(j.is_object());
+    EXPECT_GT(j["ranks"][0]["peak_rss_mb"].get<double>(), 10.0);  // a libtorch process
+  }
   // Pictures (python3-matplotlib is installed by scripts/install_deps.sh).
   for (const char* file : {"phases.png", "arrival_skew.png", "report.html", "report.json"}) {
     EXPECT_TRUE(std::filesystem::exists(dir + "/" + file)) << file << "\n" << out;

@@ -66,7 +66,8 @@ fig.savefig(os.path.join(run, "arrival_skew.png"), dpi=90)
 rows = "".join(
     "<tr>" + "".join("<td>%s</td>" % html.escape("%.2f" % v if isinstance(v, float) else str(v))
                      for v in (r["rank"], r["steps"], r["step_ms_mean"], r["step_ms_p50"], r["step_ms_p95"],
-                               r["data_ms"], r["compute_ms"], r["sync_wait_ms"], r["optimizer_ms"], r["io_ms"]))
+                               r["data_ms"], r["compute_ms"], r["sync_wait_ms"], r["optimizer_ms"], r["io_ms"],
+                               r.get("peak_rss_mb", 0.0)))
     + "</tr>" for r in report["ranks"])
 straggler = report.get("straggler")
 verdict = ("rank %d is the straggler; it loses the time in %s" % (straggler["rank"], straggler["phase"])
@@ -75,7 +76,8 @@ with open(os.path.join(run, "report.html"), "w") as out:
     out.write("<!doctype html><title>evenstep report</title><h1>evenstep report</h1>"
               "<p>%s; balance efficiency %.3f%s</p>"
               "<table border=1 cellpadding=4><tr><th>rank</th><th>steps</th><th>mean ms</th><th>p50</th>"
-              "<th>p95</th><th>data</th><th>compute</th><th>sync wait</th><th>optimizer</th><th>io</th></tr>%s</table>"
+              "<th>p95</th><th>data</th><th>compute</th><th>sync wait</th><th>optimizer</th><th>io</th>"
+              "<th>peak MB</th></tr>%s</table>"
               "<h2>Phases per step</h2><img src=phases.png><h2>Arrival at the sync</h2><img src=arrival_skew.png>"
               % (html.escape(verdict), report["balance_efficiency"],
                  ("; " + html.escape(report["periodic"])) if report.get("periodic") else "", rows))

@@ -55,6 +55,7 @@ struct Span {
 struct RankTrace {
   std::vector<Span> spans;
   std::map<int64_t, double> arrive;  // step -> ts
+  double peak_rss_mb = 0;
 };
 
 double Percentile(std::vector<double> v, double q) {
@@ -121,6 +122,9 @@ int main(int argc, char** argv) {
         ranks[rank].spans.push_back({name, e["ts"].get<double>(), e.value("dur", 0.0), step});
       } else if (name == "arrive") {
         ranks[rank].arrive[step] = e["ts"].get<double>();
+      } else if (name == "peak_rss_mb" && e.contains("args")) {
+        ranks[rank].peak_rss_mb =
+            std::max(ranks[rank].peak_rss_mb, e["args"].value("peak_rss_mb", 0.0));
       }
     }
   }
@@ -178,9 +182,9 @@ int main(int argc, char** argv) {
   json report = {{"ranks", json::array()}, {"steps", json::array()}};
   std::cout << absl::StrFormat("evenstep-report %s: %d ranks, %d steps\n", dir, world,
                                steps.size());
-  std::cout << absl::StrFormat("  %4s %6s %9s %9s %9s | %8s %8s %8s %8s %8s %8s (mean ms)\n",
+  std::cout << absl::StrFormat("  %4s %6s %9s %9s %9s | %8s %8s %8s %8s %8s %8s (mean ms) | %8s\n",
                                "rank", "steps", "mean ms", "p50 ms", "p95 ms", "data", "compute",
-                               "sync", "optim", "io", "other");
+                               "sync", "optim", "io", "other", "peak MB");
   for (const auto& [r, t] : ranks) {
     std::vector<double> step_ms;
     std::map<std::string, double> sums;
@@ -194,11 +198,12 @@ int main(int argc, char** argv) {
     }
     const double n = std::max<size_t>(steps.size(), 1);
     std::cout << absl::StrFormat(
-        "  %4d %6d %9.2f %9.2f %9.2f | %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f\n", r, steps.size(),
+        "  %4d %6d %9.2f %9.2f %9.2f | %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f           | %8.0f\n", r,
+        steps.size(),
         step_ms.empty() ? 0 : std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / step_ms.size(),
         Median(step_ms), Percentile(step_ms, 0.95), sums["data"] / n, sums["compute"] / n,
         sums["sync_wait"] / n, sums["optimizer"] / n, sums["io"] / n,
-        (sums["other"] + sums["other_window"]) / n);
+        (sums["other"] + sums["other_window"]) / n, t.peak_rss_mb);
     report["ranks"].push_back(
         {{"rank", r},
          {"steps", steps.size()},
@@ -211,7 +216,8 @@ int main(int argc, char** argv) {
          {"compute_ms", sums["compute"] / n},
          {"sync_wait_ms", sums["sync_wait"] / n},
          {"optimizer_ms", sums["optimizer"] / n},
-         {"io_ms", sums["io"] / n}});
+         {"io_ms", sums["io"] / n},
+         {"peak_rss_mb", t.peak_rss_mb}});
   }
   // Per step: efficiency, last arriver and skew.
   std::map<int, int> late_count;

@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -56,6 +57,9 @@ class MetricsLogger {
                                                                MetricsOptions options);
   ~MetricsLogger();
   void Log(int64_t step, const std::string& name, double value);
+  // A tensor's mean; read (one device sync) only at the interval boundary,
+  // never inside Log.
+  void Log(int64_t step, const std::string& name, const at::Tensor& value);
   absl::Status EndStep(int64_t step);
   // Waits for the last reduction, writes it, closes the files.
   absl::Status Close();
@@ -74,6 +78,13 @@ class MetricsLogger {
   MetricsOptions options_;
   std::unique_ptr<AsyncAppender> own_, aggregate_;
   std::map<std::string, std::pair<double, double>> current_;  // name -> (sum, count)
+  struct PendingTensor {
+    int64_t step;
+    std::string name;
+    std::shared_ptr<at::Tensor> value;
+  };
+  std::vector<PendingTensor> pending_tensors_;
+  void ResolveTensors();
   std::string current_lines_;
   int64_t interval_index_ = 0;
   std::unique_ptr<Interval> in_flight_;
