@@ -56,5 +56,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (rank == 0) PrintSample(model);
+  if (rank == 0) std::cout << "run: " << RunDir() << " (ckpt/, trace-*.json, metrics-*.jsonl)\n";
   return 0;
 }

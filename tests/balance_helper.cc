@@ -42,6 +42,7 @@ ABSL_FLAG(std::string, duty, "none",
           "synchronous torch::save or evaluation on rank 0); evenstep (every rank saves its share "
           "through the Checkpointer, in the background)");
 ABSL_FLAG(int, duty_ms, 60, "Length of the rank0 duty.");
+ABSL_FLAG(int, duty_every, 1, "The duty comes after every this many steps.");
 ABSL_FLAG(std::string, metrics_dir, "", "Log loss and rank through a MetricsLogger there.");
 ABSL_FLAG(bool, evaluate, false, "Evaluate on a held-out set after the last step.");
 ABSL_FLAG(int, sleep_ms_per_micro, 0, "Sleep in every micro-batch (stable step times).");
@@ -213,7 +214,8 @@ int main(int argc, char** argv) {
       }
     }
     const absl::Time duty_begin = absl::Now();
-    if (duty == "rank0" && rank == 0) {
+    const bool duty_now = s % absl::GetFlag(FLAGS_duty_every) == 0;
+    if (duty == "rank0" && rank == 0 && duty_now) {
       std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_duty_ms)));
     } else if (duty == "evenstep") {
       auto ticket = checkpointer->Save(s, {model.ptr().get(), &optimizer, step_ptr, "{}"});
@@ -222,7 +224,9 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    if (timeline && duty != "none") timeline->Span("checkpoint", duty_begin, absl::Now(), s);
+    if (timeline && duty != "none" && duty_now) {
+      timeline->Span("checkpoint", duty_begin, absl::Now(), s);
+    }
     std::cout << absl::StrFormat(
         "step %d rank %d micro %d samples %d loss %.6f eff %.3f err %.3g shares", s, rank,
         report->micro_batches, report->samples, report->loss, report->balance_efficiency, max_err);

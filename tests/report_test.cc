@@ -34,13 +34,14 @@ std::string RunReport(const std::string& dir) {
   return out;
 }
 
-std::string TraceRun(const std::string& duty) {
+std::string TraceRun(const std::string& duty, int every = 1) {
   char tmpl[] = "/tmp/evenstep_report_XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   auto results = evenstep::testing::RunRanks(
       3, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--evenstep_balance=static",
           "--evenstep_global_batch=24", "--evenstep_micro_batch_samples=4", "--steps=12",
-          "--sleep_ms_per_micro=25", "--duty=" + duty, "--duty_ms=80", "--trace_dir=" + dir,
+          "--sleep_ms_per_micro=25", "--duty=" + duty, "--duty_ms=80",
+          "--duty_every=" + std::to_string(every), "--trace_dir=" + dir,
           "--evenstep_ckpt_dir=" + dir + "/ckpt"});
   for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
   return dir;
@@ -79,6 +80,16 @@ TEST(ReportTest, NamesRank0WithTheUsualDuties) {
        {"data", "compute", "sync_wait", "optimizer", "arrive", "checkpoint", "process_name"}) {
     EXPECT_TRUE(names.count(phase)) << phase;
   }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ReportTest, FindsAPeriodicStall) {
+  // Rank 0 blocks after every third step: late in steps 4, 7, 10 (the step
+  // after each duty), not in most steps: a periodic stall, not a straggler.
+  const std::string dir = TraceRun("rank0", 3);
+  const std::string out = RunReport(dir);
+  EXPECT_THAT(out, HasSubstr("periodic stall: rank 0 is late every 3 steps")) << out;
+  EXPECT_THAT(out, HasSubstr("no straggler")) << out;
   std::filesystem::remove_all(dir);
 }
 
