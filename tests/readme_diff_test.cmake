@@ -1,0 +1,18 @@
+# Fails when the sample diff in README.md differs from
+# `diff -u samples/train_fortunes_plain.cc samples/train_fortunes.cc`.
+execute_process(COMMAND diff -u train_fortunes_plain.cc train_fortunes.cc
+  WORKING_DIRECTORY "${SAMPLES}" OUTPUT_VARIABLE diff)
+# Drop the two header lines (file names and dates): the body starts at "@@".
+string(FIND "${diff}" "\n@@" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "no diff between the two trainers?")
+endif()
+math(EXPR at "${at} + 1")
+string(SUBSTRING "${diff}" ${at} -1 body)
+file(READ "${README}" readme)
+string(FIND "${readme}" "```diff\n${body}```" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "README.md's sample diff is stale; paste the output of\n"
+                      "  cd samples && diff -u train_fortunes_plain.cc train_fortunes.cc\n"
+                      "(without its first two lines) into the ```diff block")
+endif()
