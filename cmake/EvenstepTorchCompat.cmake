@@ -7,16 +7,22 @@
 # instead of deep inside a compile.
 set(_checks "${CMAKE_CURRENT_LIST_DIR}/compat_checks")
 separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
+foreach(_dir IN LISTS TORCH_INCLUDE_DIRS)
+  list(APPEND _torch_flags "-I${_dir}")
+endforeach()
 
 function(evenstep_torch_probe var source)
   if(DEFINED ${var})
     return()
   endif()
   message(STATUS "evenstep: probing libtorch: ${var}")
+  # Compile only (a static library, no link): the probes ask about the API's
+  # shape, and linking inside try_compile cannot resolve the transitive
+  # imported targets of the torch wheels' CMake packages (protobuf, cudart).
+  set(CMAKE_TRY_COMPILE_TARGET_TYPE STATIC_LIBRARY)
   try_compile(_ok "${CMAKE_BINARY_DIR}/compat_probe/${var}"
     SOURCES "${_checks}/${source}"
     COMPILE_DEFINITIONS ${_torch_flags} -DUSE_C10D_GLOO ${ARGN}
-    LINK_LIBRARIES ${TORCH_LIBRARIES}
     CXX_STANDARD 17
     OUTPUT_VARIABLE _out)
   if(_ok)

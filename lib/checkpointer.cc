@@ -9,6 +9,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
+#include <type_traits>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
@@ -29,7 +31,21 @@ namespace {
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
 using torch::optim::OptimizerParamState;
 
-std::string StateKey(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+// The optimizer's state map key of a parameter: the TensorImpl pointer's
+// text in libtorch 1.x (std::string keys, as c10::guts::to_string printed it),
+// the pointer itself in 2.x (void* keys).
+template <typename Map>
+typename Map::key_type StateKeyIn(const Map&, const at::Tensor& p) {
+  using Key = typename Map::key_type;
+  void* impl = p.unsafeGetTensorImpl();
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream out;
+    out << impl;
+    return out.str();
+  } else {
+    return static_cast<Key>(impl);
+  }
+}
 
 at::Tensor StepTensor(int64_t step) { return at::scalar_tensor(step, at::kLong); }
 
@@ -202,7 +218,7 @@ absl::StatusOr<Named> CaptureTensors(torch::nn::Module* model, torch::optim::Opt
                      at::scalar_tensor(groups[g].options().get_lr(), at::kDouble)});
       const auto& params = groups[g].params();
       for (size_t i = 0; i < params.size(); ++i) {
-        auto it = optimizer->state().find(StateKey(params[i]));
+        auto it = optimizer->state().find(StateKeyIn(optimizer->state(), params[i]));
         if (it == optimizer->state().end()) continue;  // no step taken yet
         kind->capture(*it->second, &out, absl::StrCat("optimizer/", g, "/", i, "/"));
       }
@@ -437,7 +453,7 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
     }
     for (auto& [index, values] : fields) {
       const at::Tensor& param = groups[index.first].params()[index.second];
-      state.optimizer->state()[StateKey(param)] = kind->restore(values);
+      state.optimizer->state()[StateKeyIn(state.optimizer->state(), param)] = kind->restore(values);
     }
   }
   // Balancing state and user extras.
