@@ -222,6 +222,7 @@ int main(int argc, char** argv) {
   // Per step: efficiency, last arriver and skew.
   std::map<int, int> late_count;
   std::map<int, std::vector<int64_t>> late_steps;
+  std::map<std::pair<int, int64_t>, double> late_skew;  // (rank, step) -> us
   std::map<int, std::map<std::string, double>> excess;  // rank -> phase -> us
   std::vector<double> efficiencies;
   std::vector<double> step_lengths;
@@ -254,6 +255,7 @@ int main(int argc, char** argv) {
     if (world > 1 && skew > std::max(2000.0, 0.10 * typical)) {
       ++late_count[last];
       late_steps[last].push_back(s);
+      late_skew[{last, s}] = skew;
       for (const std::string& phase : {"data", "compute", "io", "other"}) {
         std::vector<double> others;
         for (const auto& [r, t] : ranks) {
@@ -279,15 +281,24 @@ int main(int argc, char** argv) {
       straggler = r;
     }
   }
-  // Periodic stalls: a rank late every N steps (N > 1) in most of its late steps.
+  // Periodic stalls: a rank late every N steps (N > 1) in most of its late
+  // steps. Only its big delays count (at least half its median late skew),
+  // so scheduling noise on a loaded machine does not break the period.
   std::string periodic;
   for (const auto& [r, list] : late_steps) {
-    if (list.size() < 3) continue;
+    std::vector<double> skews;
+    for (int64_t s : list) skews.push_back(late_skew[{r, s}]);
+    const double cut = 0.5 * Median(skews);
+    std::vector<int64_t> big;
+    for (int64_t s : list) {
+      if (late_skew[{r, s}] >= cut) big.push_back(s);
+    }
+    if (big.size() < 3) continue;
     std::map<int64_t, int> gaps;
-    for (size_t i = 1; i < list.size(); ++i) ++gaps[list[i] - list[i - 1]];
+    for (size_t i = 1; i < big.size(); ++i) ++gaps[big[i] - big[i - 1]];
     const auto best = std::max_element(
         gaps.begin(), gaps.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
-    if (best->first > 1 && best->second * 5 >= 4 * static_cast<int>(list.size() - 1)) {
+    if (best->first > 1 && best->second * 5 >= 4 * static_cast<int>(big.size() - 1)) {
       periodic = absl::StrFormat("rank %d is late every %d steps", r, best->first);
     }
   }

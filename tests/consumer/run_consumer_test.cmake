@@ -1,6 +1,8 @@
 # ctest driver: install the build tree into a fresh prefix, configure and build
 # tests/consumer against it with find_package(evenstep), run the result.
-# Inputs: BUILD_DIR, SOURCE_DIR, WORK_DIR, TORCH_DIR, GENERATOR.
+# Inputs: BUILD_DIR, SOURCE_DIR, WORK_DIR, TORCH_DIR, PREFIX_PATH (the
+# parent build's CMAKE_PREFIX_PATH: where its libtorch's libraries are found
+# before the system's), GENERATOR, LINKER_FLAGS.
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 function(run)
@@ -12,9 +14,14 @@ function(run)
 endfunction()
 run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
 run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-    "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DTorch_DIR=${TORCH_DIR}")
+    "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix;${PREFIX_PATH}" "-DTorch_DIR=${TORCH_DIR}"
+    "-DCMAKE_EXE_LINKER_FLAGS=${LINKER_FLAGS}")
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
-run("${WORK_DIR}/build/consumer")
+# libtorch's own directory (TORCH_DIR is <root>/share/cmake/Torch): the torch
+# wheel's libtorch.so finds its sibling libtorch_cuda.so only through it.
+get_filename_component(torch_lib "${TORCH_DIR}/../../../lib" ABSOLUTE)
+run(${CMAKE_COMMAND} -E env "LD_LIBRARY_PATH=${torch_lib}:$ENV{LD_LIBRARY_PATH}"
+    "${WORK_DIR}/build/consumer")
 if(NOT last_output MATCHES "consumer: rank 0/1 \\(local 0/1\\) via single process, backend gloo")
   message(FATAL_ERROR "unexpected consumer output: ${last_output}")
 endif()
