@@ -38,6 +38,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "bench/relaunch.h"
 #include "evenstep/checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
@@ -197,7 +198,7 @@ Raw MeasureRaw(const std::string& dir, int64_t bytes) {
   return raw;
 }
 
-std::map<std::string, double> RunRanks(const char* self, int ranks, int64_t size_mb,
+std::map<std::string, double> RunRanks(const std::string& self, int ranks, int64_t size_mb,
                                        const std::string& dir) {
   const std::string command =
       absl::StrCat(EVENSTEP_RUN, " -n ", ranks, " -- ", self, " --worker=", size_mb, ":", dir,
@@ -253,9 +254,7 @@ int main(int argc, char** argv) {
     root = mkdtemp(tmpl);
     temp = true;
   }
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  self[std::max<ssize_t>(n, 0)] = 0;
+  const std::string self = evenstep::bench::SelfExecutable();
   std::cout << absl::StrFormat("ckpt_throughput in %s: sizes %s MiB, ranks %s\n", root,
                                absl::StrJoin(sizes, ","), absl::StrJoin(rank_counts, ","));
   std::cout << absl::StrFormat("  %8s %5s | %10s %10s %7s | %10s %9s %9s | %9s %9s %9s\n", "MiB",

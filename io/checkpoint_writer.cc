@@ -97,6 +97,12 @@ struct CheckpointWriter::Impl {
   std::deque<std::shared_future<absl::Status>> in_flight;
   int64_t saves = 0;  // sequence number of Save calls: the commit key
 
+  // Marks a staging buffer free again and wakes a Save waiting for one.
+  void Release(Staging& stage) {
+    std::lock_guard<std::mutex> lock(mu);
+    stage.busy = false;
+    freed.notify_all();
+  }
   absl::Status WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
                               const std::vector<TensorMeta>& metas, const std::string& extras);
   absl::Status Commit(int64_t seq, int64_t step, const std::vector<TensorMeta>& metas,
@@ -130,7 +136,8 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(
   impl->runtime = std::make_unique<IoRuntime>(impl->options.io_threads);
   impl->staging.resize(impl->options.max_in_flight);
   if (absl::Status s = impl->env->CreateDirs(impl->options.dir); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("checkpoint writer, rank ", rank, ": ", s.message()));
+    return absl::Status(s.code(),
+                        absl::StrCat("checkpoint writer, rank ", rank, ": ", s.message()));
   }
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
@@ -179,11 +186,7 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) 
     m.staging[slot].busy = true;
   }
   Staging& stage = m.staging[slot];
-  auto release = [&m, &stage] {
-    std::lock_guard<std::mutex> lock(m.mu);
-    stage.busy = false;
-    m.freed.notify_all();
-  };
+  auto release = [&m, &stage] { m.Release(stage); };
   if (stage.signature != signature) {
     const auto plan = internal::PlanShards(metas, m.world, m.options.slice_bytes);
     stage.pieces = plan[m.rank];
@@ -231,11 +234,7 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) 
   ticket.done = m.runtime
                     ->Spawn([impl, &stage, seq, step, metas, extras] {
                       absl::Status s = impl->WriteAndCommit(stage, seq, step, metas, extras);
-                      {
-                        std::lock_guard<std::mutex> lock(impl->mu);
-                        stage.busy = false;
-                        impl->freed.notify_all();
-                      }
+                      impl->Release(stage);
                       return s;
                     })
                     .share();

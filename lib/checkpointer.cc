@@ -6,6 +6,7 @@
 #include <torch/optim.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -23,6 +24,8 @@
 #include "evenstep/flags.h"
 #include "evenstep/internal/dtypes.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/h5_shard.h"
+#include "evenstep/internal/shard_plan.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -326,35 +329,30 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
   // What the training state expects.
   EVENSTEP_ASSIGN_OR_RETURN(Named expected, CaptureTensors(state.model, nullptr));
   std::map<std::string, at::Tensor> targets(expected.begin(), expected.end());
-  // Balanced reading: whole tensors, largest first to the least-loaded rank.
+  // Balanced reading: whole tensors (no slicing), assigned the way shards
+  // are planned, largest first to the least-loaded rank.
   const int world = ctx_.world_size();
-  std::vector<const TensorInfo*> order;
-  for (const TensorInfo& t : manifest.tensors) order.push_back(&t);
+  std::vector<internal::TensorMeta> metas;
+  for (const TensorInfo& t : manifest.tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    metas.push_back({t.name, t.dtype, t.shape, numel, internal::DtypeSize(t.dtype)});
+  }
+  const std::vector<std::vector<internal::Piece>> plan =
+      internal::PlanShards(metas, world, std::numeric_limits<int64_t>::max());
   auto bytes_of = [](const TensorInfo* t) {
     int64_t b = 0;
     for (const SliceInfo& s : t->slices) b += s.bytes;
     return b;
   };
-  std::stable_sort(order.begin(), order.end(), [&](const TensorInfo* a, const TensorInfo* b) {
-    return bytes_of(a) > bytes_of(b);
-  });
-  std::map<std::string, int> owner;
-  std::vector<int64_t> load(world, 0);
-  for (const TensorInfo* t : order) {
-    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-    owner[t->name] = r;
-    load[r] += bytes_of(t);
-  }
   // Read my part, then each rank broadcasts its part as one byte buffer.
   std::map<std::string, at::Tensor> loaded;
   for (int root = 0; root < world; ++root) {
     std::vector<const TensorInfo*> part;
     int64_t total = 0;
-    for (const TensorInfo& t : manifest.tensors) {
-      if (owner[t.name] == root) {
-        part.push_back(&t);
-        total += bytes_of(&t);
-      }
+    for (const internal::Piece& p : plan[root]) {
+      part.push_back(&manifest.tensors[p.tensor]);
+      total += bytes_of(part.back());
     }
     at::Tensor buffer = at::empty({total}, at::kByte);
     if (root == ctx_.rank()) {

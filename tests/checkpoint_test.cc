@@ -8,11 +8,9 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -21,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "evenstep/fault_env.h"
+#include "tests/testing/subprocess.h"
 
 namespace evenstep {
 namespace {
@@ -61,15 +60,12 @@ CheckpointState MakeState(int64_t step, int seed) {
   return state;
 }
 
-// Runs a shell command; (exit status, combined output).
+// Runs a shell command (through the tests' bounded Subprocess);
+// (exit status, combined output).
 std::pair<int, std::string> RunShell(const std::string& command) {
-  std::string out;
-  FILE* p = popen((command + " 2>&1").c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
+  const auto results = evenstep::testing::RunAll(
+      {evenstep::testing::ProcessSpec{{"/bin/sh", "-c", command}, {}}}, absl::Seconds(120));
+  return {results[0].exit_code, results[0].output};
 }
 
 bool BitEqual(const at::Tensor& a, const at::Tensor& b) {

@@ -3,9 +3,7 @@
 // the straggler with the phase it loses the time in; with evenstep's
 // sharded background checkpoints nobody is named. The merged trace is valid
 // Chrome Trace JSON with one process per rank and the expected phases.
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -25,13 +23,8 @@ using ::evenstep::testing::ProcessResult;
 using ::testing::HasSubstr;
 
 std::string RunReport(const std::string& dir) {
-  std::string out;
-  FILE* p = popen((std::string(EVENSTEP_REPORT_TOOL) + " " + dir + " 2>&1").c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  pclose(p);
-  return out;
+  return evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, dir}, {}}}, absl::Seconds(120))[0]
+      .output;
 }
 
 std::string TraceRun(const std::string& duty, int every = 1) {

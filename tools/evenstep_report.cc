@@ -197,27 +197,24 @@ int main(int argc, char** argv) {
       sums["other_window"] += v.window.count("other") ? v.window.at("other") / 1e3 : 0;
     }
     const double n = std::max<size_t>(steps.size(), 1);
+    const double mean_ms =
+        step_ms.empty() ? 0 : std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / step_ms.size();
     std::cout << absl::StrFormat(
         "  %4d %6d %9.2f %9.2f %9.2f | %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f           | %8.0f\n", r,
-        steps.size(),
-        step_ms.empty() ? 0 : std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / step_ms.size(),
-        Median(step_ms), Percentile(step_ms, 0.95), sums["data"] / n, sums["compute"] / n,
-        sums["sync_wait"] / n, sums["optimizer"] / n, sums["io"] / n,
+        steps.size(), mean_ms, Median(step_ms), Percentile(step_ms, 0.95), sums["data"] / n,
+        sums["compute"] / n, sums["sync_wait"] / n, sums["optimizer"] / n, sums["io"] / n,
         (sums["other"] + sums["other_window"]) / n, t.peak_rss_mb);
-    report["ranks"].push_back(
-        {{"rank", r},
-         {"steps", steps.size()},
-         {"step_ms_mean",
-          step_ms.empty() ? 0
-                          : std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / step_ms.size()},
-         {"step_ms_p50", Median(step_ms)},
-         {"step_ms_p95", Percentile(step_ms, 0.95)},
-         {"data_ms", sums["data"] / n},
-         {"compute_ms", sums["compute"] / n},
-         {"sync_wait_ms", sums["sync_wait"] / n},
-         {"optimizer_ms", sums["optimizer"] / n},
-         {"io_ms", sums["io"] / n},
-         {"peak_rss_mb", t.peak_rss_mb}});
+    report["ranks"].push_back({{"rank", r},
+                               {"steps", steps.size()},
+                               {"step_ms_mean", mean_ms},
+                               {"step_ms_p50", Median(step_ms)},
+                               {"step_ms_p95", Percentile(step_ms, 0.95)},
+                               {"data_ms", sums["data"] / n},
+                               {"compute_ms", sums["compute"] / n},
+                               {"sync_wait_ms", sums["sync_wait"] / n},
+                               {"optimizer_ms", sums["optimizer"] / n},
+                               {"io_ms", sums["io"] / n},
+                               {"peak_rss_mb", t.peak_rss_mb}});
   }
   // Per step: efficiency, last arriver and skew.
   std::map<int, int> late_count;
