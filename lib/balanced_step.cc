@@ -106,6 +106,7 @@ absl::Status BalancedStep::BeginStep() {
   report_.epoch_step = batch_.step;
   report_.micro_batches = static_cast<int>(micro_.size());
   report_.global_count = batch_.count;
+  report_.global_tokens = batch_.tokens;
   report_.shares = plan.shares;
   for (const MicroBatch& mb : micro_) {
     report_.samples += static_cast<int64_t>(mb.samples.size());

@@ -2,6 +2,8 @@
 #include "evenstep/flags.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
@@ -10,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
@@ -218,6 +221,39 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   return config;
 }
 
+namespace {
+
+absl::StatusOr<absl::CommandLineFlag*> FindEvenstepFlag(absl::string_view name) {
+  absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  if (flag == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": no such evenstep flag (see --helpfull or the README)"));
+  }
+  return flag;
+}
+
+absl::Status SetFlag(absl::CommandLineFlag& flag, absl::string_view value) {
+  std::string error;
+  if (!flag.ParseFrom(value, &error)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag.Name(), "=", value, ": ", error));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetFlagDefault(absl::string_view setting) {
+  const size_t eq = setting.find('=');
+  std::string name(setting.substr(0, eq));
+  if (!absl::StartsWith(name, "evenstep_")) name = absl::StrCat("evenstep_", name);
+  if (eq == absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": wants NAME=VALUE, got \"", setting, "\""));
+  }
+  EVENSTEP_ASSIGN_OR_RETURN(absl::CommandLineFlag * flag, FindEvenstepFlag(name));
+  return SetFlag(*flag, setting.substr(eq + 1));
+}
+
+}  // namespace
+
 absl::Status ParseEvenstepFlags(int* argc, char** argv) {
   int kept = 1;
   for (int i = 1; i < *argc; ++i) {
@@ -242,11 +278,7 @@ absl::Status ParseEvenstepFlags(int* argc, char** argv) {
       argv[kept++] = argv[i];
       continue;
     }
-    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    if (flag == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", name, ": no such evenstep flag (see --helpfull or the README)"));
-    }
+    EVENSTEP_ASSIGN_OR_RETURN(absl::CommandLineFlag * flag, FindEvenstepFlag(name));
     std::string value;
     if (eq != absl::string_view::npos) {
       value = std::string(body.substr(eq + 1));
@@ -257,14 +289,21 @@ absl::Status ParseEvenstepFlags(int* argc, char** argv) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat("--", name, ": missing value"));
     }
-    std::string error;
-    if (!flag->ParseFrom(value, &error)) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": ", error));
-    }
+    EVENSTEP_RETURN_IF_ERROR(SetFlag(*flag, value));
   }
   argv[kept] = nullptr;
   *argc = kept;
   return absl::OkStatus();
+}
+
+void SetFlagDefaults(absl::string_view settings) {
+  for (absl::string_view setting : absl::StrSplit(settings, ' ', absl::SkipEmpty())) {
+    if (absl::Status s = SetFlagDefault(setting); !s.ok()) {
+      // A bug in the program, not bad input: stop as absl::ParseCommandLine does.
+      std::cerr << "evenstep::SetFlagDefaults: " << s.message() << std::endl;
+      std::exit(2);
+    }
+  }
 }
 
 std::string FlagsMarkdownTable() {

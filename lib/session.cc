@@ -94,13 +94,15 @@ absl::Status Session::Checkpoint() {
 }
 
 absl::StatusOr<std::vector<double>> Session::Evaluate(
-    const std::vector<int64_t>& lengths, const std::function<at::Tensor(const MicroBatch&)>& fn) {
+    const std::vector<int64_t>& lengths,
+    const std::function<at::Tensor(const std::vector<int64_t>&)>& fn) {
   SamplerOptions options = step_->sampler().options();
   options.shuffle = false;
   options.min_micro_batches = 0;
   EVENSTEP_ASSIGN_OR_RETURN(Sampler set, Sampler::Create(lengths, options));
   const absl::Time begin = absl::Now();
-  absl::StatusOr<std::vector<double>> result = evenstep::Evaluate(ctx_, set, fn);
+  absl::StatusOr<std::vector<double>> result =
+      evenstep::Evaluate(ctx_, set, [&](const MicroBatch& mb) { return fn(mb.samples); });
   if (timeline_) timeline_->Span("eval", begin, absl::Now(), last_step_);
   return result;
 }

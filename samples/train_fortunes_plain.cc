@@ -1,13 +1,8 @@
-// The fortune trainer written the way C++ data-parallel trainers usually
-// are: equal sample counts per rank, gradients all-reduced one tensor at a
-// time after backward, evaluation and torch::save on rank 0 while the others
-// wait. train_fortunes.cc is this program wrapped with evenstep.
-//   evenstep-run -n 2 -- train_fortunes_plain [--steps 300] [--run NAME]
-#include <filesystem>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
+// The fortune trainer: a byte-level transformer LM on Debian's fortunes, data parallel over c10d.
+// Written as C++ trainers usually are: one all-reduce per tensor after backward, rank 0 evaluates
+// and saves with torch::save while the others wait. train_fortunes.cc wraps it with evenstep.
+//   evenstep-run -n 2 -- train_fortunes[_plain] [--steps 300] [--run NAME] [--evenstep_* ...]
 #include "absl/flags/parse.h"
-#include "evenstep/dist_context.h"
 #include "samples/trainer_common.h"
 
 using namespace evenstep::samples;
@@ -17,34 +12,23 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   auto ctx = evenstep::DistContext::CreateFromFlags();
   auto data = LoadData();
-  if (!ctx.ok() || !data.ok()) {
-    std::cerr << (ctx.ok() ? data.status() : ctx.status()) << "\n";
-    return 1;
-  }
-  const int rank = (*ctx)->rank(), world = (*ctx)->world_size();
+  if (!ctx.ok() || !data.ok()) return Fail(ctx.ok() ? data.status() : ctx.status());
+  const int rank = (*ctx)->rank();
   ByteLM model = MakeModel();
   torch::optim::Adam optimizer(model->parameters(),
                                torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)));
-  std::filesystem::create_directories(RunDir());
   const auto order = ShuffledOrder(data->train.size());
   const int64_t steps = absl::GetFlag(FLAGS_steps), first = 1;
-  const absl::Time start = absl::Now();
-  double tokens = 0;
+  Progress progress(first);
   for (int64_t s = first; s <= steps; ++s) {
-    const std::vector<int64_t> mine = RankSlice(order, s, rank, world);
+    const std::vector<int64_t> mine = RankSlice(order, s, rank, (*ctx)->world_size());
     optimizer.zero_grad();
     torch::Tensor loss = LossSum(model, data->train, mine) / Tokens(data->train, mine);
     loss.backward();
-    for (auto& p : model->parameters()) {  // one blocking all-reduce per tensor
-      std::vector<at::Tensor> grads{p.grad()};
-      (*ctx)->data_group().allreduce(grads)->wait();
-      p.mutable_grad().div_(world);
-    }
+    AllReduceGradients(model, **ctx);  // one blocking all-reduce per tensor
     optimizer.step();
-    at::Tensor global = loss.detach() / world;
-    (void)(*ctx)->AllReduce(global);
-    tokens += Tokens(data->train, mine) * world;
-    AfterStep(rank, s, first, global.item<double>(), tokens, /*balance=*/-1, start);
+    const double tokens = Tokens(data->train, mine) * (*ctx)->world_size();
+    progress.After(rank, s, GlobalMean(**ctx, loss), tokens, /*balance=*/-1);
     if (s % absl::GetFlag(FLAGS_eval_every) == 0 || s == steps) {
       EvalOnRank0(rank, s, model, data->eval);
     }

@@ -9,16 +9,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <iostream>
 #include <numeric>
 #include <random>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "evenstep/dist_context.h"
 #include "samples/byte_lm.h"
 #include "samples/fortunes.h"
 
@@ -41,8 +44,11 @@ struct Data {
   std::vector<std::string> train, eval;
 };
 
+// RUNS_DIR/NAME, created when missing.
 inline std::string RunDir() {
-  return absl::GetFlag(FLAGS_runs_dir) + "/" + absl::GetFlag(FLAGS_run);
+  const std::string dir = absl::GetFlag(FLAGS_runs_dir) + "/" + absl::GetFlag(FLAGS_run);
+  std::filesystem::create_directories(dir);
+  return dir;
 }
 
 // Fortunes cut to --max_len bytes; every 20th held out for evaluation.
@@ -77,29 +83,51 @@ inline torch::Tensor EvalSums(ByteLM& model, const std::vector<std::string>& tex
       {LossSum(model, texts, ids), torch::tensor(static_cast<float>(Tokens(texts, ids)))});
 }
 
+// The same as the evaluation step of both trainers: a function of the ids.
+inline auto EvalFn(ByteLM& model, const std::vector<std::string>& texts) {
+  return [&model, &texts](const std::vector<int64_t>& ids) { return EvalSums(model, texts, ids); };
+}
+
 inline void PrintEval(int64_t step, double loss_sum, double tokens) {
   std::cout << absl::StrFormat("step %d eval loss %.4f (%.3f bits/byte)\n", step, loss_sum / tokens,
                                loss_sum / tokens / std::log(2.0));
 }
 
-// Progress line (rank 0) and the test hooks, after every step.
-inline void AfterStep(int rank, int64_t step, int64_t first, double loss, double tokens,
-                      double balance, absl::Time start) {
-  const int64_t steps = absl::GetFlag(FLAGS_steps);
-  if (absl::GetFlag(FLAGS_print_losses) && rank == 0) {
-    std::cout << absl::StrFormat("loss %d %.9g", step, loss) << std::endl;
-  }
-  if (step == absl::GetFlag(FLAGS_kill_at_step) && rank == 0) ::kill(::getpid(), SIGKILL);
-  if (rank != 0 || (step % absl::GetFlag(FLAGS_log_every) != 0 && step != steps)) return;
-  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-  const int done = static_cast<int>(20.0 * step / steps);
-  std::cout << absl::StrFormat(
-                   "step %d/%d loss %.4f  %.0f tokens/s  balance %s  [%s%s]  %.0fs left", step,
-                   steps, loss, tokens / elapsed,
-                   balance < 0 ? "-" : absl::StrFormat("%.3f", balance), std::string(done, '#'),
-                   std::string(20 - done, '.'), elapsed / (step - first + 1) * (steps - step))
-            << std::endl;
+// Prints the error; main's exit status.
+inline int Fail(const absl::Status& status) {
+  std::cerr << status << "\n";
+  return 1;
 }
+
+// The progress line (rank 0) and the test hooks, after every step.
+class Progress {
+ public:
+  explicit Progress(int64_t first) : first_(first) {}
+
+  // `tokens`: this step's tokens over all ranks; `balance` < 0: not measured.
+  void After(int rank, int64_t step, double loss, double tokens, double balance) {
+    const int64_t steps = absl::GetFlag(FLAGS_steps);
+    tokens_ += tokens;
+    if (absl::GetFlag(FLAGS_print_losses) && rank == 0) {
+      std::cout << absl::StrFormat("loss %d %.9g", step, loss) << std::endl;
+    }
+    if (step == absl::GetFlag(FLAGS_kill_at_step) && rank == 0) ::kill(::getpid(), SIGKILL);
+    if (rank != 0 || (step % absl::GetFlag(FLAGS_log_every) != 0 && step != steps)) return;
+    const double elapsed = absl::ToDoubleSeconds(absl::Now() - start_);
+    const int done = static_cast<int>(20.0 * step / steps);
+    std::cout << absl::StrFormat(
+                     "step %d/%d loss %.4f  %.0f tokens/s  balance %s  [%s%s]  %.0fs left", step,
+                     steps, loss, tokens_ / elapsed,
+                     balance < 0 ? "-" : absl::StrFormat("%.3f", balance), std::string(done, '#'),
+                     std::string(20 - done, '.'), elapsed / (step - first_ + 1) * (steps - step))
+              << std::endl;
+  }
+
+ private:
+  const int64_t first_;
+  const absl::Time start_ = absl::Now();
+  double tokens_ = 0;
+};
 
 // --- The usual practice, for the plain trainer --------------------------
 
@@ -123,6 +151,22 @@ inline std::vector<int64_t> RankSlice(const std::vector<int64_t>& order, int64_t
   return mine;
 }
 
+// Gradients all-reduced one tensor at a time after backward, then averaged.
+inline void AllReduceGradients(ByteLM& model, DistContext& ctx) {
+  for (auto& p : model->parameters()) {
+    std::vector<at::Tensor> grads{p.grad()};
+    ctx.data_group().allreduce(grads)->wait();
+    p.mutable_grad().div_(ctx.world_size());
+  }
+}
+
+// The mean over ranks of a per-rank mean loss.
+inline double GlobalMean(DistContext& ctx, const torch::Tensor& loss) {
+  at::Tensor global = loss.detach() / ctx.world_size();
+  (void)ctx.AllReduce(global);
+  return global.item<double>();
+}
+
 // Rank 0 evaluates the whole held-out set while the others wait.
 inline void EvalOnRank0(int rank, int64_t step, ByteLM& model,
                         const std::vector<std::string>& eval) {
@@ -137,9 +181,12 @@ inline void EvalOnRank0(int rank, int64_t step, ByteLM& model,
   PrintEval(step, sums[0].item<double>(), sums[1].item<double>());
 }
 
+// --- Both ---------------------------------------------------------------
+
+// Generated text and where the run's files are.
 inline void PrintSample(ByteLM& model) {
   std::cout << "\nsample: " << Generate(model, "The ", 200, absl::GetFlag(FLAGS_max_len), 1)
-            << "\n";
+            << "\nrun: " << RunDir() << "\n";
 }
 
 }  // namespace evenstep::samples

@@ -68,6 +68,26 @@ TEST_F(FlagsTest, BadValuesNameTheFlag) {
               HasSubstr("--evenstep_balance=fast: expected static, work or dynamic"));
 }
 
+TEST_F(FlagsTest, ProgramDefaultsAreOverriddenByTheCommandLine) {
+  SetFlagDefaults("global_batch=32 evenstep_balance=work  drop_last=true");
+  EXPECT_EQ(absl::GetFlag(FLAGS_evenstep_global_batch), 32);
+  EXPECT_EQ(absl::GetFlag(FLAGS_evenstep_balance), "work");
+  EXPECT_TRUE(absl::GetFlag(FLAGS_evenstep_drop_last));
+  std::vector<std::string> rest;
+  ASSERT_TRUE(Parse({"--evenstep_global_batch=48"}, &rest).ok());
+  EXPECT_EQ(absl::GetFlag(FLAGS_evenstep_global_batch), 48);
+  EXPECT_EQ(absl::GetFlag(FLAGS_evenstep_balance), "work");
+}
+
+TEST_F(FlagsTest, BadProgramDefaultsStopTheProgramNamingTheFlag) {
+  EXPECT_EXIT(SetFlagDefaults("global_batch=many"), ::testing::ExitedWithCode(2),
+              "--evenstep_global_batch=many");
+  EXPECT_EXIT(SetFlagDefaults("globl_batch=8"), ::testing::ExitedWithCode(2),
+              "--evenstep_globl_batch: no such evenstep flag");
+  EXPECT_EXIT(SetFlagDefaults("drop_last"), ::testing::ExitedWithCode(2),
+              "--evenstep_drop_last: wants NAME=VALUE");
+}
+
 TEST_F(FlagsTest, ConfigFromFlags) {
   absl::SetFlag(&FLAGS_evenstep_balance, "static");
   absl::SetFlag(&FLAGS_evenstep_cost_quadratic, 0.5);

@@ -99,7 +99,8 @@ struct StepReport {
   int64_t samples = 0;     // this rank's
   int64_t tokens = 0;
   double units = 0;
-  double global_count = 0;  // the normaliser: samples or tokens of the global batch
+  double global_count = 0;    // the normaliser: samples or tokens of the global batch
+  int64_t global_tokens = 0;  // tokens of the global batch (all ranks)
   // Mean loss over the global batch (sum of every rank's scaled losses).
   double loss = 0;
   // mean / max over ranks of the busy time (data + compute) before the sync.

@@ -8,6 +8,7 @@
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 ABSL_DECLARE_FLAG(std::string, evenstep_backend);
@@ -57,6 +58,14 @@ absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags();
 // "--") in order; *argc is updated. InvalidArgument naming the flag for an
 // unknown evenstep flag or a bad value.
 absl::Status ParseEvenstepFlags(int* argc, char** argv);
+
+// A program's own defaults for evenstep flags, set before the command line is
+// parsed so that the command line still overrides them:
+//   evenstep::SetFlagDefaults("global_batch=32 normalize=tokens");  // then ParseCommandLine
+// Space-separated NAME=VALUE, NAME with or without "evenstep_". An unknown
+// flag or a bad value is a bug in the program: it prints the flag and exits
+// with status 2, as absl::ParseCommandLine does for a bad command line.
+void SetFlagDefaults(absl::string_view settings);
 
 // Every --evenstep_* flag as a Markdown table (name, default, meaning), from
 // the flags' own help texts, sorted by name.

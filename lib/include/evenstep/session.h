@@ -6,9 +6,9 @@
 //
 //   auto es = evenstep::Session::Create(**ctx, *model, optimizer, lengths, run_dir);
 //   for (int64_t s = (*es)->first_step(); s <= steps; ++s) {
-//     auto report = (*es)->Step(load, loss_sum);   // + timeline, logs, checkpoint
+//     auto report = (*es)->Step(loss_sum);   // + timeline, logs, checkpoint
 //   }
-//   (*es)->Finish();                               // waits for the last checkpoint
+//   (*es)->Finish();                         // waits for the last checkpoint
 //
 // Thread-safety: one training thread; Create, Step, Evaluate and Finish are
 // collective.
@@ -55,10 +55,20 @@ class Session {
     EVENSTEP_RETURN_IF_ERROR(AfterStep(*report));
     return report;
   }
+  // The same with the loop's own loss: `loss_sum(samples)` gets a
+  // micro-batch's dataset indices (const std::vector<int64_t>&), loads them
+  // and returns the SUM of their losses (data and compute timed as one).
+  template <typename LossSum>
+  absl::StatusOr<StepReport> Step(LossSum&& loss_sum) {
+    return Step([](const MicroBatch& mb) -> const MicroBatch* { return &mb; },
+                [&](const MicroBatch* mb) { return loss_sum(mb->samples); });
+  }
   // Evaluation split across all ranks by work (Evaluate in metrics.h), with
-  // a timeline span; `fn` returns the micro-batch's metric sums.
+  // a timeline span; `fn(samples)` returns the metric sums of some of the
+  // evaluation set's indices. The sums over the whole set, on every rank.
   absl::StatusOr<std::vector<double>> Evaluate(
-      const std::vector<int64_t>& lengths, const std::function<at::Tensor(const MicroBatch&)>& fn);
+      const std::vector<int64_t>& lengths,
+      const std::function<at::Tensor(const std::vector<int64_t>&)>& fn);
   // Saves a checkpoint of the current step now (in the background).
   absl::Status Checkpoint();
   // Waits for checkpoints in flight, closes logs and timeline.
