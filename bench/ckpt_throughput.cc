@@ -202,16 +202,13 @@ std::map<std::string, double> RunRanks(const std::string& self, int ranks, int64
                                        const std::string& dir) {
   const std::string command =
       absl::StrCat(EVENSTEP_RUN, " -n ", ranks, " -- ", self, " --worker=", size_mb, ":", dir,
-                   " --evenstep_timeout=30m 2>&1");
+                   " --evenstep_timeout=30m");
   std::map<std::string, double> out;
-  FILE* p = popen(command.c_str(), "r");
-  char line[4096];
-  while (p != nullptr && fgets(line, sizeof(line), p) != nullptr) {
-    std::string s(line);
+  evenstep::bench::RunLines(command, [&](const std::string& s) {
     const size_t at = s.find("RESULT ");
     if (at == std::string::npos) {
-      std::cerr << "    " << s;
-      continue;
+      std::cerr << "    " << s << "\n";
+      return;
     }
     for (absl::string_view kv : absl::StrSplit(s.substr(at + 7), ' ', absl::SkipEmpty())) {
       std::vector<std::string> pair = absl::StrSplit(kv, '=');
@@ -220,8 +217,7 @@ std::map<std::string, double> RunRanks(const std::string& self, int ranks, int64
         out[pair[0]] = value;
       }
     }
-  }
-  if (p != nullptr) pclose(p);
+  });
   return out;
 }
 

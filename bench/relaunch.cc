@@ -1,5 +1,6 @@
 #include "bench/relaunch.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -30,6 +31,23 @@ int RelaunchUnlessLaunched(int ranks, int argc, char** argv) {
   execv(args[0], args.data());
   perror("exec evenstep-run");
   return 1;
+}
+
+int RunLines(const std::string& command, const std::function<void(const std::string&)>& on_line) {
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  if (p == nullptr) return -1;
+  std::string line;
+  char chunk[4096];
+  while (fgets(chunk, sizeof(chunk), p) != nullptr) {
+    line += chunk;
+    if (line.back() != '\n') continue;  // a longer line: read on
+    line.pop_back();
+    on_line(line);
+    line.clear();
+  }
+  if (!line.empty()) on_line(line);
+  const int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 }  // namespace evenstep::bench

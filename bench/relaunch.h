@@ -2,6 +2,7 @@
 // started without a launcher, so `./evenstep_bench_x` is all a user types.
 #pragma once
 
+#include <functional>
 #include <string>
 
 namespace evenstep::bench {
@@ -13,5 +14,10 @@ std::string SelfExecutable();
 // and does not return (returns 1 after printing why, if the exec fails).
 // Under a launcher: returns 0 at once.
 int RelaunchUnlessLaunched(int ranks, int argc, char** argv);
+
+// Runs `command` with /bin/sh (stderr joined to stdout) and hands each output
+// line to `on_line` as it comes; returns the command's exit status (-1 when
+// it could not start or was killed by a signal).
+int RunLines(const std::string& command, const std::function<void(const std::string&)>& on_line);
 
 }  // namespace evenstep::bench

@@ -21,7 +21,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/timeline.h"
 #include "samples/byte_lm.h"
 #include "samples/fortunes.h"
 
@@ -37,6 +39,9 @@ ABSL_FLAG(int, eval_every, 100, "Evaluate on the held-out fortunes every this ma
 ABSL_FLAG(int, log_every, 10, "Progress line every this many steps.");
 ABSL_FLAG(bool, print_losses, false, "Print every step's global loss exactly (tests).");
 ABSL_FLAG(int, kill_at_step, 0, "Rank 0 SIGKILLs itself after this step (the resume test).");
+ABSL_FLAG(bool, trace, false,
+          "Plain trainer: write RUN_DIR/trace-RRRRR.json like the evenstep trainer's timeline, for "
+          "evenstep-report (bench/sample_vs_plain).");
 
 namespace evenstep::samples {
 
@@ -93,6 +98,47 @@ inline void PrintEval(int64_t step, double loss_sum, double tokens) {
                                loss_sum / tokens / std::log(2.0));
 }
 
+// The plain trainer's timeline (--trace): its steps' phases recorded the way
+// evenstep's Timeline records a BalancedStep (compute until the rank reaches
+// the gradient all-reduce, sync, optimizer), so evenstep-report measures
+// both trainers alike. Rank 0's duties between steps show as "other".
+class PlainTrace {
+ public:
+  static PlainTrace& Get() {
+    static PlainTrace* trace = new PlainTrace;  // closed by End of the last step
+    return *trace;
+  }
+  void Begin(int rank, int64_t step) {
+    if (!absl::GetFlag(FLAGS_trace)) return;
+    if (timeline_ == nullptr) {
+      auto opened = Timeline::Open(RunDir(), rank);
+      if (!opened.ok()) std::cerr << "--trace: " << opened.status() << "\n";
+      if (opened.ok()) timeline_ = std::move(*opened);
+    }
+    report_ = StepReport();
+    report_.step = step;
+    report_.begin = absl::Now();
+  }
+  void Arrived() { report_.arrived = absl::Now(); }
+  void Synced() { report_.synced = absl::Now(); }
+  void Span(const std::string& phase, absl::Time begin) {
+    if (timeline_ != nullptr) timeline_->Span(phase, begin, absl::Now(), report_.step);
+  }
+  void End(int64_t last_step) {
+    if (timeline_ == nullptr || report_.step == 0) return;
+    report_.end = absl::Now();
+    report_.micro = {MicroTiming{report_.begin, report_.begin, report_.arrived}};
+    report_.optimizer_begin = report_.synced;
+    report_.optimizer = report_.end - report_.synced;
+    timeline_->AddStep(report_);
+    if (report_.step == last_step) (void)timeline_->Close();
+  }
+
+ private:
+  std::unique_ptr<Timeline> timeline_;
+  StepReport report_;
+};
+
 // Prints the error; main's exit status.
 inline int Fail(const absl::Status& status) {
   std::cerr << status << "\n";
@@ -108,6 +154,7 @@ class Progress {
   void After(int rank, int64_t step, double loss, double tokens, double balance) {
     const int64_t steps = absl::GetFlag(FLAGS_steps);
     tokens_ += tokens;
+    PlainTrace::Get().End(steps);
     if (absl::GetFlag(FLAGS_print_losses) && rank == 0) {
       std::cout << absl::StrFormat("loss %d %.9g", step, loss) << std::endl;
     }
@@ -121,6 +168,10 @@ class Progress {
                      balance < 0 ? "-" : absl::StrFormat("%.3f", balance), std::string(done, '#'),
                      std::string(20 - done, '.'), elapsed / (step - first_ + 1) * (steps - step))
               << std::endl;
+    if (step == steps) {
+      std::cout << absl::StrFormat("done: %d steps in %.1fs, %.0f tokens/s\n", step - first_ + 1,
+                                   elapsed, tokens_ / elapsed);
+    }
   }
 
  private:
@@ -144,6 +195,7 @@ inline std::vector<int64_t> ShuffledOrder(size_t n) {
 inline std::vector<int64_t> RankSlice(const std::vector<int64_t>& order, int64_t step, int rank,
                                       int world) {
   const int64_t batch = absl::GetFlag(FLAGS_batch);
+  PlainTrace::Get().Begin(rank, step);
   std::vector<int64_t> mine;
   for (int64_t k = rank; k < batch; k += world) {
     mine.push_back(order[((step - 1) * batch + k) % order.size()]);
@@ -153,11 +205,13 @@ inline std::vector<int64_t> RankSlice(const std::vector<int64_t>& order, int64_t
 
 // Gradients all-reduced one tensor at a time after backward, then averaged.
 inline void AllReduceGradients(ByteLM& model, DistContext& ctx) {
+  PlainTrace::Get().Arrived();
   for (auto& p : model->parameters()) {
     std::vector<at::Tensor> grads{p.grad()};
     ctx.data_group().allreduce(grads)->wait();
     p.mutable_grad().div_(ctx.world_size());
   }
+  PlainTrace::Get().Synced();
 }
 
 // The mean over ranks of a per-rank mean loss.
@@ -171,6 +225,7 @@ inline double GlobalMean(DistContext& ctx, const torch::Tensor& loss) {
 inline void EvalOnRank0(int rank, int64_t step, ByteLM& model,
                         const std::vector<std::string>& eval) {
   if (rank != 0) return;
+  const absl::Time begin = absl::Now();
   torch::Tensor sums = torch::zeros({2});
   for (size_t b = 0; b < eval.size(); b += 16) {
     std::vector<int64_t> ids(16);
@@ -179,6 +234,7 @@ inline void EvalOnRank0(int rank, int64_t step, ByteLM& model,
     sums += EvalSums(model, eval, ids);
   }
   PrintEval(step, sums[0].item<double>(), sums[1].item<double>());
+  PlainTrace::Get().Span("eval", begin);
 }
 
 // --- Both ---------------------------------------------------------------
