@@ -74,5 +74,32 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ReshardTest,
                                                info.param.load_world, "_", info.param.optimizer);
                          });
 
+// tools/evenstep_ckpt_reader.py loads the checkpoint into a torch.nn.Module
+// and a torch.optim optimizer (EVENSTEP_TORCH_PYTHON: Debian's python3-torch
+// 1.13 in the default build, the wheel's torch 2.x in scripts/build_torch2.sh);
+// every tensor read back out of them equals the saved one bit for bit.
+class PyTorchLoadTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PyTorchLoadTest, ModelAndOptimizerStateBitForBit) {
+  char tmpl[] = "/tmp/evenstep_pytorch_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  auto saved = evenstep::testing::RunRanks(
+      2, {EVENSTEP_CKPT_HELPER, "--evenstep_timeout=60s", "--evenstep_rendezvous_timeout=60s",
+          "--evenstep_ckpt_dir=" + dir, "--evenstep_ckpt_slice_mb=0.001",
+          "--evenstep_global_batch=24", "--optimizer=" + GetParam(), "--mode=save"});
+  for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
+  const std::string expected = DigestLine(saved[0].output);
+  ASSERT_FALSE(expected.empty()) << saved[0].output;
+  const auto python = evenstep::testing::RunAll(
+      {{{EVENSTEP_TORCH_PYTHON, EVENSTEP_TORCH_LOAD_CHECK, dir, GetParam()}, {}}},
+      absl::Seconds(120));
+  ASSERT_EQ(python[0].exit_code, 0) << python[0].output;
+  EXPECT_THAT(python[0].output, HasSubstr("torch "));
+  EXPECT_EQ(DigestLine(python[0].output), expected) << python[0].output;
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, PyTorchLoadTest, ::testing::Values("adam", "sgd"));
+
 }  // namespace
 }  // namespace evenstep

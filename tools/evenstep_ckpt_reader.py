@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """Reads an evenstep checkpoint with h5py alone: no evenstep code, no pickle.
 
-    from evenstep_ckpt_reader import load
+    from evenstep_ckpt_reader import load, model_state_dict, optimizer_state_dict
     tensors, extras = load("runs/fortunes/ckpt")          # the latest, or a step-* dir
-    model.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+    model.load_state_dict(model_state_dict(tensors))
+    optimizer.load_state_dict(optimizer_state_dict(tensors, optimizer))
 
 Returns {name: tensor} (torch tensors when torch is importable, numpy arrays
 otherwise; bfloat16 without torch comes back as its raw uint16 words) and the
@@ -74,6 +75,41 @@ def load(path, as_torch=None):
             converted[t["name"]] = tensor
         out = converted
     return out, manifest.get("extras", {})
+
+
+def model_state_dict(tensors, prefix="model/"):
+    """The model's parameters and buffers, named as in `module.state_dict()`."""
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def optimizer_state_dict(tensors, optimizer):
+    """`optimizer.state_dict()` with the checkpoint's learning rates and
+    per-parameter state (exp_avg, momentum_buffer, step, ...: libtorch and
+    torch.optim use the same names), for `optimizer.load_state_dict`.
+    Parameter i of group g of the C++ optimizer is parameter i of group g of
+    `optimizer`: build it over the same parameters in the same order
+    (`model.parameters()` of the same architecture)."""
+    import torch
+    sd = optimizer.state_dict()
+    groups = sd["param_groups"]
+    for name in tensors:
+        parts = name.split("/")
+        if parts[0] == "optimizer" and (len(parts) < 3 or int(parts[1]) >= len(groups)
+                                        or (len(parts) == 4 and int(parts[2]) >= len(groups[int(parts[1])]["params"]))):
+            raise ValueError("%s: the optimizer has %d parameter groups of %s parameters" %
+                             (name, len(groups), [len(g["params"]) for g in groups]))
+    for g, group in enumerate(groups):
+        lr = tensors.get("optimizer/%d/lr" % g)
+        if lr is not None:
+            group["lr"] = float(lr)
+        for i, index in enumerate(group["params"]):
+            prefix = "optimizer/%d/%d/" % (g, i)
+            fields = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if "step" in fields:  # torch.optim keeps the step count as a float tensor
+                fields["step"] = torch.as_tensor(fields["step"]).to(torch.float32)
+            if fields:
+                sd["state"][index] = fields
+    return sd
 
 
 def main():
