@@ -6,16 +6,22 @@
 //   evenstep: Checkpointer::Save stall (snapshot), time until committed
 //             (every shard durable, manifest renamed), and load (balanced read
 //             + broadcast, page cache dropped with fadvise first)
+//   PyTorch DCP (bench/dcp_peer.py, when a Python with torch >= 2.3 is there):
+//             dcp.save, and dcp.async_save's stall and time until done, on
+//             the same state and ranks over Gloo
 // and once per size, in this process:
 //   (b) raw sequential write of the same bytes to the same directory + fsync,
 //       and the raw read back (page cache dropped)
 //   (c) memcpy of the same bytes
 //
 //   evenstep_bench_ckpt_throughput [--quick] [--dir D] [--sizes_mb 256,1024,4096] [--ranks 1,2,4]
+//                                  [--torch_python .torch2/venv/bin/python | none]
 //
 // Last line: SUMMARY {json} with stall_vs_torch_save (evenstep stall / torch::save
 // stall, target <= 0.05), persist_vs_raw_disk (target >= 0.9) and
-// load_vs_raw_read (target >= 0.8), for the largest configuration.
+// load_vs_raw_read (target >= 0.8), for the largest configuration, and
+// stall_vs_dcp_async, commit_vs_dcp_async, commit_vs_dcp_save (evenstep / DCP,
+// the largest configuration DCP ran; null without the peer).
 #include <fcntl.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -48,6 +54,9 @@ ABSL_FLAG(std::string, dir, "", "Directory on the storage to measure (default: a
 ABSL_FLAG(std::string, sizes_mb, "", "State sizes in MiB (default 256,1024,4096; quick 32).");
 ABSL_FLAG(std::string, ranks, "", "Rank counts (default 1,2,4; quick 1,2).");
 ABSL_FLAG(std::string, worker, "", "Internal: run as a rank for this size (MiB) in this dir.");
+ABSL_FLAG(std::string, torch_python, "",
+          "Python with torch >= 2.3 for the PyTorch DCP peer (bench/dcp_peer.py); default: "
+          ".torch2/venv/bin/python of scripts/build_torch2.sh when present; \"none\": skip.");
 
 namespace {
 
@@ -198,28 +207,61 @@ Raw MeasureRaw(const std::string& dir, int64_t bytes) {
   return raw;
 }
 
+// Adds the key=value pairs of a "RESULT k=v ..." line to *out; echoes other lines.
+void ParseResult(const std::string& line, std::map<std::string, double>* out) {
+  const size_t at = line.find("RESULT ");
+  if (at == std::string::npos) {
+    std::cerr << "    " << line << "\n";
+    return;
+  }
+  for (absl::string_view kv : absl::StrSplit(line.substr(at + 7), ' ', absl::SkipEmpty())) {
+    std::vector<std::string> pair = absl::StrSplit(kv, '=');
+    double value = 0;
+    if (pair.size() == 2 && absl::SimpleAtod(absl::StripAsciiWhitespace(pair[1]), &value)) {
+      (*out)[pair[0]] = value;
+    }
+  }
+}
+
 std::map<std::string, double> RunRanks(const std::string& self, int ranks, int64_t size_mb,
                                        const std::string& dir) {
   const std::string command =
       absl::StrCat(EVENSTEP_RUN, " -n ", ranks, " -- ", self, " --worker=", size_mb, ":", dir,
                    " --evenstep_timeout=30m");
   std::map<std::string, double> out;
-  evenstep::bench::RunLines(command, [&](const std::string& s) {
-    const size_t at = s.find("RESULT ");
-    if (at == std::string::npos) {
-      std::cerr << "    " << s << "\n";
-      return;
-    }
-    for (absl::string_view kv : absl::StrSplit(s.substr(at + 7), ' ', absl::SkipEmpty())) {
-      std::vector<std::string> pair = absl::StrSplit(kv, '=');
-      double value = 0;
-      if (pair.size() == 2 && absl::SimpleAtod(absl::StripAsciiWhitespace(pair[1]), &value)) {
-        out[pair[0]] = value;
-      }
-    }
-  });
+  evenstep::bench::RunLines(command, [&](const std::string& s) { ParseResult(s, &out); });
   return out;
 }
+
+// The DCP peer's figures for the same state and ranks; empty when it did not run.
+std::map<std::string, double> RunDcpPeer(const std::string& python, int ranks, int64_t size_mb,
+                                         const std::string& dir) {
+  std::map<std::string, double> out;
+  const int rc =
+      evenstep::bench::RunLines(absl::StrCat(python, " ", EVENSTEP_DCP_PEER, " --size_mb ", size_mb,
+                                             " --ranks ", ranks, " --dir ", dir),
+                                [&](const std::string& s) { ParseResult(s, &out); });
+  if (rc != 0) out.clear();
+  return out;
+}
+
+// The Python for the DCP peer, or "" (with the reason printed) when none.
+std::string TorchPython() {
+  std::string python = absl::GetFlag(FLAGS_torch_python);
+  if (python == "none") return "";
+  if (python.empty()) {
+    python = EVENSTEP_TORCH2_PYTHON;
+    if (!std::filesystem::exists(python)) {
+      std::cout << "  PyTorch DCP peer: not run (no " << python
+                << "; scripts/build_torch2.sh makes it, or pass --torch_python)\n";
+      return "";
+    }
+  }
+  return python;
+}
+
+// A ratio for the SUMMARY line; null when not measured (< 0).
+std::string JsonRatio(double r) { return r < 0 ? "null" : absl::StrFormat("%.4f", r); }
 
 std::vector<int64_t> ParseList(const std::string& text) {
   std::vector<int64_t> out;
@@ -256,7 +298,11 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat("  %8s %5s | %10s %10s %7s | %10s %9s %9s | %9s %9s %9s\n", "MiB",
                                "ranks", "torch::save", "es stall", "ratio", "commit s", "GB/s",
                                "vs raw", "load GB/s", "vs raw", "memcpy");
+  const std::string torch_python = TorchPython();
+  // Memory for the peer: every rank holds the state and DCP's staging copy.
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
   double stall_ratio = 0, persist_ratio = 0, load_ratio = 0;
+  double stall_vs_dcp = -1, commit_vs_dcp_async = -1, commit_vs_dcp_save = -1;
   for (int64_t size_mb : sizes) {
     const int64_t bytes = size_mb << 20;
     std::cout << "  measuring raw write/read and memcpy of " << size_mb << " MiB ..." << std::endl;
@@ -281,6 +327,25 @@ int main(int argc, char** argv) {
           "  %8d %5d | %9.3fs %9.4fs %7.4f | %9.3fs %9.2f %9.2f | %9.2f %9.2f %9.2f\n", size_mb,
           ranks, r["torch_save_s"], r["stall_s"], stall_ratio, r["commit_s"], persist_gbs,
           persist_ratio, load_gbs, load_ratio, raw.memcpy_gbs);
+      if (torch_python.empty()) continue;
+      if (2.2 * ranks * bytes > 0.7 * memory) {
+        std::cout << "    PyTorch DCP peer: skipped (" << ranks << " x 2 x " << size_mb
+                  << " MiB does not fit in 70 % of this machine's memory)\n";
+        continue;
+      }
+      auto d = RunDcpPeer(torch_python, static_cast<int>(ranks), size_mb, dir + "_dcp");
+      if (!d.count("dcp_async_commit_s")) {
+        std::cout << "    PyTorch DCP peer: failed (see the output above)\n";
+        continue;
+      }
+      stall_vs_dcp = r["stall_s"] / d["dcp_async_stall_s"];
+      commit_vs_dcp_async = r["commit_s"] / d["dcp_async_commit_s"];
+      commit_vs_dcp_save = r["commit_s"] / d["dcp_save_s"];
+      std::cout << absl::StrFormat(
+          "    PyTorch DCP: save %.3fs, async_save stall %.4fs, commit %.3fs | evenstep/DCP: "
+          "stall %.3f, commit %.3f (vs save %.3f)\n",
+          d["dcp_save_s"], d["dcp_async_stall_s"], d["dcp_async_commit_s"], stall_vs_dcp,
+          commit_vs_dcp_async, commit_vs_dcp_save);
     }
     std::cout << absl::StrFormat("  raw disk: write+fsync %.2f GB/s, read %.2f GB/s\n",
                                  raw.write_gbs, raw.read_gbs);
@@ -289,8 +354,10 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat(
       "SUMMARY {\"bench\": \"ckpt_throughput\", \"stall_vs_torch_save\": %.4f, "
       "\"persist_vs_raw_disk\": %.4f, \"load_vs_raw_read\": %.4f, \"size_mb\": %d, \"ranks\": %d, "
+      "\"stall_vs_dcp_async\": %s, \"commit_vs_dcp_async\": %s, \"commit_vs_dcp_save\": %s, "
       "\"quick\": %s}\n",
       stall_ratio, persist_ratio, load_ratio, sizes.back(), rank_counts.back(),
+      JsonRatio(stall_vs_dcp), JsonRatio(commit_vs_dcp_async), JsonRatio(commit_vs_dcp_save),
       quick ? "true" : "false");
   return 0;
 }

@@ -3,8 +3,10 @@
 # wheel (>= 2.7: earlier wheels use the pre-C++11 string ABI, which cannot
 # link with Debian's Abseil/GoogleTest) and the NVIDIA runtime wheels its
 # libtorch_cuda.so needs at link and load time (CPU-only use; no GPU needed),
-# unpacks their libraries under .torch2/, builds evenstep against them into
-# build-torch2/ and runs every test there.
+# installs them into a venv under .torch2/ (Debian's python3 with its system
+# packages), builds evenstep against the wheel's libtorch
+# (torch.utils.cmake_prefix_path) into build-torch2/ and runs every test
+# there; the PyTorch interop test loads checkpoints with the wheel's torch.
 #   ./scripts/build_torch2.sh            # torch 2.8.0
 #   TORCH_VERSION=2.9.0 ./scripts/build_torch2.sh
 set -euo pipefail
@@ -13,26 +15,40 @@ cd "$(dirname "$0")/.."
 version=${TORCH_VERSION:-2.8.0}
 root=$PWD/.torch2
 mkdir -p "$root"
+# A venv of Debian's python3 that also sees Debian's h5py/numpy/xxhash; the
+# wheel's torch in it shadows Debian's python3-torch.
 if [ ! -x "$root/venv/bin/pip" ]; then
   apt-get install -y -qq --no-install-recommends python3-venv python3-pip >/dev/null
-  python3 -m venv "$root/venv"
+  /usr/bin/python3 -m venv --system-site-packages "$root/venv"
 fi
+py=$root/venv/bin/python
 if [ ! -f "$root/torch-$version.done" ]; then
   echo "[evenstep] downloading torch $version and its NVIDIA runtime wheels from PyPI"
   start=$(date +%s)
   "$root/venv/bin/pip" download -q -d "$root/wheels" "torch==$version"
-  echo "[evenstep] downloaded in $(( $(date +%s) - start )) s; unpacking libraries"
-  rm -rf "$root/torch" "$root/nvidia" "$root/nvlib"
-  (cd "$root" && unzip -q -o "wheels/torch-$version-"*.whl 'torch/include/*' 'torch/lib/*' 'torch/share/*')
-  for w in "$root"/wheels/nvidia_*.whl; do (cd "$root" && unzip -q -o "$w" 'nvidia/*/lib/*' || true); done
-  mkdir -p "$root/nvlib"
-  find "$root/nvidia" -name '*.so*' -exec ln -sf {} "$root/nvlib/" \;
+  echo "[evenstep] downloaded in $(( $(date +%s) - start )) s; installing into $root/venv"
+  start=$(date +%s)
+  "$root/venv/bin/pip" install -q --no-index --find-links "$root/wheels" "torch==$version"
+  echo "[evenstep] installed in $(( $(date +%s) - start )) s"
+  rm -rf "$root/wheels" "$root/nvlib"
   touch "$root/torch-$version.done"
 fi
+# libtorch_cuda.so needs the NVIDIA runtime libraries at link and load time.
+site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ ! -d "$root/nvlib" ]; then
+  mkdir -p "$root/nvlib"
+  find "$site/nvidia" -name '*.so*' -exec ln -sf {} "$root/nvlib/" \;
+fi
 export LD_LIBRARY_PATH="$root/nvlib:${LD_LIBRARY_PATH:-}"
+# torch.utils.cmake_prefix_path (TorchConfig.cmake) and the package root
+# before it: TorchConfig's find_library would otherwise take Debian's
+# /usr/lib/x86_64-linux-gnu/libtorch.so from the system paths.
+prefix=$("$py" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+prefix="$(dirname "$(dirname "$prefix")");$prefix"
+echo "[evenstep] torch $("$py" -c 'import torch; print(torch.__version__)') at $prefix"
 build=build-torch2
 cmake -S . -B "$build" -G Ninja -DEVENSTEP_BUILD_BENCH=OFF \
-  -DCMAKE_PREFIX_PATH="$root/torch" \
+  -DCMAKE_PREFIX_PATH="$prefix" -DEVENSTEP_TORCH_PYTHON="$py" \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$root/nvlib" \
   -DCMAKE_SHARED_LINKER_FLAGS="-Wl,-rpath-link,$root/nvlib"
 start=$(date +%s)
