@@ -20,8 +20,11 @@
 // Per mode: mean step time, balance efficiency (mean/max of per-rank busy
 // time before the sync), step time / ideal (everything: the sync, the
 // optimizer and the per-step exchange included), slowest rank's busy time /
-// ideal (what balancing controls), and in `change` the steps until
-// efficiency is back to >= 0.95. Last line: SUMMARY {json}.
+// ideal (what balancing controls), step time / (ideal + floor), where the
+// floor is the mean step with no work at all, measured first (the gradient
+// all-reduce, the optimizer and the exchange of cost fits: what no split can
+// remove), and in `change` the steps until efficiency is back to >= 0.95.
+// Last line: SUMMARY {json}.
 //
 //   evenstep_bench_balance [--quick] [--steps N] [--slow F] [--scenarios steady,change,model]
 #include <torch/torch.h>
@@ -67,6 +70,8 @@ struct RunResult {
   // ideal_ratio: step time / ideal; busy_ratio: slowest rank's busy time
   // (data + compute, no sync or optimizer) / ideal.
   double step_ms = 0, efficiency = 0, ideal_ratio = 0, busy_ratio = 0;
+  // step time / (ideal + the communication floor: a step with no work).
+  double floor_ratio = 0;
   int rebalance_steps = -1;  // change: steps after the change until efficiency >= 0.95
 };
 
@@ -108,16 +113,21 @@ double Mean(const std::vector<double>& v) {
   return v.empty() ? 0 : s / v.size();
 }
 
+// `floor_ms`: the mean step time with no work at all (scenario "floor"):
+// the gradient all-reduce, the optimizer and the exchange of cost fits,
+// which no split of the work can remove.
 absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, BalanceMode mode,
-                              const std::string& scenario, int steps) {
+                              const std::string& scenario, int steps, double floor_ms = 0) {
   const int rank = ctx.rank();
   const double slow = absl::GetFlag(FLAGS_slow);
   const int slow_rank = absl::GetFlag(FLAGS_slow_rank);
-  const double per_unit_s =
+  const double sleep_per_unit_s =
       (absl::GetFlag(FLAGS_us_per_byte) > 0 ? absl::GetFlag(FLAGS_us_per_byte)
                                             : (absl::GetFlag(FLAGS_quick) ? 10 : 40)) *
       1e-6;
-  const double fixed_s = absl::GetFlag(FLAGS_fixed_ms) * 1e-3;
+  const bool floor = scenario == "floor";
+  const double fixed_s = floor ? 0 : absl::GetFlag(FLAGS_fixed_ms) * 1e-3;
+  const double per_unit_s = floor ? 0 : sleep_per_unit_s;
   const bool real = scenario == "model";
   const int change_at = steps / 2;
   auto factor = [&](int r, int step) {
@@ -136,26 +146,28 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
       evenstep::BalancedStep::Create(ctx, *model, optimizer, data.lengths, config));
 
   const double cap = step->sampler().micro_batch_cost_cap();
-  std::vector<double> step_ms, efficiency, ideal_ratio, busy_ratio;
+  std::vector<double> step_ms, efficiency, ideal_ratio, busy_ratio, floor_ratio;
   RunResult result;
   for (int s = 1; s <= steps; ++s) {
-    auto report = step->Step(
-        [&](const evenstep::MicroBatch& mb) { return mb; },
-        [&](const evenstep::MicroBatch& mb) -> torch::Tensor {
-          if (real) {
-            torch::Tensor loss = model->LossSum(data, mb.samples);
-            const double extra = (factor(rank, s) - 1) * per_unit_s * mb.cost;
-            if (extra > 0) std::this_thread::sleep_for(std::chrono::duration<double>(extra));
-            return loss;
-          }
-          std::this_thread::sleep_for(
-              std::chrono::duration<double>(fixed_s + per_unit_s * factor(rank, s) * mb.cost));
-          // A negligible loss over every parameter, so GradSync has real
-          // gradients to reduce (weight decay of the byte model).
-          torch::Tensor decay = torch::zeros({});
-          for (const auto& p : model->parameters()) decay = decay + p.pow(2).sum();
-          return decay * 1e-6;
-        });
+    auto report =
+        step->Step([&](const evenstep::MicroBatch& mb) { return mb; },
+                   [&](const evenstep::MicroBatch& mb) -> torch::Tensor {
+                     if (real) {
+                       torch::Tensor loss = model->LossSum(data, mb.samples);
+                       const double extra = (factor(rank, s) - 1) * per_unit_s * mb.cost;
+                       if (extra > 0)
+                         std::this_thread::sleep_for(std::chrono::duration<double>(extra));
+                       return loss;
+                     }
+                     const double sleep_s = fixed_s + per_unit_s * factor(rank, s) * mb.cost;
+                     if (sleep_s > 0)
+                       std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
+                     // A negligible loss over every parameter, so GradSync has real
+                     // gradients to reduce (weight decay of the byte model).
+                     torch::Tensor decay = torch::zeros({});
+                     for (const auto& p : model->parameters()) decay = decay + p.pow(2).sum();
+                     return decay * 1e-6;
+                   });
     if (!report.ok()) return report.status();
     const double ms = absl::ToDoubleMilliseconds(report->end - report->begin);
     // The ideal: the step's work spread in proportion to the true speeds.
@@ -189,6 +201,7 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
       step_ms.push_back(ms);
       efficiency.push_back(report->balance_efficiency);
       ideal_ratio.push_back(ms / ideal_ms);
+      floor_ratio.push_back(ms / (ideal_ms + floor_ms));
       busy_ratio.push_back(
           1e3 * *std::max_element(report->rank_busy_s.begin(), report->rank_busy_s.end()) /
           ideal_ms);
@@ -202,6 +215,7 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
   result.efficiency = Mean(efficiency);
   result.ideal_ratio = real ? 0 : Mean(ideal_ratio);
   result.busy_ratio = real ? 0 : Mean(busy_ratio);
+  result.floor_ratio = real || floor ? 0 : Mean(floor_ratio);
   return result;
 }
 
@@ -240,16 +254,29 @@ int main(int argc, char** argv) {
         absl::GetFlag(FLAGS_evenstep_micro_batch_tokens), absl::GetFlag(FLAGS_slow_rank),
         absl::GetFlag(FLAGS_slow), steps);
   }
+  // The communication floor: the same steps with no work (dynamic mode).
+  absl::StatusOr<RunResult> floor = Run(**ctx, data, BalanceMode::kDynamic, "floor", steps);
+  if (!floor.ok()) {
+    std::cerr << "rank " << (*ctx)->rank() << ": " << floor.status() << "\n";
+    return 1;
+  }
+  const double floor_ms = floor->step_ms;
+  if (print) {
+    std::cout << absl::StrFormat(
+        "floor: %.1f ms per step with no work (gradient all-reduce, optimizer, exchange of cost "
+        "fits)\n",
+        floor_ms);
+  }
   std::map<std::string, std::map<std::string, RunResult>> all;
   for (absl::string_view sv : absl::StrSplit(absl::GetFlag(FLAGS_scenarios), ',')) {
     const std::string scenario(sv);
     if (print) {
-      std::cout << absl::StrFormat("%s:\n  %-8s %10s %10s %11s %11s %10s\n", scenario, "mode",
+      std::cout << absl::StrFormat("%s:\n  %-8s %10s %10s %11s %11s %17s %10s\n", scenario, "mode",
                                    "step ms", "efficiency", "step/ideal", "busy/ideal",
-                                   "rebalance");
+                                   "step/(ideal+floor)", "rebalance");
     }
     for (BalanceMode mode : {BalanceMode::kStatic, BalanceMode::kWork, BalanceMode::kDynamic}) {
-      absl::StatusOr<RunResult> r = Run(**ctx, data, mode, scenario, steps);
+      absl::StatusOr<RunResult> r = Run(**ctx, data, mode, scenario, steps, floor_ms);
       if (!r.ok()) {
         std::cerr << "rank " << (*ctx)->rank() << ": " << r.status() << "\n";
         return 1;
@@ -257,9 +284,11 @@ int main(int argc, char** argv) {
       all[scenario][evenstep::BalanceModeName(mode)] = *r;
       if (print) {
         std::cout << absl::StrFormat(
-            "  %-8s %10.1f %10.3f %11s %11s %10s\n", evenstep::BalanceModeName(mode), r->step_ms,
-            r->efficiency, r->ideal_ratio > 0 ? absl::StrFormat("%.3f", r->ideal_ratio) : "-",
+            "  %-8s %10.1f %10.3f %11s %11s %17s %10s\n", evenstep::BalanceModeName(mode),
+            r->step_ms, r->efficiency,
+            r->ideal_ratio > 0 ? absl::StrFormat("%.3f", r->ideal_ratio) : "-",
             r->busy_ratio > 0 ? absl::StrFormat("%.3f", r->busy_ratio) : "-",
+            r->floor_ratio > 0 ? absl::StrFormat("%.3f", r->floor_ratio) : "-",
             scenario != "change"     ? "-"
             : r->rebalance_steps < 0 ? "never"
                                      : absl::StrCat(r->rebalance_steps, " steps"));
@@ -272,13 +301,15 @@ int main(int argc, char** argv) {
       const RunResult& d = modes.at("dynamic");
       fields.push_back(absl::StrFormat(
           "\"%s\": {\"dynamic_efficiency\": %.4f, \"dynamic_step_over_ideal\": %.4f, "
-          "\"dynamic_busy_over_ideal\": %.4f, "
+          "\"dynamic_busy_over_ideal\": %.4f, \"dynamic_step_over_ideal_plus_floor\": %.4f, "
           "\"static_efficiency\": %.4f, \"work_efficiency\": %.4f, \"static_step_over_dynamic\": "
           "%.4f, \"work_step_over_dynamic\": %.4f, \"dynamic_rebalance_steps\": %d}",
-          scenario, d.efficiency, d.ideal_ratio, d.busy_ratio, modes.at("static").efficiency,
-          modes.at("work").efficiency, modes.at("static").step_ms / d.step_ms,
-          modes.at("work").step_ms / d.step_ms, d.rebalance_steps));
+          scenario, d.efficiency, d.ideal_ratio, d.busy_ratio, d.floor_ratio,
+          modes.at("static").efficiency, modes.at("work").efficiency,
+          modes.at("static").step_ms / d.step_ms, modes.at("work").step_ms / d.step_ms,
+          d.rebalance_steps));
     }
+    fields.push_back(absl::StrFormat("\"floor_ms\": %.2f", floor_ms));
     fields.push_back(absl::StrFormat("\"quick\": %s", quick ? "true" : "false"));
     std::cout << "SUMMARY {" << absl::StrJoin(fields, ", ") << "}" << std::endl;
   }

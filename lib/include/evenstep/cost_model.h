@@ -33,7 +33,7 @@ struct CostFit {
 
 struct CostModelOptions {
   int warmup_steps = 2;
-  int window = 64;                 // micro-steps kept
+  int window = 128;                // micro-steps kept
   double change_threshold = 0.25;  // relative residual that counts as "off"
   int change_run = 3;              // consecutive same-side residuals that mean a change
 };
