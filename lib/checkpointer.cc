@@ -345,43 +345,8 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
     for (const SliceInfo& s : t->slices) b += s.bytes;
     return b;
   };
-  // Read my part, then each rank broadcasts its part as one byte buffer.
-  std::map<std::string, at::Tensor> loaded;
-  for (int root = 0; root < world; ++root) {
-    std::vector<const TensorInfo*> part;
-    int64_t total = 0;
-    for (const internal::Piece& p : plan[root]) {
-      part.push_back(&manifest.tensors[p.tensor]);
-      total += bytes_of(part.back());
-    }
-    at::Tensor buffer = at::empty({total}, at::kByte);
-    if (root == ctx_.rank()) {
-      int64_t at_byte = 0;
-      for (const TensorInfo* t : part) {
-        const int64_t n = bytes_of(t);
-        EVENSTEP_RETURN_IF_ERROR(
-            reader->ReadInto(t->name, buffer.data_ptr<uint8_t>() + at_byte, n));
-        at_byte += n;
-        result.bytes_read += n;
-      }
-    }
-    if (world > 1 && total > 0) {
-      absl::Status s = ctx_.Broadcast(buffer, root);
-      if (!s.ok()) {
-        return absl::Status(s.code(),
-                            absl::StrCat("checkpoint load of ", path, ": broadcast of rank ", root,
-                                         "'s part: ", s.message()));
-      }
-    }
-    int64_t at_byte = 0;
-    for (const TensorInfo* t : part) {
-      const int64_t n = bytes_of(t);
-      loaded[t->name] = buffer.narrow(0, at_byte, n);
-      at_byte += n;
-    }
-  }
-  // Apply: model tensors.
-  torch::NoGradGuard no_grad;
+  // Check the model's tensors against the manifest before anything is
+  // written, so a mismatch leaves the model as it was.
   std::set<std::string> seen;
   for (const TensorInfo& t : manifest.tensors) {
     if (!absl::StartsWith(t.name, "model/")) continue;
@@ -391,21 +356,12 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       continue;
     }
     seen.insert(t.name);
-    at::Tensor& dst = target->second;
-    const std::string want = c10::toString(dst.scalar_type());
-    if (dst.sizes().vec() != t.shape ||
-        dst.numel() * static_cast<int64_t>(dst.element_size()) != loaded[t.name].numel()) {
+    const at::Tensor& dst = target->second;
+    const std::string want = internal::DtypeName(dst.scalar_type()).value_or("unsupported");
+    if (dst.sizes().vec() != t.shape || want != t.dtype) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint ", path, ": tensor ", t.name, " has shape [", absl::StrJoin(t.shape, ","),
           "] ", t.dtype, "; the model has [", absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
-    }
-    at::Tensor bytes = loaded[t.name];
-    if (dst.device().is_cpu() && dst.is_contiguous()) {
-      std::memcpy(dst.data_ptr(), bytes.data_ptr(), bytes.numel());
-    } else {
-      at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
-      std::memcpy(cpu.data_ptr(), bytes.data_ptr(), bytes.numel());
-      dst.copy_(cpu);
     }
   }
   for (const auto& [name, tensor] : expected) {
@@ -416,6 +372,77 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
         absl::StrCat("checkpoint ", path, " does not match the model: missing [",
                      absl::StrJoin(result.missing, ", "), "], unexpected [",
                      absl::StrJoin(result.unexpected, ", "), "]"));
+  }
+  // Where each tensor's bytes land: a CPU model tensor directly (read and
+  // broadcast in place, no staging copy), anything else a byte buffer.
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> loaded;
+  std::set<std::string> in_place;
+  for (const TensorInfo& t : manifest.tensors) {
+    const int64_t n = bytes_of(&t);
+    auto target = targets.find(t.name);
+    if (seen.count(t.name) && target->second.device().is_cpu() && target->second.is_contiguous()) {
+      loaded[t.name] = at::from_blob(target->second.data_ptr(), {n}, at::kByte);
+      in_place.insert(t.name);
+    } else {
+      loaded[t.name] = at::empty({n}, at::kByte);
+    }
+  }
+  // Each rank reads its part; then every part reaches every rank: large
+  // tensors one broadcast each, in place; small ones packed into one buffer.
+  constexpr int64_t kBroadcastAlone = 1 << 20;
+  for (int root = 0; root < world; ++root) {
+    std::vector<const TensorInfo*> part;
+    for (const internal::Piece& p : plan[root]) part.push_back(&manifest.tensors[p.tensor]);
+    if (root == ctx_.rank()) {
+      for (const TensorInfo* t : part) {
+        const int64_t n = bytes_of(t);
+        EVENSTEP_RETURN_IF_ERROR(reader->ReadInto(t->name, loaded[t->name].data_ptr(), n));
+        result.bytes_read += n;
+      }
+    }
+    if (world == 1) continue;
+    auto broadcast = [&](at::Tensor& buffer) {
+      absl::Status s = ctx_.Broadcast(buffer, root);
+      if (s.ok()) return s;
+      return absl::Status(s.code(),
+                          absl::StrCat("checkpoint load of ", path, ": broadcast of rank ", root,
+                                       "'s part: ", s.message()));
+    };
+    int64_t small = 0;
+    for (const TensorInfo* t : part) {
+      const int64_t n = bytes_of(t);
+      if (n >= kBroadcastAlone) {
+        EVENSTEP_RETURN_IF_ERROR(broadcast(loaded[t->name]));
+      } else {
+        small += n;
+      }
+    }
+    if (small == 0) continue;
+    at::Tensor packed = at::empty({small}, at::kByte);
+    int64_t at_byte = 0;
+    for (const TensorInfo* t : part) {
+      const int64_t n = bytes_of(t);
+      if (n >= kBroadcastAlone || n == 0) continue;
+      if (root == ctx_.rank()) packed.narrow(0, at_byte, n).copy_(loaded[t->name]);
+      at_byte += n;
+    }
+    EVENSTEP_RETURN_IF_ERROR(broadcast(packed));
+    at_byte = 0;
+    for (const TensorInfo* t : part) {
+      const int64_t n = bytes_of(t);
+      if (n >= kBroadcastAlone || n == 0) continue;
+      if (root != ctx_.rank()) loaded[t->name].copy_(packed.narrow(0, at_byte, n));
+      at_byte += n;
+    }
+  }
+  // Apply the model tensors that could not be read in place.
+  for (const std::string& name : seen) {
+    if (in_place.count(name)) continue;
+    at::Tensor& dst = targets[name];
+    at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
+    std::memcpy(cpu.data_ptr(), loaded[name].data_ptr(), loaded[name].numel());
+    dst.copy_(cpu);
   }
   // Optimizer state.
   if (state.optimizer != nullptr) {

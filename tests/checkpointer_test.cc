@@ -25,6 +25,7 @@ std::string DigestLine(const std::string& output) {
 struct Case {
   int save_world, load_world;
   std::string optimizer;
+  int64_t width = 300;  // hidden width of ckpt_helper's model
   friend void PrintTo(const Case& c, std::ostream* os) {
     *os << c.save_world << "->" << c.load_world << " " << c.optimizer;
   }
@@ -43,7 +44,8 @@ TEST_P(ReshardTest, LoadsBitIdenticalAtAnotherWorldSize) {
                                            "--evenstep_ckpt_slice_mb=0.001",
                                            "--evenstep_global_batch=24",
                                            "--evenstep_micro_batch_samples=5",
-                                           "--optimizer=" + c.optimizer};
+                                           "--optimizer=" + c.optimizer,
+                                           "--width=" + std::to_string(c.width)};
   std::vector<std::string> save = common, load = common;
   save.push_back("--mode=save");
   load.push_back("--mode=load");
@@ -68,10 +70,13 @@ TEST_P(ReshardTest, LoadsBitIdenticalAtAnotherWorldSize) {
 INSTANTIATE_TEST_SUITE_P(Worlds, ReshardTest,
                          ::testing::Values(Case{2, 3, "adam"}, Case{3, 2, "sgd"},
                                            Case{4, 1, "adamw"}, Case{1, 2, "rmsprop"},
-                                           Case{2, 2, "adagrad"}),
+                                           Case{2, 2, "adagrad"},
+                                           // Tensors over 1 MiB: read and broadcast in place.
+                                           Case{2, 3, "sgd", 300000}),
                          [](const auto& info) {
                            return absl::StrCat("from", info.param.save_world, "to",
-                                               info.param.load_world, "_", info.param.optimizer);
+                                               info.param.load_world, "_", info.param.optimizer,
+                                               info.param.width > 300 ? "_wide" : "");
                          });
 
 // tools/evenstep_ckpt_reader.py loads the checkpoint into a torch.nn.Module

@@ -28,6 +28,7 @@
 ABSL_FLAG(std::string, mode, "save", "save or load");
 ABSL_FLAG(std::string, optimizer, "adam", "sgd, adam, adamw, rmsprop or adagrad");
 ABSL_FLAG(int, steps, 3, "Steps before the save.");
+ABSL_FLAG(int64_t, width, 300, "Hidden width (>= 262144: tensors of over 1 MiB, loaded in place).");
 
 namespace {
 
@@ -88,8 +89,9 @@ int main(int argc, char** argv) {
   }
   const bool save = absl::GetFlag(FLAGS_mode) == "save";
   torch::manual_seed(save ? 0 : 99);
-  torch::nn::Sequential model(torch::nn::Linear(4, 300), torch::nn::Tanh(), Scale(300),
-                              torch::nn::Linear(300, 1));
+  const int64_t width = absl::GetFlag(FLAGS_width);
+  torch::nn::Sequential model(torch::nn::Linear(4, width), torch::nn::Tanh(), Scale(width),
+                              torch::nn::Linear(width, 1));
   auto optimizer = MakeOptimizer(*model, absl::GetFlag(FLAGS_optimizer));
   auto config = evenstep::BalanceConfig::FromFlags();
   std::vector<int64_t> lengths(200);
