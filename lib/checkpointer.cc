@@ -388,20 +388,19 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       loaded[t.name] = at::empty({n}, at::kByte);
     }
   }
-  // Each rank reads its part; then every part reaches every rank: large
-  // tensors one broadcast each, in place; small ones packed into one buffer.
+  // Every rank reads its part (all at once); then every part reaches every
+  // rank: large tensors one broadcast each, in place; small ones packed into
+  // one buffer.
+  for (const internal::Piece& p : plan[ctx_.rank()]) {
+    const TensorInfo& t = manifest.tensors[p.tensor];
+    const int64_t n = bytes_of(&t);
+    EVENSTEP_RETURN_IF_ERROR(reader->ReadInto(t.name, loaded[t.name].data_ptr(), n));
+    result.bytes_read += n;
+  }
   constexpr int64_t kBroadcastAlone = 1 << 20;
-  for (int root = 0; root < world; ++root) {
+  for (int root = 0; world > 1 && root < world; ++root) {
     std::vector<const TensorInfo*> part;
     for (const internal::Piece& p : plan[root]) part.push_back(&manifest.tensors[p.tensor]);
-    if (root == ctx_.rank()) {
-      for (const TensorInfo* t : part) {
-        const int64_t n = bytes_of(t);
-        EVENSTEP_RETURN_IF_ERROR(reader->ReadInto(t->name, loaded[t->name].data_ptr(), n));
-        result.bytes_read += n;
-      }
-    }
-    if (world == 1) continue;
     auto broadcast = [&](at::Tensor& buffer) {
       absl::Status s = ctx_.Broadcast(buffer, root);
       if (s.ok()) return s;
