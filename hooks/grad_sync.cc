@@ -65,6 +65,7 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   int next_launch = 0;
   int params_ready = 0;
   int64_t collectives = 0;
+  int64_t arrival_seq = 0;  // this synchronisation's number (SyncDiagnosis)
   absl::Status status;
   SyncStats stats;
 
@@ -112,6 +113,7 @@ void GradSyncState::BeginStep() {
   }
   stats = SyncStats();
   stats.buckets = static_cast<int>(buckets.size());
+  arrival_seq = options.diagnosis.arrive ? options.diagnosis.arrive() : 0;
 }
 
 void GradSyncState::CopyIn(ParamSlot& p) {
@@ -199,11 +201,16 @@ absl::Status GradSyncState::Finish() {
     } catch (const std::exception& e) {
       const std::string error = ErrorText(e);
       const absl::Duration waited = absl::Now() - wait_start;
-      std::string message = absl::StrCat(
-          "rank ", rank, ": all_reduce of ", DescribeBucket(b), " failed after ",
-          absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", error);
-      status = waited >= options.timeout ? absl::DeadlineExceededError(message)
-                                         : absl::UnavailableError(message);
+      if (options.diagnosis.diagnose) {
+        status = options.diagnosis.diagnose(
+            arrival_seq, absl::StrCat("all_reduce of ", DescribeBucket(b)), waited, error);
+      } else {
+        std::string message = absl::StrCat(
+            "rank ", rank, ": all_reduce of ", DescribeBucket(b), " failed after ",
+            absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", error);
+        status = waited >= options.timeout ? absl::DeadlineExceededError(message)
+                                           : absl::UnavailableError(message);
+      }
     }
     bucket.result = ReducedBucket();
   }

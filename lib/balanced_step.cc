@@ -56,6 +56,12 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   }
   EVENSTEP_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(std::move(lengths), config.sampler,
                                                              config.cost, std::move(counts)));
+  // A failed gradient bucket names the ranks that never reached the sync.
+  config.grad_sync.diagnosis.arrive = [&ctx] { return ctx.MarkArrival(); };
+  config.grad_sync.diagnosis.diagnose = [&ctx](int64_t seq, const std::string& what,
+                                               absl::Duration elapsed, const std::string& error) {
+    return ctx.Diagnose(seq, what, elapsed, error);
+  };
   EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync,
                             GradSync::Attach(model, ctx.data_group(), config.grad_sync));
   std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, model, optimizer, std::move(sampler),

@@ -112,9 +112,13 @@ TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatch) {
   EXPECT_EQ(results[1].exit_code, 2) << Describe(results);
   EXPECT_THAT(results[1].output, HasSubstr("rank 1, step 2, micro-batch 1 of"));
   EXPECT_THAT(results[1].output, HasSubstr("injected failure in the loss callback"));
-  // The peer does not hang: it fails once rank 1 is gone.
+  // The peer does not hang: it fails once rank 1 is gone, and its gradient
+  // sync names the rank that never arrived.
   EXPECT_NE(results[0].exit_code, 0) << Describe(results);
   EXPECT_FALSE(results[0].timed_out);
+  EXPECT_THAT(results[0].output, HasSubstr("rank 0: all_reduce of gradient bucket"));
+  EXPECT_THAT(results[0].output,
+              ::testing::ContainsRegex("rank\\(s\\) 1 \\(last at #[0-9]+\\) never arrived"));
 }
 
 TEST(BalancedStepTest, BadFlagsAreRejectedByName) {

@@ -49,6 +49,19 @@ namespace internal {
 struct GradSyncState;
 }
 
+// Failure diagnosis supplied by the layer that owns the process group
+// (lib/'s BalancedStep wires in DistContext::MarkArrival and Diagnose, so a
+// failed bucket names the ranks that never reached this synchronisation).
+// `arrive` is called once per synchronisation on every rank, before its
+// first bucket is launched; `diagnose(seq, what, elapsed, error)` builds the
+// status of a bucket that failed. Either may be empty.
+struct SyncDiagnosis {
+  std::function<int64_t()> arrive;
+  std::function<absl::Status(int64_t seq, const std::string& what, absl::Duration elapsed,
+                             const std::string& error)>
+      diagnose;
+};
+
 struct GradSyncOptions {
   int64_t bucket_cap_bytes = 25 << 20;
   int64_t first_bucket_cap_bytes = 1 << 20;
@@ -58,6 +71,7 @@ struct GradSyncOptions {
   // Longest a bucket's reduction may take.
   absl::Duration timeout = absl::Minutes(10);
   CommHook comm_hook = SumHook();
+  SyncDiagnosis diagnosis;
 };
 
 // What the last synchronisation did (for the timeline and the tests).

@@ -111,6 +111,11 @@ class DistContext {
   // status naming this rank, `what`, the elapsed time and the ranks that never
   // arrived at operation `seq`.
   absl::Status Wait(c10d::Work& work, int64_t seq, const std::string& what);
+  // The failure status for operation `seq` (from MarkArrival) that failed
+  // with `error` after `elapsed`: names this rank and the ranks that never
+  // arrived at it (through the store), DeadlineExceeded past the timeout.
+  absl::Status Diagnose(int64_t seq, const std::string& what, absl::Duration elapsed,
+                        const std::string& error);
 
  private:
   struct Groups;
@@ -118,9 +123,6 @@ class DistContext {
   absl::Status Connect();
   absl::Status Rendezvous();
   absl::Status CreateGroups();
-  // Builds the failure status for operation `seq` that failed with `error`.
-  absl::Status Diagnose(int64_t seq, const std::string& what, absl::Duration elapsed,
-                        const std::string& error);
   template <typename Launch>
   absl::Status Run(const std::string& what, Launch&& launch);
 
