@@ -18,8 +18,7 @@ mkdir -p "$root"
 # A venv of Debian's python3 that also sees Debian's h5py/numpy/xxhash; the
 # wheel's torch in it shadows Debian's python3-torch.
 if [ ! -x "$root/venv/bin/pip" ]; then
-  apt-get install -y -qq --no-install-recommends python3-venv python3-pip >/dev/null
-  /usr/bin/python3 -m venv --system-site-packages "$root/venv"
+  /usr/bin/python3 -m venv --system-site-packages "$root/venv"  # python3-venv: install_deps.sh
 fi
 py=$root/venv/bin/python
 if [ ! -f "$root/torch-$version.done" ]; then
