@@ -13,8 +13,12 @@ function(run)
   set(last_output "${out}" PARENT_SCOPE)
 endfunction()
 run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+# The prefix path is a list: its separators are escaped so that passing it
+# through run()'s ARGN keeps it one argument (unescaped, PREFIX_PATH was
+# dropped and the consumer found Debian's libtorch beside the wheel's).
+string(REPLACE ";" "\\;" prefix_path "${WORK_DIR}/prefix;${PREFIX_PATH}")
 run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-    "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix;${PREFIX_PATH}" "-DTorch_DIR=${TORCH_DIR}"
+    "-DCMAKE_PREFIX_PATH=${prefix_path}" "-DTorch_DIR=${TORCH_DIR}"
     "-DCMAKE_EXE_LINKER_FLAGS=${LINKER_FLAGS}")
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 # libtorch's own directory (TORCH_DIR is <root>/share/cmake/Torch): the torch
