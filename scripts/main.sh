@@ -25,3 +25,11 @@ echo "[evenstep] training the fortunes sample on $nproc_ranks local ranks (runs/
 echo "[evenstep] report"
 "$build_dir/tools/evenstep-report" "runs/$run"
 "$build_dir/tools/evenstep-ckpt" ls "runs/$run/ckpt"
+latest=$(cat "runs/$run/ckpt/latest" 2>/dev/null || echo none)
+cat <<EOF
+[evenstep] run: runs/$run
+  checkpoints  runs/$run/ckpt (latest: $latest; run the same command again to continue)
+  timelines    runs/$run/trace-*.json, merged in runs/$run/trace.json (https://ui.perfetto.dev)
+  report       runs/$run/report.html, runs/$run/report.json
+  logs         runs/$run/metrics-*.jsonl
+EOF
