@@ -6,7 +6,8 @@
 # installs them into a venv under .torch2/ (Debian's python3 with its system
 # packages), builds evenstep against the wheel's libtorch
 # (torch.utils.cmake_prefix_path) into build-torch2/ and runs every test
-# there; the PyTorch interop test loads checkpoints with the wheel's torch.
+# there (the PyTorch interop test loads checkpoints with the wheel's torch),
+# then a smoke run of the DCP peer (bench/dcp_peer.py).
 #   ./scripts/build_torch2.sh            # torch 2.8.0
 #   TORCH_VERSION=2.9.0 ./scripts/build_torch2.sh
 set -euo pipefail
@@ -53,4 +54,11 @@ cmake -S . -B "$build" -G Ninja -DEVENSTEP_BUILD_BENCH=OFF \
 start=$(date +%s)
 cmake --build "$build"
 echo "[evenstep] built against torch $version in $(( $(date +%s) - start )) s"
-cd "$build" && ctest -j2 --output-on-failure
+(cd "$build" && ctest -j2 --output-on-failure)
+# The PyTorch DCP peer of bench/ckpt_throughput, on the wheel's torch (smoke run).
+peer_dir=$(mktemp -d)
+if ! "$py" bench/dcp_peer.py --size_mb 8 --ranks 2 --dir "$peer_dir" 2>&1 | grep "^RESULT "; then
+  echo "[evenstep] bench/dcp_peer.py failed with torch $version" >&2
+  exit 1
+fi
+rm -rf "$peer_dir"
