@@ -101,6 +101,7 @@ TEST_P(PyTorchLoadTest, ModelAndOptimizerStateBitForBit) {
   ASSERT_EQ(python[0].exit_code, 0) << python[0].output;
   EXPECT_THAT(python[0].output, HasSubstr("torch "));
   EXPECT_EQ(DigestLine(python[0].output), expected) << python[0].output;
+  EXPECT_THAT(python[0].output, HasSubstr("mismatch named: optimizer/0/1/"));
   std::filesystem::remove_all(dir);
 }
 

@@ -54,6 +54,12 @@ def main():
         h.update(named[name].detach().contiguous().numpy().tobytes())
     print("torch", torch.__version__)
     print("digest %016x (%d tensors)" % (h.intdigest(), len(named)))
+    # An optimizer over fewer parameters is an error naming a tensor.
+    try:
+        optimizer_state_dict(tensors, torch.optim.SGD(params[:1], lr=0.1))
+        print("mismatch not detected")
+    except ValueError as e:
+        print("mismatch named:", str(e).split(":")[0])
 
 
 if __name__ == "__main__":

@@ -92,10 +92,15 @@ def optimizer_state_dict(tensors, optimizer):
     import torch
     sd = optimizer.state_dict()
     groups = sd["param_groups"]
+    def fits(parts):  # optimizer/G/lr or optimizer/G/I/FIELD within the groups
+        if len(parts) == 3 and parts[2] == "lr":
+            return int(parts[1]) < len(groups)
+        return (len(parts) == 4 and int(parts[1]) < len(groups)
+                and int(parts[2]) < len(groups[int(parts[1])]["params"]))
+
     for name in tensors:
         parts = name.split("/")
-        if parts[0] == "optimizer" and (len(parts) < 3 or int(parts[1]) >= len(groups)
-                                        or (len(parts) == 4 and int(parts[2]) >= len(groups[int(parts[1])]["params"]))):
+        if parts[0] == "optimizer" and not fits(parts):
             raise ValueError("%s: the optimizer has %d parameter groups of %s parameters" %
                              (name, len(groups), [len(g["params"]) for g in groups]))
     for g, group in enumerate(groups):
