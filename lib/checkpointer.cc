@@ -24,6 +24,7 @@
 #include "evenstep/flags.h"
 #include "evenstep/internal/dtypes.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/flag_checks.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/shard_plan.h"
 #include "evenstep/status_macros.h"
@@ -70,7 +71,7 @@ OptimizerKind Kind(const std::string& name, std::vector<const char*> fields, boo
                                  const std::string& prefix) {
     const auto& s = static_cast<const State&>(base);
     for (const char* f : fields) {
-      at::Tensor t = State::Field(s, f);
+      at::Tensor t = State::Access(const_cast<State&>(s), f, nullptr);
       if (t.defined()) out->push_back({prefix + f, t});
     }
     if (has_step) out->push_back({prefix + "step", StepTensor(State::Step(s))});
@@ -79,7 +80,7 @@ OptimizerKind Kind(const std::string& name, std::vector<const char*> fields, boo
     auto s = std::make_unique<State>();
     for (const char* f : fields) {
       auto it = values.find(f);
-      if (it != values.end()) State::SetField(*s, f, it->second);
+      if (it != values.end()) State::Access(*s, f, &it->second);
     }
     if (has_step) {
       auto it = values.find("step");
@@ -90,7 +91,9 @@ OptimizerKind Kind(const std::string& name, std::vector<const char*> fields, boo
   return k;
 }
 
-// Adapters giving every state type the same static interface.
+// Adapters giving every state type the same static interface: Access(state,
+// field, set) returns the field, after setting it when `set` is not null;
+// Step and SetStep the step count.
 #define EVENSTEP_FIELD(name)     \
   if (std::string(f) == #name) { \
     if (set) s.name(*set);       \
@@ -105,10 +108,6 @@ struct AdamLike : Base {
     EVENSTEP_FIELD(max_exp_avg_sq)
     return {};
   }
-  static at::Tensor Field(const AdamLike& s, const char* f) {
-    return Access(const_cast<AdamLike&>(s), f, nullptr);
-  }
-  static void SetField(AdamLike& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
   static int64_t Step(const AdamLike& s) { return s.step(); }
   static void SetStep(AdamLike& s, int64_t v) { s.step(v); }
 };
@@ -118,10 +117,6 @@ struct SgdState : torch::optim::SGDParamState {
     EVENSTEP_FIELD(momentum_buffer)
     return {};
   }
-  static at::Tensor Field(const SgdState& s, const char* f) {
-    return Access(const_cast<SgdState&>(s), f, nullptr);
-  }
-  static void SetField(SgdState& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
   static int64_t Step(const SgdState&) { return 0; }
   static void SetStep(SgdState&, int64_t) {}
 };
@@ -134,10 +129,6 @@ struct RmspropState : torch::optim::RMSpropParamState {
     EVENSTEP_FIELD(grad_avg)
     return {};
   }
-  static at::Tensor Field(const RmspropState& s, const char* f) {
-    return Access(const_cast<RmspropState&>(s), f, nullptr);
-  }
-  static void SetField(RmspropState& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
   static int64_t Step(const RmspropState& s) { return s.step(); }
   static void SetStep(RmspropState& s, int64_t v) { s.step(v); }
 };
@@ -148,10 +139,6 @@ struct AdagradState : torch::optim::AdagradParamState {
     EVENSTEP_FIELD(sum)
     return {};
   }
-  static at::Tensor Field(const AdagradState& s, const char* f) {
-    return Access(const_cast<AdagradState&>(s), f, nullptr);
-  }
-  static void SetField(AdagradState& s, const char* f, const at::Tensor& t) { Access(s, f, &t); }
   static int64_t Step(const AdagradState& s) { return s.step(); }
   static void SetStep(AdagradState& s, int64_t v) { s.step(v); }
 };
@@ -242,14 +229,8 @@ absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags() {
   }
   options.when_busy = busy == "skip" ? WhenBusy::kSkip : WhenBusy::kWait;
   const double slice_mb = absl::GetFlag(FLAGS_evenstep_ckpt_slice_mb);
-  if (options.keep < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_ckpt_keep=", options.keep, ": must be >= 1"));
-  }
-  if (options.max_in_flight < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_ckpt_in_flight=", options.max_in_flight, ": must be >= 1"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_keep", options.keep, 1));
+  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_in_flight", options.max_in_flight, 1));
   if (!(slice_mb > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--evenstep_ckpt_slice_mb=", slice_mb, ": must be positive"));

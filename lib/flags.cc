@@ -17,6 +17,7 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/internal/flag_checks.h"
 #include "evenstep/status_macros.h"
 
 ABSL_FLAG(std::string, evenstep_backend, "auto",
@@ -148,14 +149,16 @@ absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags() {
   return options;
 }
 
-namespace {
+namespace internal {
 
 absl::Status NotBelow(const char* flag, double value, double minimum) {
   if (value >= minimum) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": must be >= ", minimum));
 }
 
-}  // namespace
+}  // namespace internal
+
+using internal::NotBelow;
 
 absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   BalanceConfig config;

@@ -6,9 +6,9 @@
 #include <iostream>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/str_cat.h"
 #include "evenstep/checkpointer.h"
 #include "evenstep/flags.h"
+#include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
 #include "evenstep/status_macros.h"
 #include "evenstep/timeline.h"
@@ -43,10 +43,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
                                      std::move(counts)));
   EVENSTEP_ASSIGN_OR_RETURN(CheckpointOptions options, CheckpointOptionsFromFlags());
   if (options.dir.empty()) options.dir = run_dir + "/ckpt";
-  if (absl::GetFlag(FLAGS_evenstep_ckpt_every) < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--evenstep_ckpt_every=", absl::GetFlag(FLAGS_evenstep_ckpt_every), ": must be >= 0"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(
+      internal::NotBelow("evenstep_ckpt_every", absl::GetFlag(FLAGS_evenstep_ckpt_every), 0));
   EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, Checkpointer::Create(ctx, options));
   if (absl::GetFlag(FLAGS_evenstep_timeline)) {
     EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()));

@@ -10,6 +10,7 @@
 
 #include "absl/flags/flag.h"
 #include "evenstep/balanced_step.h"
+#include "evenstep/checkpointer.h"
 
 namespace evenstep {
 namespace {
@@ -24,6 +25,8 @@ class FlagsTest : public ::testing::Test {
     absl::SetFlag(&FLAGS_evenstep_global_batch, 64);
     absl::SetFlag(&FLAGS_evenstep_drop_last, false);
     absl::SetFlag(&FLAGS_evenstep_cost_quadratic, 0.0);
+    absl::SetFlag(&FLAGS_evenstep_ckpt_keep, 3);
+    absl::SetFlag(&FLAGS_evenstep_ckpt_in_flight, 1);
   }
   // Runs ParseEvenstepFlags over `args` (argv[0] added) and returns what is left.
   absl::Status Parse(std::vector<std::string> args, std::vector<std::string>* rest) {
@@ -66,6 +69,16 @@ TEST_F(FlagsTest, BadValuesNameTheFlag) {
   absl::SetFlag(&FLAGS_evenstep_balance, "fast");
   EXPECT_THAT(BalanceConfig::FromFlags().status().message(),
               HasSubstr("--evenstep_balance=fast: expected static, work or dynamic"));
+}
+
+TEST_F(FlagsTest, CheckpointFlagsOutOfRangeNameTheFlag) {
+  absl::SetFlag(&FLAGS_evenstep_ckpt_keep, 0);
+  EXPECT_THAT(CheckpointOptionsFromFlags().status().message(),
+              HasSubstr("--evenstep_ckpt_keep=0: must be >= 1"));
+  absl::SetFlag(&FLAGS_evenstep_ckpt_keep, 3);
+  absl::SetFlag(&FLAGS_evenstep_ckpt_in_flight, -2);
+  EXPECT_THAT(CheckpointOptionsFromFlags().status().message(),
+              HasSubstr("--evenstep_ckpt_in_flight=-2: must be >= 1"));
 }
 
 TEST_F(FlagsTest, ProgramDefaultsAreOverriddenByTheCommandLine) {
