@@ -380,8 +380,6 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
   }
   constexpr int64_t kBroadcastAlone = 1 << 20;
   for (int root = 0; world > 1 && root < world; ++root) {
-    std::vector<const TensorInfo*> part;
-    for (const internal::Piece& p : plan[root]) part.push_back(&manifest.tensors[p.tensor]);
     auto broadcast = [&](at::Tensor& buffer) {
       absl::Status s = ctx_.Broadcast(buffer, root);
       if (s.ok()) return s;
@@ -389,31 +387,25 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
                           absl::StrCat("checkpoint load of ", path, ": broadcast of rank ", root,
                                        "'s part: ", s.message()));
     };
-    int64_t small = 0;
-    for (const TensorInfo* t : part) {
-      const int64_t n = bytes_of(t);
-      if (n >= kBroadcastAlone) {
-        EVENSTEP_RETURN_IF_ERROR(broadcast(loaded[t->name]));
-      } else {
-        small += n;
+    std::vector<at::Tensor> small;  // views of `loaded`, sent together
+    int64_t small_bytes = 0;
+    for (const internal::Piece& p : plan[root]) {
+      at::Tensor& bytes = loaded[manifest.tensors[p.tensor].name];
+      if (bytes.numel() >= kBroadcastAlone) {
+        EVENSTEP_RETURN_IF_ERROR(broadcast(bytes));
+      } else if (bytes.numel() > 0) {
+        small.push_back(bytes);
+        small_bytes += bytes.numel();
       }
     }
-    if (small == 0) continue;
-    at::Tensor packed = at::empty({small}, at::kByte);
-    int64_t at_byte = 0;
-    for (const TensorInfo* t : part) {
-      const int64_t n = bytes_of(t);
-      if (n >= kBroadcastAlone || n == 0) continue;
-      if (root == ctx_.rank()) packed.narrow(0, at_byte, n).copy_(loaded[t->name]);
-      at_byte += n;
-    }
+    if (small.empty()) continue;
+    at::Tensor packed = root == ctx_.rank() ? at::cat(small) : at::empty({small_bytes}, at::kByte);
     EVENSTEP_RETURN_IF_ERROR(broadcast(packed));
-    at_byte = 0;
-    for (const TensorInfo* t : part) {
-      const int64_t n = bytes_of(t);
-      if (n >= kBroadcastAlone || n == 0) continue;
-      if (root != ctx_.rank()) loaded[t->name].copy_(packed.narrow(0, at_byte, n));
-      at_byte += n;
+    if (root == ctx_.rank()) continue;
+    int64_t at_byte = 0;
+    for (at::Tensor& bytes : small) {
+      bytes.copy_(packed.narrow(0, at_byte, bytes.numel()));
+      at_byte += bytes.numel();
     }
   }
   // Apply the model tensors that could not be read in place.
