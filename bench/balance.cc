@@ -125,9 +125,9 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
       (absl::GetFlag(FLAGS_us_per_byte) > 0 ? absl::GetFlag(FLAGS_us_per_byte)
                                             : (absl::GetFlag(FLAGS_quick) ? 10 : 40)) *
       1e-6;
-  const bool floor = scenario == "floor";
-  const double fixed_s = floor ? 0 : absl::GetFlag(FLAGS_fixed_ms) * 1e-3;
-  const double per_unit_s = floor ? 0 : sleep_per_unit_s;
+  const bool no_work = scenario == "floor";
+  const double fixed_s = no_work ? 0 : absl::GetFlag(FLAGS_fixed_ms) * 1e-3;
+  const double per_unit_s = no_work ? 0 : sleep_per_unit_s;
   const bool real = scenario == "model";
   const int change_at = steps / 2;
   auto factor = [&](int r, int step) {
@@ -215,7 +215,7 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
   result.efficiency = Mean(efficiency);
   result.ideal_ratio = real ? 0 : Mean(ideal_ratio);
   result.busy_ratio = real ? 0 : Mean(busy_ratio);
-  result.floor_ratio = real || floor ? 0 : Mean(floor_ratio);
+  result.floor_ratio = real || no_work ? 0 : Mean(floor_ratio);
   return result;
 }
 
@@ -255,12 +255,12 @@ int main(int argc, char** argv) {
         absl::GetFlag(FLAGS_slow), steps);
   }
   // The communication floor: the same steps with no work (dynamic mode).
-  absl::StatusOr<RunResult> floor = Run(**ctx, data, BalanceMode::kDynamic, "floor", steps);
-  if (!floor.ok()) {
-    std::cerr << "rank " << (*ctx)->rank() << ": " << floor.status() << "\n";
+  absl::StatusOr<RunResult> floor_run = Run(**ctx, data, BalanceMode::kDynamic, "floor", steps);
+  if (!floor_run.ok()) {
+    std::cerr << "rank " << (*ctx)->rank() << ": " << floor_run.status() << "\n";
     return 1;
   }
-  const double floor_ms = floor->step_ms;
+  const double floor_ms = floor_run->step_ms;
   if (print) {
     std::cout << absl::StrFormat(
         "floor: %.1f ms per step with no work (gradient all-reduce, optimizer, exchange of cost "
