@@ -11,6 +11,7 @@
 #include <limits>
 #include <numeric>
 #include <queue>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -265,11 +266,7 @@ std::vector<std::vector<int64_t>> Sampler::PartitionByTime(
   for (int pass = 0; pass < 2; ++pass) {
     std::vector<Open> open(target.size());
     auto fits_open = [&](size_t r, int64_t i) {
-      const Open& o = open[r];
-      const int64_t n = o.n + 1;
-      return o.n > 0 && (options_.micro_batch_samples == 0 || n <= options_.micro_batch_samples) &&
-             (options_.micro_batch_tokens == 0 ||
-              n * std::max(o.max_length, lengths_[i]) <= options_.micro_batch_tokens);
+      return Joins(open[r].n, open[r].max_length, lengths_[i]);
     };
     auto cost = [&](size_t r, int64_t i) {
       return fits[r].per_unit_s * costs_[i] + (fits_open(r, i) ? 0.0 : fits[r].fixed_s);
@@ -294,7 +291,126 @@ std::vector<std::vector<int64_t>> Sampler::PartitionByTime(
     if (!(planned > 0) || charged <= planned * 1.001) break;
     for (double& t : target) t *= charged / planned;
   }
+  Level(fits, target_s, parts);
   return parts;
+}
+
+bool Sampler::Joins(int64_t n, int64_t max_length, int64_t length) const {
+  return n > 0 && (options_.micro_batch_samples == 0 || n + 1 <= options_.micro_batch_samples) &&
+         (options_.micro_batch_tokens == 0 ||
+          (n + 1) * std::max(max_length, length) <= options_.micro_batch_tokens);
+}
+
+int64_t Sampler::MicroSteps(const std::vector<int64_t>& longest_first) const {
+  int64_t packed = 0, n = 0, max_length = 0;
+  for (int64_t i : longest_first) {
+    if (Joins(n, max_length, lengths_[i])) {
+      ++n;
+      max_length = std::max(max_length, lengths_[i]);
+    } else {
+      ++packed;
+      n = 1;
+      max_length = lengths_[i];
+    }
+  }
+  // Pack splits micro-batches up to min_micro_batches while one holds two
+  // samples or more.
+  const int64_t wanted =
+      std::min<int64_t>(options_.min_micro_batches, static_cast<int64_t>(longest_first.size()));
+  return std::max(packed, wanted);
+}
+
+void Sampler::Level(const std::vector<CostFit>& fits, const std::vector<double>& target_s,
+                    std::vector<std::vector<int64_t>>& parts) const {
+  // The greedy split leaves a few ranks above the rest: the sample that
+  // opened a micro-batch late, or the last gap filled by a rank that was
+  // only a little below its target. Each round moves the shortest sample of
+  // the rank predicted to finish last to the receiver where it ends earliest
+  // (among the earliest-finishing ranks, and among those whose last
+  // micro-batch still has room), as long as both then finish before the old
+  // last. Times count the micro-steps Pack will really cut. A new micro-step
+  // on a receiver costs at least the typical ratio of fixed to per-unit cost
+  // times its per-unit cost: a fit's fixed cost is its least certain part,
+  // and trusting a low one would send work to the ranks that underestimate
+  // it. Every rank runs the same rounds on the same inputs, so the split
+  // stays identical.
+  const size_t ranks = parts.size();
+  auto longer = [&](int64_t a, int64_t b) { return lengths_[a] > lengths_[b]; };
+  std::vector<double> ratios;
+  for (const CostFit& f : fits) {
+    if (f.per_unit_s > 0) ratios.push_back(f.fixed_s / f.per_unit_s);
+  }
+  double typical_ratio = 0;
+  if (!ratios.empty()) {
+    std::nth_element(ratios.begin(), ratios.begin() + ratios.size() / 2, ratios.end());
+    typical_ratio = ratios[ratios.size() / 2];
+  }
+  std::vector<double> units(ranks, 0), time(ranks, 0), open_cost(ranks, 0);
+  std::vector<int64_t> steps(ranks, 0);
+  std::vector<char> works(ranks, 0), room(ranks, 0);
+  std::set<std::pair<double, size_t>> by_time, with_room;  // ranks that may work
+  std::vector<int64_t> grown, best_grown;
+  auto add = [&](size_t r) {
+    steps[r] = MicroSteps(parts[r]);
+    time[r] = fits[r].Predict(static_cast<double>(steps[r]), units[r]);
+    by_time.insert({time[r], r});
+    room[r] = 0;
+    if (!parts[r].empty()) {
+      grown = parts[r];
+      grown.push_back(parts[r].back());
+      room[r] = MicroSteps(grown) == steps[r];
+      if (room[r]) with_room.insert({time[r], r});
+    }
+  };
+  auto remove = [&](size_t r) {
+    by_time.erase({time[r], r});
+    if (room[r]) with_room.erase({time[r], r});
+  };
+  for (size_t r = 0; r < ranks; ++r) {
+    std::stable_sort(parts[r].begin(), parts[r].end(), longer);
+    for (int64_t i : parts[r]) units[r] += costs_[i];
+    open_cost[r] = std::max(fits[r].fixed_s, typical_ratio * fits[r].per_unit_s);
+    works[r] = r < target_s.size() && target_s[r] > 0;
+    if (works[r]) add(r);
+  }
+  constexpr int kReceivers = 8;
+  for (size_t round = 0; round < 4 * ranks + 64 && by_time.size() > 1; ++round) {
+    const auto [last_time, from] = *by_time.rbegin();
+    if (parts[from].size() <= 1) break;
+    const int64_t moved = parts[from].back();
+    const double from_time = fits[from].Predict(
+        static_cast<double>(MicroSteps({parts[from].begin(), parts[from].end() - 1})),
+        units[from] - costs_[moved]);
+    size_t best = ranks;
+    double best_time = last_time * (1 - 1e-9);
+    for (const auto* candidates : {&with_room, &by_time}) {
+      int tried = 0;
+      for (auto it = candidates->begin(); it != candidates->end() && tried < kReceivers; ++it) {
+        const size_t to = it->second;
+        if (to == from) continue;
+        ++tried;
+        grown = parts[to];
+        grown.insert(std::upper_bound(grown.begin(), grown.end(), moved, longer), moved);
+        const double to_time =
+            fits[to].Predict(static_cast<double>(steps[to]), units[to] + costs_[moved]) +
+            (MicroSteps(grown) > steps[to] ? open_cost[to] : 0.0);
+        if (std::max(from_time, to_time) < best_time) {
+          best = to;
+          best_time = std::max(from_time, to_time);
+          best_grown.swap(grown);
+        }
+      }
+    }
+    if (best == ranks) break;
+    remove(from);
+    remove(best);
+    parts[from].pop_back();
+    units[from] -= costs_[moved];
+    units[best] += costs_[moved];
+    parts[best].swap(best_grown);
+    add(from);
+    add(best);
+  }
 }
 
 template <typename Cost, typename Commit>
@@ -358,17 +474,10 @@ std::vector<MicroBatch> Sampler::Pack(std::vector<int64_t> samples) const {
     mb.count += counts_[i];
   };
   for (int64_t i : samples) {
-    bool fits = !out.empty();
-    if (fits) {
-      const MicroBatch& mb = out.back();
-      const int64_t n = static_cast<int64_t>(mb.samples.size()) + 1;
-      if (options_.micro_batch_samples > 0 && n > options_.micro_batch_samples) fits = false;
-      if (options_.micro_batch_tokens > 0 &&
-          n * std::max(mb.max_length, lengths_[i]) > options_.micro_batch_tokens) {
-        fits = false;
-      }
+    if (out.empty() || !Joins(static_cast<int64_t>(out.back().samples.size()),
+                              out.back().max_length, lengths_[i])) {
+      out.emplace_back();
     }
-    if (!fits) out.emplace_back();
     add(out.back(), i);
   }
   // Fewer micro-batches than the minimum: split the costliest one in two

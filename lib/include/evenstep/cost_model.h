@@ -6,8 +6,12 @@
 // to each, robustly: the first `warmup_steps` optimizer steps are ignored,
 // Huber-weighted least squares over a window of recent micro-steps keeps
 // single outliers (a page fault, a GC pause in the data loader) from swinging
-// the fit (with fewer than 6 points, or units that hardly vary, the fit is
-// proportional: a noisy intercept would swing the plan), and once the window
+// the fit. With fewer than 6 points, or units that hardly vary, the points
+// cannot tell the fixed part from the per-unit part (a noisy intercept would
+// swing the plan): the fixed part is then the last one identified since the
+// window started, or zero (a proportional fit) before any; a fit that
+// flipped to proportional whenever the spread of sizes dipped would make a
+// rank's small micro-steps look free. Once the window
 // holds 6 points a run of `change_run` consecutive residuals beyond
 // `change_threshold` on the same side is taken as a real change of speed
 // (thermal throttling, a noisy neighbour): the window restarts from them so
@@ -42,26 +46,32 @@ class CostModel {
  public:
   explicit CostModel(CostModelOptions options = {}) : options_(options) {}
 
-  // Marks the start of an optimizer step (for the warm-up count).
-  void BeginStep() { ++steps_; }
+  // Marks the start of an optimizer step (for the warm-up count, and to
+  // remember each fixed cost the window identified so far).
+  void BeginStep();
   void Record(double units, double data_s, double compute_s);
 
-  CostFit data_fit() const { return Fit(&Observation::data_s); }
-  CostFit compute_fit() const { return Fit(&Observation::compute_s); }
+  CostFit data_fit() const { return Fit(kData); }
+  CostFit compute_fit() const { return Fit(kCompute); }
   // Data wait + compute: what the planner balances.
-  CostFit total_fit() const { return Fit(&Observation::total_s); }
+  CostFit total_fit() const { return Fit(kTotal); }
   // Times the window was restarted because the speed changed.
   int64_t changes_detected() const { return changes_; }
   void Reset();
 
  private:
+  enum Field { kData, kCompute, kTotal, kFields };
   struct Observation {
-    double units, data_s, compute_s, total_s;
+    double units;
+    double seconds[kFields];
   };
-  CostFit Fit(double Observation::*field) const;
+  CostFit Fit(Field field, bool* identified = nullptr) const;
 
   CostModelOptions options_;
   std::deque<Observation> window_;
+  // The last fixed cost each fit identified since the window (re)started;
+  // negative: none yet.
+  double fixed_hint_[kFields] = {-1, -1, -1};
   int64_t steps_ = 0;
   int64_t changes_ = 0;
   int run_sign_ = 0;
@@ -69,7 +79,12 @@ class CostModel {
 };
 
 // Huber-weighted least squares of y = a + b x with a, b >= 0 (exposed for
-// tests and the simulation benchmark).
-CostFit RobustLinearFit(const double* x, const double* y, int n);
+// tests and the simulation benchmark). When the points cannot identify the
+// intercept (fewer than 6, or units that hardly vary), a = `fixed_hint` when
+// it is >= 0 (a fixed cost identified earlier) and only b is fitted;
+// without a hint the fit is proportional (a = 0). `identified`, when given,
+// says whether the points identified a themselves.
+CostFit RobustLinearFit(const double* x, const double* y, int n, double fixed_hint = -1,
+                        bool* identified = nullptr);
 
 }  // namespace evenstep

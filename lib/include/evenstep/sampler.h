@@ -152,6 +152,16 @@ class Sampler {
                                            const std::vector<double>& target, Cost&& cost,
                                            Commit&& commit) const;
 
+  // Whether a sample of `length` joins an open micro-batch of `n` samples
+  // (0: none open) whose longest is `max_length`, under the caps.
+  bool Joins(int64_t n, int64_t max_length, int64_t length) const;
+  // The number of micro-batches Pack cuts `longest_first` into.
+  int64_t MicroSteps(const std::vector<int64_t>& longest_first) const;
+  // Evens out the predicted finish times of a greedy split (see sampler.cc);
+  // leaves each part ordered longest first.
+  void Level(const std::vector<CostFit>& fits, const std::vector<double>& target_s,
+             std::vector<std::vector<int64_t>>& parts) const;
+
   std::vector<int64_t> lengths_;
   std::vector<double> costs_;
   std::vector<double> counts_;
