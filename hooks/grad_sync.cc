@@ -188,6 +188,7 @@ std::string GradSyncState::DescribeBucket(int b) const {
 absl::Status GradSyncState::Finish() {
   step_open = false;
   stats.arrived = absl::Now();
+  if (options.on_arrival) options.on_arrival();
   for (ParamSlot& p : params) {
     if (!p.ready) CopyIn(p);
   }

@@ -1,16 +1,16 @@
 // BalancedStep: drives the micro-steps of one optimizer step; see
 // balanced_step.h for the contract.
 //
-// Timing: data wait runs from the start of a micro-step to DataReady();
-// compute from DataReady() to the end of backward, minus the time backward
-// spent waiting for the gradient collectives on the last micro-step (that is
-// sync wait). For CUDA losses the current stream is synchronised before the
-// clock is read, so compute covers the kernels, not just their launch.
-// (c10::Event has no elapsed-time query in libtorch 1.13, so events are not
-// used for this.)
+// Timing (internal/micro_step_clock.h): data wait runs from the end of the
+// previous micro-step (or the start of the step) to DataReady(); compute from
+// DataReady() to the end of backward, on the last micro-step only up to the
+// arrival at the gradient sync (the rest is sync wait). Marks are host times
+// on the CPU and timing events on a device, read once per step after the
+// optimizer step has been queued, so the host does not wait for the device
+// between micro-steps; the micro-batch losses are summed on the device for the
+// same reason.
 #include "evenstep/balanced_step.h"
 
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/nn/module.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
@@ -20,6 +20,7 @@
 #include <numeric>
 
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/micro_step_clock.h"
 
 namespace evenstep {
 namespace {
@@ -35,10 +36,10 @@ enum ExchangeField {
   kExchangeFields
 };
 
-void WaitForDevice(const at::Tensor& t) {
-  if (!t.defined() || t.device().is_cpu()) return;
-  c10::impl::VirtualGuardImpl guard(t.device().type());
-  guard.synchronizeStream(guard.getStream(t.device()));
+// The device the model trains on (its first parameter's; CPU without any).
+c10::Device ModelDevice(torch::nn::Module& model) {
+  for (const at::Tensor& p : model.parameters()) return p.device();
+  return c10::Device(c10::kCPU);
 }
 
 }  // namespace
@@ -62,10 +63,15 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
                                                absl::Duration elapsed, const std::string& error) {
     return ctx.Diagnose(seq, what, elapsed, error);
   };
+  // The arrival at the sync splits the last micro-step's compute from its
+  // sync wait on the same clock.
+  auto clock = std::make_unique<internal::MicroStepClock>(ModelDevice(model));
+  config.grad_sync.on_arrival = [c = clock.get()] { c->Arrive(); };
   EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync,
                             GradSync::Attach(model, ctx.data_group(), config.grad_sync));
   std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, model, optimizer, std::move(sampler),
-                                                      std::move(config), std::move(sync)));
+                                                      std::move(config), std::move(sync),
+                                                      std::move(clock)));
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
   }
@@ -74,13 +80,15 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
 
 BalancedStep::BalancedStep(DistContext& ctx, torch::nn::Module& model,
                            torch::optim::Optimizer& optimizer, Sampler sampler,
-                           BalanceConfig config, std::unique_ptr<GradSync> sync)
+                           BalanceConfig config, std::unique_ptr<GradSync> sync,
+                           std::unique_ptr<internal::MicroStepClock> clock)
     : ctx_(ctx),
       model_(model),
       optimizer_(optimizer),
       sampler_(std::move(sampler)),
       config_(std::move(config)),
       sync_(std::move(sync)),
+      clock_(std::move(clock)),
       cost_model_(config_.cost_model),
       planner_(ctx.world_size(), config_.planner) {}
 
@@ -105,9 +113,10 @@ absl::Status BalancedStep::BeginStep() {
   next_micro_ = 0;
   scale_ = batch_.count > 0 ? 1.0 / batch_.count : 0.0;
   loss_sum_ = 0;
+  loss_on_device_ = at::Tensor();
   data_marked_ = false;
   in_step_ = true;
-  micro_begin_ = absl::Now();
+  clock_->Begin();
   report_.epoch = batch_.epoch;
   report_.epoch_step = batch_.step;
   report_.micro_batches = static_cast<int>(micro_.size());
@@ -123,7 +132,7 @@ absl::Status BalancedStep::BeginStep() {
 }
 
 void BalancedStep::DataReady() {
-  data_end_ = absl::Now();
+  clock_->Start();
   data_marked_ = true;
 }
 
@@ -144,29 +153,40 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
                                          c10::str(loss_sum.sizes())));
     }
     (loss_sum * scale_).backward();
-    WaitForDevice(loss_sum);
-    loss_sum_ += loss_sum.detach().to(at::kDouble).item<double>() * scale_;
+    clock_->End();
+    const at::Tensor scaled = loss_sum.detach().to(at::kDouble) * scale_;
+    loss_on_device_ = loss_on_device_.defined() ? loss_on_device_ + scaled : scaled;
   } catch (const std::exception& e) {
     return Abandon(index, internal::ErrorText(e));
   }
-  const absl::Time end = absl::Now();
-  absl::Duration compute = end - data_end_;
   if (last) {
     const SyncStats stats = sync_->last_stats();
-    compute -= stats.wait;
-    report_.sync_wait += stats.wait;
     report_.arrived = stats.arrived;
     report_.synced = stats.done;
   }
-  report_.micro.push_back({micro_begin_, data_end_, end, micro_[index].cost});
-  const absl::Duration data = data_end_ - micro_begin_;
-  report_.data += data;
-  report_.compute += compute;
-  cost_model_.Record(micro_[index].cost, absl::ToDoubleSeconds(data),
-                     absl::ToDoubleSeconds(compute));
-  micro_begin_ = end;
   data_marked_ = false;
   return absl::OkStatus();
+}
+
+void BalancedStep::Account() {
+  // Blocks until the device has finished the last micro-step (not the
+  // optimizer step queued after it).
+  const internal::MicroStepTimes times = clock_->Read();
+  absl::Time at = clock_->begun();
+  for (size_t k = 0; k < times.data.size() && k < micro_.size(); ++k) {
+    const absl::Time data_end = at + times.data[k];
+    const bool last = k + 1 == times.data.size();
+    const absl::Time end = data_end + times.compute[k] + (last ? times.sync : absl::ZeroDuration());
+    report_.micro.push_back({at, data_end, end, micro_[k].cost});
+    report_.data += times.data[k];
+    report_.compute += times.compute[k];
+    cost_model_.Record(micro_[k].cost, absl::ToDoubleSeconds(times.data[k]),
+                       absl::ToDoubleSeconds(times.compute[k]));
+    at = end;
+  }
+  if (!micro_.empty()) report_.sync_wait += times.sync;
+  report_.busy = report_.data + report_.compute;
+  loss_sum_ = loss_on_device_.defined() ? loss_on_device_.item<double>() : 0.0;
 }
 
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {
@@ -187,7 +207,6 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
                                              micro_.size(), " micro-batches"));
   }
   in_step_ = false;
-  report_.busy = report_.data + report_.compute;
   if (micro_.empty()) {
     // No work on this rank this step: join the collectives with zeros.
     report_.arrived = absl::Now();
@@ -220,6 +239,7 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
                                             ", optimizer step: ", internal::ErrorText(e)));
   }
   report_.optimizer = absl::Now() - optimizer_begin;
+  Account();
   ++steps_;
   report_.step = steps_;
   EVENSTEP_RETURN_IF_ERROR(Exchange());

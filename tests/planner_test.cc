@@ -11,6 +11,7 @@
 #include <random>
 
 #include "evenstep/cost_model.h"
+#include "evenstep/internal/micro_step_clock.h"
 #include "evenstep/sampler.h"
 
 namespace evenstep {
@@ -267,6 +268,45 @@ TEST(CostModelTest, ConstantUnitsGiveAProportionalFit) {
   EXPECT_EQ(fit.fixed_s, 0);
   EXPECT_NEAR(fit.per_unit_s, 0.1, 0.01);
   EXPECT_FALSE(RobustLinearFit(x, y, 0).valid());
+}
+
+TEST(MicroStepClockTest, SplitsDataComputeAndSyncFromTheMarks) {
+  // Scripted host times (ms): begin 0; micro-step 0: data ready 2, backward
+  // done 10; micro-step 1: data ready 13, arrival at the sync 20, backward
+  // (with the sync) done 26.
+  std::vector<int> ms = {0, 2, 10, 13, 20, 26};
+  size_t next = 0;
+  internal::MicroStepClock clock(
+      c10::Device(c10::kCPU), [&] { return absl::UnixEpoch() + absl::Milliseconds(ms[next++]); });
+  EXPECT_FALSE(clock.deferred());
+  clock.Begin();
+  clock.Start();
+  clock.End();
+  clock.Start();
+  clock.Arrive();
+  clock.End();
+  const internal::MicroStepTimes t = clock.Read();
+  ASSERT_EQ(t.data.size(), 2u);
+  EXPECT_EQ(t.data[0], absl::Milliseconds(2));
+  EXPECT_EQ(t.compute[0], absl::Milliseconds(8));
+  EXPECT_EQ(t.data[1], absl::Milliseconds(3));
+  EXPECT_EQ(t.compute[1], absl::Milliseconds(7));
+  EXPECT_EQ(t.sync, absl::Milliseconds(6));
+  EXPECT_EQ(clock.begun(), absl::UnixEpoch());
+
+  // A new step starts afresh; a micro-step whose backward never returned is
+  // left out, and without an arrival there is no sync part.
+  ms = {100, 101, 105, 107};
+  next = 0;
+  clock.Begin();
+  clock.Start();
+  clock.End();
+  clock.Start();
+  const internal::MicroStepTimes u = clock.Read();
+  ASSERT_EQ(u.data.size(), 1u);
+  EXPECT_EQ(u.data[0], absl::Milliseconds(1));
+  EXPECT_EQ(u.compute[0], absl::Milliseconds(4));
+  EXPECT_EQ(u.sync, absl::ZeroDuration());
 }
 
 }  // namespace

@@ -63,6 +63,10 @@ struct SyncDiagnosis {
 };
 
 struct GradSyncOptions {
+  // Called on a synchronising step when backward has produced every gradient,
+  // before the wait for the buckets (from the autograd engine's end-of-
+  // backward callback), e.g. to mark the arrival on a device timeline.
+  std::function<void()> on_arrival;
   int64_t bucket_cap_bytes = 25 << 20;
   int64_t first_bucket_cap_bytes = 1 << 20;
   // Rank whose parameters and buffers every replica starts from.

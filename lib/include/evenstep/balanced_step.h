@@ -59,6 +59,9 @@ class Optimizer;
 }  // namespace torch
 
 namespace evenstep {
+namespace internal {
+class MicroStepClock;
+}
 
 struct BalanceConfig {
   SamplerOptions sampler;
@@ -177,8 +180,11 @@ class BalancedStep {
 
  private:
   BalancedStep(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-               Sampler sampler, BalanceConfig config, std::unique_ptr<GradSync> sync);
+               Sampler sampler, BalanceConfig config, std::unique_ptr<GradSync> sync,
+               std::unique_ptr<internal::MicroStepClock> clock);
   absl::Status Abandon(size_t micro_batch, const std::string& what);
+  // Reads the step's micro-step times into the report and the cost model.
+  void Account();
   absl::Status Exchange();
 
   DistContext& ctx_;
@@ -187,6 +193,7 @@ class BalancedStep {
   Sampler sampler_;
   BalanceConfig config_;
   std::unique_ptr<GradSync> sync_;
+  std::unique_ptr<internal::MicroStepClock> clock_;
   CostModel cost_model_;
   Planner planner_;
 
@@ -197,7 +204,7 @@ class BalancedStep {
   size_t next_micro_ = 0;
   double scale_ = 1;
   double loss_sum_ = 0;
-  absl::Time micro_begin_, data_end_;
+  at::Tensor loss_on_device_;  // the scaled micro-batch losses summed so far
   bool data_marked_ = false;
   std::vector<CostFit> fits_;  // every rank's, from the last exchange
   int64_t steps_ = 0;

@@ -1,0 +1,71 @@
+// MicroStepClock: times one optimizer step's micro-steps for the cost model
+// without stalling the device between them.
+//
+// Marks, in order: Begin() when the step starts; per micro-step, Start() when
+// its data is ready and End() when its backward has returned; on the last
+// micro-step also Arrive() when backward has produced every gradient (the
+// arrival at the gradient sync, before its wait). Read() then gives, per
+// micro-step,
+//     data    = Start_k - End_{k-1}       (End_{-1} = Begin)
+//     compute = End_k - Start_k            (last: Arrive - Start_k)
+//     sync    = End_last - Arrive          (last only)
+// On the CPU the marks are host times. On a device whose events can measure
+// elapsed time (CUDA with libtorch 2.x) each mark is a timing event on the
+// device's current stream, read once at the end of the step: the host keeps
+// queueing the next micro-step while the device runs this one, and `data` is
+// the time the device sat idle waiting for it (a load hidden behind the
+// previous micro-step's kernels costs nothing, as it should). Where events
+// cannot (libtorch 1.13's c10::Event has no elapsed-time query), every mark
+// synchronises the current stream and reads the host clock.
+//
+// Thread-safety: one thread at a time (Arrive() may come from the autograd
+// engine's callback while the training thread is blocked in backward).
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace evenstep {
+namespace internal {
+
+struct MicroStepTimes {
+  std::vector<absl::Duration> data, compute;
+  absl::Duration sync;  // the last micro-step's wait for the gradient sync
+};
+
+class MicroStepClock {
+ public:
+  // `now` replaces the host clock on the CPU (for tests); null = absl::Now.
+  explicit MicroStepClock(c10::Device device, std::function<absl::Time()> now = nullptr);
+  ~MicroStepClock();
+
+  void Begin();
+  void Start();
+  void Arrive();
+  void End();
+  // Blocks until every mark has completed. Micro-steps without an End() are
+  // left out; a last micro-step without Arrive() has no sync part.
+  MicroStepTimes Read();
+  // Whether marks are device events read at the end of the step.
+  bool deferred() const;
+  // Host time of Begin().
+  absl::Time begun() const;
+
+ private:
+  struct Mark;
+  Mark Take();
+  static absl::Duration Between(const Mark& from, const Mark& to);
+
+  c10::Device device_;
+  std::function<absl::Time()> now_;
+  struct Marks;
+  std::unique_ptr<Marks> marks_;
+};
+
+}  // namespace internal
+}  // namespace evenstep

@@ -1,0 +1,109 @@
+// MicroStepClock: host times on the CPU, timing events on devices that can
+// measure with them; see internal/micro_step_clock.h.
+#include "evenstep/internal/micro_step_clock.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "evenstep/internal/build_config.h"
+
+namespace evenstep {
+namespace internal {
+
+struct MicroStepClock::Mark {
+  absl::Time host;
+  std::unique_ptr<c10::Event> event;  // deferred marks only
+};
+
+struct MicroStepClock::Marks {
+  Mark begin;
+  std::vector<Mark> start, end;
+  std::optional<Mark> arrive;
+};
+
+MicroStepClock::MicroStepClock(c10::Device device, std::function<absl::Time()> now)
+    : device_(device), now_(std::move(now)), marks_(std::make_unique<Marks>()) {
+  if (!now_) now_ = [] { return absl::Now(); };
+}
+
+MicroStepClock::~MicroStepClock() = default;
+
+bool MicroStepClock::deferred() const {
+#if EVENSTEP_HAVE_EVENT_TIMING
+  return !device_.is_cpu();
+#else
+  return false;
+#endif
+}
+
+MicroStepClock::Mark MicroStepClock::Take() {
+  Mark mark;
+  if (device_.is_cpu()) {
+    mark.host = now_();
+    return mark;
+  }
+  c10::impl::VirtualGuardImpl guard(device_.type());
+  const c10::Stream stream = guard.getStream(device_);
+  if (deferred()) {
+    // BACKEND_DEFAULT: an event that records timing (PYTORCH_DEFAULT turns
+    // timing off on CUDA).
+    mark.event = std::make_unique<c10::Event>(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    mark.event->record(stream);
+  } else {
+    guard.synchronizeStream(stream);
+  }
+  mark.host = now_();
+  return mark;
+}
+
+absl::Time MicroStepClock::begun() const { return marks_->begin.host; }
+
+void MicroStepClock::Begin() {
+  marks_ = std::make_unique<Marks>();
+  marks_->begin = Take();
+}
+
+void MicroStepClock::Start() { marks_->start.push_back(Take()); }
+
+void MicroStepClock::Arrive() { marks_->arrive = Take(); }
+
+void MicroStepClock::End() { marks_->end.push_back(Take()); }
+
+absl::Duration MicroStepClock::Between(const Mark& from, const Mark& to) {
+#if EVENSTEP_HAVE_EVENT_TIMING
+  if (from.event && to.event) {
+    return absl::Microseconds(1e3 * from.event->elapsedTime(*to.event));  // ms
+  }
+#endif
+  return to.host - from.host;
+}
+
+MicroStepTimes MicroStepClock::Read() {
+  MicroStepTimes times;
+  Marks& m = *marks_;
+  const size_t done = std::min(m.start.size(), m.end.size());
+#if EVENSTEP_HAVE_EVENT_TIMING
+  if (done > 0 && m.end[done - 1].event) m.end[done - 1].event->synchronize();
+#endif
+  const Mark* previous = &m.begin;
+  for (size_t k = 0; k < done; ++k) {
+    times.data.push_back(Between(*previous, m.start[k]));
+    const bool last = k + 1 == done;
+    if (last && m.arrive) {
+      times.compute.push_back(Between(m.start[k], *m.arrive));
+      times.sync = Between(*m.arrive, m.end[k]);
+    } else {
+      times.compute.push_back(Between(m.start[k], m.end[k]));
+    }
+    previous = &m.end[k];
+  }
+  return times;
+}
+
+}  // namespace internal
+}  // namespace evenstep
