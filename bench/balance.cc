@@ -24,9 +24,15 @@
 // floor is the mean step with no work at all, measured first (the gradient
 // all-reduce, the optimizer and the exchange of cost fits: what no split can
 // remove), and in `change` the steps until efficiency is back to >= 0.95.
-// Last line: SUMMARY {json}.
+// steady and change run at each global batch of --batches (samples per
+// step): the floor is a fixed cost per step, so its share of the step, and
+// with it step/ideal, falls as the work per step grows, while what balancing
+// controls (busy/ideal) does not depend on it. The model scenario runs at the
+// first batch only. Last line: SUMMARY {json}; the first batch's results are
+// under the scenario's name, the others' under "<scenario>_batch<N>".
 //
-//   evenstep_bench_balance [--quick] [--steps N] [--slow F] [--scenarios steady,change,model]
+//   evenstep_bench_balance [--quick] [--steps N] [--slow F] [--batches 64,256]
+//                          [--scenarios steady,change,model]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -39,6 +45,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -56,6 +63,9 @@ ABSL_FLAG(double, us_per_byte, 0, "Sleep per cost unit (default 40 us, quick 10 
 ABSL_FLAG(double, fixed_ms, 1.0, "Sleep per micro-step.");
 ABSL_FLAG(bool, verbose, false, "Print every step: shares, micro-batches and busy time per rank.");
 ABSL_FLAG(std::string, scenarios, "steady,change,model", "Scenarios to run.");
+ABSL_FLAG(std::string, batches, "",
+          "Global batches (samples per step) to run steady and change at; default 64,256 "
+          "(quick: 64). The first also sets --evenstep_global_batch for the model scenario.");
 
 namespace {
 
@@ -230,6 +240,22 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   const bool quick = absl::GetFlag(FLAGS_quick);
   const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : (quick ? 10 : 30);
+  std::vector<int64_t> batches;
+  const std::string batch_list = !absl::GetFlag(FLAGS_batches).empty()
+                                     ? absl::GetFlag(FLAGS_batches)
+                                     : (quick ? "64" : "64,256");
+  for (absl::string_view b : absl::StrSplit(batch_list, ',', absl::SkipEmpty())) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(b, &n) || n < 1) {
+      std::cerr << "--batches: \"" << b << "\" is not a positive sample count\n";
+      return 2;
+    }
+    batches.push_back(n);
+  }
+  if (batches.empty()) {
+    std::cerr << "--batches: no global batch given\n";
+    return 2;
+  }
   auto ctx = evenstep::DistContext::CreateFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
@@ -246,11 +272,10 @@ int main(int argc, char** argv) {
   data.lengths = evenstep::samples::Lengths(data.texts);
   if (print) {
     std::cout << absl::StrFormat(
-        "balance: %d ranks, %d fortunes (1-%d bytes), global batch %d samples, micro-batch cap %d "
-        "padded bytes, rank %d slowed %.1fx, %d steps per mode\n",
+        "balance: %d ranks, %d fortunes (1-%d bytes), global batches of %s samples, micro-batch "
+        "cap %d padded bytes, rank %d slowed %.1fx, %d steps per mode\n",
         (*ctx)->world_size(), data.lengths.size(),
-        *std::max_element(data.lengths.begin(), data.lengths.end()),
-        absl::GetFlag(FLAGS_evenstep_global_batch),
+        *std::max_element(data.lengths.begin(), data.lengths.end()), absl::StrJoin(batches, ", "),
         absl::GetFlag(FLAGS_evenstep_micro_batch_tokens), absl::GetFlag(FLAGS_slow_rank),
         absl::GetFlag(FLAGS_slow), steps);
   }
@@ -267,31 +292,38 @@ int main(int argc, char** argv) {
         "fits)\n",
         floor_ms);
   }
+  // Results by "<scenario>" (first batch) or "<scenario>_batch<N>".
   std::map<std::string, std::map<std::string, RunResult>> all;
-  for (absl::string_view sv : absl::StrSplit(absl::GetFlag(FLAGS_scenarios), ',')) {
-    const std::string scenario(sv);
-    if (print) {
-      std::cout << absl::StrFormat("%s:\n  %-8s %10s %10s %11s %11s %17s %10s\n", scenario, "mode",
-                                   "step ms", "efficiency", "step/ideal", "busy/ideal",
-                                   "step/(ideal+floor)", "rebalance");
-    }
-    for (BalanceMode mode : {BalanceMode::kStatic, BalanceMode::kWork, BalanceMode::kDynamic}) {
-      absl::StatusOr<RunResult> r = Run(**ctx, data, mode, scenario, steps, floor_ms);
-      if (!r.ok()) {
-        std::cerr << "rank " << (*ctx)->rank() << ": " << r.status() << "\n";
-        return 1;
-      }
-      all[scenario][evenstep::BalanceModeName(mode)] = *r;
+  for (size_t bi = 0; bi < batches.size(); ++bi) {
+    absl::SetFlag(&FLAGS_evenstep_global_batch, batches[bi]);
+    for (absl::string_view sv : absl::StrSplit(absl::GetFlag(FLAGS_scenarios), ',')) {
+      const std::string scenario(sv);
+      if (bi > 0 && scenario == "model") continue;
+      const std::string key = bi == 0 ? scenario : absl::StrCat(scenario, "_batch", batches[bi]);
       if (print) {
         std::cout << absl::StrFormat(
-            "  %-8s %10.1f %10.3f %11s %11s %17s %10s\n", evenstep::BalanceModeName(mode),
-            r->step_ms, r->efficiency,
-            r->ideal_ratio > 0 ? absl::StrFormat("%.3f", r->ideal_ratio) : "-",
-            r->busy_ratio > 0 ? absl::StrFormat("%.3f", r->busy_ratio) : "-",
-            r->floor_ratio > 0 ? absl::StrFormat("%.3f", r->floor_ratio) : "-",
-            scenario != "change"     ? "-"
-            : r->rebalance_steps < 0 ? "never"
-                                     : absl::StrCat(r->rebalance_steps, " steps"));
+            "%s (global batch %d):\n  %-8s %10s %10s %11s %11s %17s %10s\n", scenario, batches[bi],
+            "mode", "step ms", "efficiency", "step/ideal", "busy/ideal", "step/(ideal+floor)",
+            "rebalance");
+      }
+      for (BalanceMode mode : {BalanceMode::kStatic, BalanceMode::kWork, BalanceMode::kDynamic}) {
+        absl::StatusOr<RunResult> r = Run(**ctx, data, mode, scenario, steps, floor_ms);
+        if (!r.ok()) {
+          std::cerr << "rank " << (*ctx)->rank() << ": " << r.status() << "\n";
+          return 1;
+        }
+        all[key][evenstep::BalanceModeName(mode)] = *r;
+        if (print) {
+          std::cout << absl::StrFormat(
+              "  %-8s %10.1f %10.3f %11s %11s %17s %10s\n", evenstep::BalanceModeName(mode),
+              r->step_ms, r->efficiency,
+              r->ideal_ratio > 0 ? absl::StrFormat("%.3f", r->ideal_ratio) : "-",
+              r->busy_ratio > 0 ? absl::StrFormat("%.3f", r->busy_ratio) : "-",
+              r->floor_ratio > 0 ? absl::StrFormat("%.3f", r->floor_ratio) : "-",
+              scenario != "change"     ? "-"
+              : r->rebalance_steps < 0 ? "never"
+                                       : absl::StrCat(r->rebalance_steps, " steps"));
+        }
       }
     }
   }
@@ -310,6 +342,7 @@ int main(int argc, char** argv) {
           d.rebalance_steps));
     }
     fields.push_back(absl::StrFormat("\"floor_ms\": %.2f", floor_ms));
+    fields.push_back(absl::StrFormat("\"global_batches\": [%s]", absl::StrJoin(batches, ", ")));
     fields.push_back(absl::StrFormat("\"quick\": %s", quick ? "true" : "false"));
     std::cout << "SUMMARY {" << absl::StrJoin(fields, ", ") << "}" << std::endl;
   }
