@@ -1,6 +1,9 @@
 // CheckpointWriter: snapshot on the training thread, everything else on the
 // I/O fibers; the commit protocol is written down in checkpoint.h.
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -11,6 +14,8 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -67,12 +72,29 @@ std::string ShardName(int rank, int world) {
 std::string StepDirName(int64_t step) { return absl::StrFormat("step-%010d", step); }
 
 // One reusable staging buffer: the shard's HDF5 image for one state layout.
+// When some of this rank's tensors live on a device, the image is held in
+// page-locked host memory instead, so their bytes arrive by asynchronous
+// copies on a side stream (see Save).
 struct Staging {
   std::string signature;
-  std::string image;
+  std::string image;  // pageable image (every tensor on the CPU)
+  at::Tensor pinned;  // page-locked image (some tensor on a device)
   std::vector<ShardDataset> datasets;
   std::vector<Piece> pieces;
   bool busy = false;
+  // The device copies of the last snapshot: done when `copied` is.
+  std::unique_ptr<c10::Event> copied;
+
+  char* data() { return pinned.defined() ? static_cast<char*>(pinned.data_ptr()) : image.data(); }
+  size_t size() const {
+    return pinned.defined() ? static_cast<size_t>(pinned.numel()) : image.size();
+  }
+  // Blocks until the snapshot's device copies have landed.
+  void WaitForCopies() {
+    if (!copied) return;
+    while (!copied->query()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    copied.reset();
+  }
 };
 
 }  // namespace
@@ -209,18 +231,58 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) 
       return image.status();
     }
     stage.image = *std::move(image);
+    stage.pinned = at::Tensor();
     stage.signature = signature;
   }
-  // The snapshot: the only part the training thread waits for.
+  // The device this rank's share lives on, if any (one per process).
+  std::optional<c10::Device> device;
+  for (const Piece& p : stage.pieces) {
+    const c10::Device d = state.tensors[p.tensor].second.device();
+    if (!d.is_cpu()) device = d;
+  }
+  // The snapshot: the only part the training thread waits for. CPU tensors
+  // are copied into the image. Device tensors are copied by the device into
+  // the page-locked image on a side stream that first waits for the current
+  // stream (so it sees the finished step), and the current stream then waits
+  // for those copies before any later kernel can overwrite a parameter; the
+  // host only queues the copies, and the writer waits for them.
   try {
+    stage.WaitForCopies();  // a failed write may have left them unread
+    if (device && !stage.pinned.defined()) {
+      stage.pinned = at::empty({static_cast<int64_t>(stage.image.size())},
+                               at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      std::memcpy(stage.pinned.data_ptr(), stage.image.data(), stage.image.size());
+      stage.image = std::string();
+    }
+    std::optional<c10::impl::VirtualGuardImpl> guard;
+    std::optional<c10::Stream> current, side;
+    if (device) {
+      guard.emplace(device->type());
+      current = guard->getStream(*device);
+      side = guard->getStreamFromGlobalPool(*device);
+      c10::Event ready(device->type());
+      ready.record(*current);
+      ready.block(*side);
+    }
     for (size_t i = 0; i < stage.pieces.size(); ++i) {
       const Piece& p = stage.pieces[i];
       const ShardDataset& d = stage.datasets[i];
       if (d.bytes == 0) continue;
-      at::Tensor src = state.tensors[p.tensor].second.detach();
-      if (!src.device().is_cpu()) src = src.to(at::kCPU);
-      src = src.contiguous().reshape({-1}).slice(0, p.begin, p.end);
-      std::memcpy(stage.image.data() + d.offset, src.data_ptr(), static_cast<size_t>(d.bytes));
+      const at::Tensor& whole = state.tensors[p.tensor].second;
+      at::Tensor src = whole.detach().contiguous().reshape({-1}).slice(0, p.begin, p.end);
+      if (whole.device().is_cpu()) {
+        std::memcpy(stage.data() + d.offset, src.data_ptr(), static_cast<size_t>(d.bytes));
+        continue;
+      }
+      c10::StreamGuard on_side(*side);
+      at::Tensor dst = at::from_blob(stage.data() + d.offset, {src.numel()},
+                                     at::TensorOptions().dtype(src.scalar_type()));
+      dst.copy_(src, /*non_blocking=*/true);
+    }
+    if (device) {
+      stage.copied = std::make_unique<c10::Event>(device->type());
+      stage.copied->record(*side);
+      stage.copied->block(*current);
     }
   } catch (const std::exception& e) {
     release();
@@ -270,12 +332,14 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
     return made.ok() ? env->SyncDir(options.dir) : made;
   });
   if (!s.ok()) return context(s);
-  // Checksums of the datasets, from the staging buffer.
+  // Checksums of the datasets, from the staging buffer (once the device
+  // copies of the snapshot, if any, have landed).
   nlohmann::json datasets = nlohmann::json::array();
   s = runtime->Blocking([&] {
+    stage.WaitForCopies();
     for (const ShardDataset& d : stage.datasets) {
-      const uint64_t h = d.bytes > 0 ? XXH3_64bits(stage.image.data() + d.offset, d.bytes)
-                                     : XXH3_64bits(nullptr, 0);
+      const uint64_t h =
+          d.bytes > 0 ? XXH3_64bits(stage.data() + d.offset, d.bytes) : XXH3_64bits(nullptr, 0);
       datasets.push_back({{"dataset", d.path},
                           {"tensor", d.tensor},
                           {"begin", d.begin},
@@ -293,9 +357,9 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
     auto file = env->Create(tmp);
     if (!file.ok()) return file.status();
     absl::Status w;
-    for (size_t off = 0; w.ok() && off < stage.image.size(); off += kWriteChunk) {
-      w = (*file)->PWrite(static_cast<int64_t>(off), stage.image.data() + off,
-                          std::min(kWriteChunk, stage.image.size() - off));
+    for (size_t off = 0; w.ok() && off < stage.size(); off += kWriteChunk) {
+      w = (*file)->PWrite(static_cast<int64_t>(off), stage.data() + off,
+                          std::min(kWriteChunk, stage.size() - off));
     }
     if (w.ok()) w = (*file)->Sync();
     absl::Status closed = (*file)->Close();
@@ -311,7 +375,7 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
   // Report; the last rank to arrive commits.
   const std::string key = absl::StrCat("evenstep/ckpt/", seq, "/");
   nlohmann::json shard = {{"file", ShardName(rank, world)},
-                          {"bytes", static_cast<int64_t>(stage.image.size())},
+                          {"bytes", static_cast<int64_t>(stage.size())},
                           {"datasets", std::move(datasets)}};
   s = store->Set(absl::StrCat(key, "shard/", rank), shard.dump());
   if (!s.ok()) return context(s);

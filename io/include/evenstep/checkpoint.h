@@ -4,7 +4,9 @@
 // `slice_bytes` are split into slices; the shares differ by at most one
 // slice) and writes it as its own HDF5 shard; nothing is gathered to rank 0.
 // Save() blocks the training thread only for the snapshot into a reusable
-// staging buffer; the rest runs on the I/O fibers.
+// staging buffer (for device tensors, only for queueing asynchronous copies
+// into page-locked staging on a side stream); the rest runs on the I/O
+// fibers.
 //
 // Commit protocol (one checkpoint = DIR/step-SSSSSSSSSS/):
 //   1. every rank: create the checkpoint directory, fsync DIR.
