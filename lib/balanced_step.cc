@@ -168,10 +168,18 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
   return absl::OkStatus();
 }
 
-void BalancedStep::Account() {
+absl::Status BalancedStep::Account() {
   // Blocks until the device has finished the last micro-step (not the
   // optimizer step queued after it).
-  const internal::MicroStepTimes times = clock_->Read();
+  internal::MicroStepTimes times;
+  try {
+    times = clock_->Read();
+    loss_sum_ = loss_on_device_.defined() ? loss_on_device_.item<double>() : 0.0;
+  } catch (const std::exception& e) {
+    return absl::InternalError(
+        absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
+                     ", reading the micro-step times and losses: ", internal::ErrorText(e)));
+  }
   absl::Time at = clock_->begun();
   for (size_t k = 0; k < times.data.size() && k < micro_.size(); ++k) {
     const absl::Time data_end = at + times.data[k];
@@ -186,7 +194,7 @@ void BalancedStep::Account() {
   }
   if (!micro_.empty()) report_.sync_wait += times.sync;
   report_.busy = report_.data + report_.compute;
-  loss_sum_ = loss_on_device_.defined() ? loss_on_device_.item<double>() : 0.0;
+  return absl::OkStatus();
 }
 
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {
@@ -239,7 +247,7 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
                                             ", optimizer step: ", internal::ErrorText(e)));
   }
   report_.optimizer = absl::Now() - optimizer_begin;
-  Account();
+  EVENSTEP_RETURN_IF_ERROR(Account());
   ++steps_;
   report_.step = steps_;
   EVENSTEP_RETURN_IF_ERROR(Exchange());

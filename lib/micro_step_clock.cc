@@ -88,7 +88,15 @@ MicroStepTimes MicroStepClock::Read() {
   Marks& m = *marks_;
   const size_t done = std::min(m.start.size(), m.end.size());
 #if EVENSTEP_HAVE_EVENT_TIMING
-  if (done > 0 && m.end[done - 1].event) m.end[done - 1].event->synchronize();
+  // Every event, not just the last: the arrival may have been recorded by
+  // the autograd engine's thread on another stream.
+  auto wait = [](const Mark& mark) {
+    if (mark.event) mark.event->synchronize();
+  };
+  wait(m.begin);
+  for (const Mark& mark : m.start) wait(mark);
+  for (const Mark& mark : m.end) wait(mark);
+  if (m.arrive) wait(*m.arrive);
 #endif
   const Mark* previous = &m.begin;
   for (size_t k = 0; k < done; ++k) {

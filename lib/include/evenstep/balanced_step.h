@@ -183,8 +183,9 @@ class BalancedStep {
                Sampler sampler, BalanceConfig config, std::unique_ptr<GradSync> sync,
                std::unique_ptr<internal::MicroStepClock> clock);
   absl::Status Abandon(size_t micro_batch, const std::string& what);
-  // Reads the step's micro-step times into the report and the cost model.
-  void Account();
+  // Reads the step's micro-step times and summed loss into the report and
+  // the cost model.
+  absl::Status Account();
   absl::Status Exchange();
 
   DistContext& ctx_;

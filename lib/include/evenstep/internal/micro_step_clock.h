@@ -49,7 +49,8 @@ class MicroStepClock {
   void Arrive();
   void End();
   // Blocks until every mark has completed. Micro-steps without an End() are
-  // left out; a last micro-step without Arrive() has no sync part.
+  // left out; a last micro-step without Arrive() has no sync part. Throws
+  // what the device's event API throws.
   MicroStepTimes Read();
   // Whether marks are device events read at the end of the step.
   bool deferred() const;
