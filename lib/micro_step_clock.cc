@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "absl/time/clock.h"
-#include "evenstep/internal/build_config.h"
+#include "evenstep/internal/c10d_compat.h"
 
 namespace evenstep {
 namespace internal {
@@ -33,13 +33,7 @@ MicroStepClock::MicroStepClock(c10::Device device, std::function<absl::Time()> n
 
 MicroStepClock::~MicroStepClock() = default;
 
-bool MicroStepClock::deferred() const {
-#if EVENSTEP_HAVE_EVENT_TIMING
-  return !device_.is_cpu();
-#else
-  return false;
-#endif
-}
+bool MicroStepClock::deferred() const { return c10d_compat::kEventsCanTime && !device_.is_cpu(); }
 
 MicroStepClock::Mark MicroStepClock::Take() {
   Mark mark;
@@ -75,11 +69,9 @@ void MicroStepClock::Arrive() { marks_->arrive = Take(); }
 void MicroStepClock::End() { marks_->end.push_back(Take()); }
 
 absl::Duration MicroStepClock::Between(const Mark& from, const Mark& to) {
-#if EVENSTEP_HAVE_EVENT_TIMING
   if (from.event && to.event) {
-    return absl::Microseconds(1e3 * from.event->elapsedTime(*to.event));  // ms
+    return absl::Microseconds(1e3 * c10d_compat::ElapsedMs(*from.event, *to.event));
   }
-#endif
   return to.host - from.host;
 }
 
@@ -87,17 +79,15 @@ MicroStepTimes MicroStepClock::Read() {
   MicroStepTimes times;
   Marks& m = *marks_;
   const size_t done = std::min(m.start.size(), m.end.size());
-#if EVENSTEP_HAVE_EVENT_TIMING
   // Every event, not just the last: the arrival may have been recorded by
   // the autograd engine's thread on another stream.
   auto wait = [](const Mark& mark) {
-    if (mark.event) mark.event->synchronize();
+    if (mark.event) c10d_compat::Synchronize(*mark.event);
   };
   wait(m.begin);
   for (const Mark& mark : m.start) wait(mark);
   for (const Mark& mark : m.end) wait(mark);
   if (m.arrive) wait(*m.arrive);
-#endif
   const Mark* previous = &m.begin;
   for (size_t k = 0; k < done; ++k) {
     times.data.push_back(Between(*previous, m.start[k]));
