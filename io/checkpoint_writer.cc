@@ -254,12 +254,11 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) 
       std::memcpy(stage.pinned.data_ptr(), stage.image.data(), stage.image.size());
       stage.image = std::string();
     }
-    std::optional<c10::impl::VirtualGuardImpl> guard;
     std::optional<c10::Stream> current, side;
     if (device) {
-      guard.emplace(device->type());
-      current = guard->getStream(*device);
-      side = guard->getStreamFromGlobalPool(*device);
+      const c10::impl::VirtualGuardImpl guard(device->type());
+      current = guard.getStream(*device);
+      side = guard.getStreamFromGlobalPool(*device);
       c10::Event ready(device->type());
       ready.record(*current);
       ready.block(*side);

@@ -6,17 +6,12 @@
 #include <iterator>
 #include <vector>
 
+#include "evenstep/internal/median.h"
+
 namespace evenstep {
 namespace {
 
 constexpr int kMinPointsForIntercept = 6;
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  const size_t mid = v.size() / 2;
-  std::nth_element(v.begin(), v.begin() + mid, v.end());
-  return v[mid];
-}
 
 }  // namespace
 
@@ -78,7 +73,7 @@ CostFit RobustLinearFit(const double* x, const double* y, int n, double fixed_hi
       a = ym;
     }
     for (int i = 0; i < n; ++i) residual[i] = std::abs(y[i] - (a + b * x[i]));
-    const double scale = 1.4826 * Median(residual);
+    const double scale = 1.4826 * internal::UpperMedian(residual);
     if (!(scale > 0)) break;
     for (int i = 0; i < n; ++i) {
       w[i] = residual[i] <= kHuber * scale ? 1.0 : kHuber * scale / residual[i];

@@ -5,8 +5,11 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/internal/median.h"
 
 namespace evenstep {
 
@@ -139,8 +142,7 @@ const Plan& Planner::Update(const std::vector<CostFit>& fits, double units,
     auto median = [&](double CostFit::*field) {
       std::vector<double> v;
       for (const CostFit& f : known) v.push_back(f.*field);
-      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-      return v[v.size() / 2];
+      return internal::UpperMedian(std::move(v));
     };
     CostFit typical;
     typical.fixed_s = median(&CostFit::fixed_s);

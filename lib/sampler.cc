@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/internal/median.h"
 
 namespace evenstep {
 namespace {
@@ -340,18 +341,15 @@ void Sampler::Level(const std::vector<CostFit>& fits, const std::vector<double>&
   for (const CostFit& f : fits) {
     if (f.per_unit_s > 0) ratios.push_back(f.fixed_s / f.per_unit_s);
   }
-  double typical_ratio = 0;
-  if (!ratios.empty()) {
-    std::nth_element(ratios.begin(), ratios.begin() + ratios.size() / 2, ratios.end());
-    typical_ratio = ratios[ratios.size() / 2];
-  }
+  const double typical_ratio = internal::UpperMedian(std::move(ratios));
   std::vector<double> units(ranks, 0), time(ranks, 0), open_cost(ranks, 0);
   std::vector<int64_t> steps(ranks, 0);
-  std::vector<char> works(ranks, 0), room(ranks, 0);
+  std::vector<char> room(ranks, 0);
   std::set<std::pair<double, size_t>> by_time, with_room;  // ranks that may work
   std::vector<int64_t> grown, best_grown;
-  auto add = [&](size_t r) {
-    steps[r] = MicroSteps(parts[r]);
+  // Enters rank r, whose part packs into `micro_steps`, into the sets.
+  auto add = [&](size_t r, int64_t micro_steps) {
+    steps[r] = micro_steps;
     time[r] = fits[r].Predict(static_cast<double>(steps[r]), units[r]);
     by_time.insert({time[r], r});
     room[r] = 0;
@@ -370,18 +368,19 @@ void Sampler::Level(const std::vector<CostFit>& fits, const std::vector<double>&
     std::stable_sort(parts[r].begin(), parts[r].end(), longer);
     for (int64_t i : parts[r]) units[r] += costs_[i];
     open_cost[r] = std::max(fits[r].fixed_s, typical_ratio * fits[r].per_unit_s);
-    works[r] = r < target_s.size() && target_s[r] > 0;
-    if (works[r]) add(r);
+    if (r < target_s.size() && target_s[r] > 0) add(r, MicroSteps(parts[r]));
   }
   constexpr int kReceivers = 8;
   for (size_t round = 0; round < 4 * ranks + 64 && by_time.size() > 1; ++round) {
     const auto [last_time, from] = *by_time.rbegin();
     if (parts[from].size() <= 1) break;
     const int64_t moved = parts[from].back();
-    const double from_time = fits[from].Predict(
-        static_cast<double>(MicroSteps({parts[from].begin(), parts[from].end() - 1})),
-        units[from] - costs_[moved]);
+    parts[from].pop_back();
+    const int64_t from_steps = MicroSteps(parts[from]);
+    const double from_time =
+        fits[from].Predict(static_cast<double>(from_steps), units[from] - costs_[moved]);
     size_t best = ranks;
+    int64_t best_steps = 0;
     double best_time = last_time * (1 - 1e-9);
     for (const auto* candidates : {&with_room, &by_time}) {
       int tried = 0;
@@ -391,25 +390,29 @@ void Sampler::Level(const std::vector<CostFit>& fits, const std::vector<double>&
         ++tried;
         grown = parts[to];
         grown.insert(std::upper_bound(grown.begin(), grown.end(), moved, longer), moved);
+        const int64_t grown_steps = MicroSteps(grown);
         const double to_time =
             fits[to].Predict(static_cast<double>(steps[to]), units[to] + costs_[moved]) +
-            (MicroSteps(grown) > steps[to] ? open_cost[to] : 0.0);
+            (grown_steps > steps[to] ? open_cost[to] : 0.0);
         if (std::max(from_time, to_time) < best_time) {
           best = to;
+          best_steps = grown_steps;
           best_time = std::max(from_time, to_time);
           best_grown.swap(grown);
         }
       }
     }
-    if (best == ranks) break;
+    if (best == ranks) {
+      parts[from].push_back(moved);
+      break;
+    }
     remove(from);
     remove(best);
-    parts[from].pop_back();
     units[from] -= costs_[moved];
     units[best] += costs_[moved];
     parts[best].swap(best_grown);
-    add(from);
-    add(best);
+    add(from, from_steps);
+    add(best, best_steps);
   }
 }
 
