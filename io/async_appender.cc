@@ -3,6 +3,7 @@
 #include <chrono>
 #include <filesystem>
 
+#include "absl/strings/str_cat.h"
 #include "evenstep/io_runtime.h"
 
 namespace evenstep {
@@ -17,6 +18,14 @@ absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::Create(const std::
   auto file = e.Create(path);
   if (!file.ok()) return file.status();
   return std::unique_ptr<AsyncAppender>(new AsyncAppender(path, *std::move(file), flush_bytes));
+}
+
+absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::CreateSegment(
+    const std::string& stem, const std::string& ext, size_t flush_bytes, Env* env) {
+  Env& e = env != nullptr ? *env : *Env::Default();
+  std::string path = stem + ext;
+  for (int n = 1; e.Exists(path); ++n) path = absl::StrCat(stem, ".", n, ext);
+  return Create(path, flush_bytes, &e);
 }
 
 AsyncAppender::AsyncAppender(std::string path, std::unique_ptr<File> file, size_t flush_bytes)

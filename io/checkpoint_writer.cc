@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -65,11 +66,23 @@ class InProcessCommitStore : public CommitStore {
   std::map<std::string, int64_t> counters_;
 };
 
-std::string ShardName(int rank, int world) {
-  return absl::StrFormat("shard-%05d-of-%05d.h5", rank, world);
+using internal::ShardFileName;
+using internal::StepDirName;
+
+// A status through the commit store: "<code>\n<message>".
+std::string EncodeStatus(const absl::Status& s) {
+  return absl::StrCat(static_cast<int>(s.code()), "\n", s.message());
 }
 
-std::string StepDirName(int64_t step) { return absl::StrFormat("step-%010d", step); }
+absl::Status DecodeStatus(const std::string& text) {
+  const size_t nl = text.find('\n');
+  int code = 0;
+  if (nl == std::string::npos || !absl::SimpleAtoi(text.substr(0, nl), &code) || code < 0 ||
+      code > 16) {
+    return absl::InternalError(absl::StrCat("checkpoint outcome unreadable: ", text.substr(0, 200)));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), text.substr(nl + 1));
+}
 
 // One reusable staging buffer: the shard's HDF5 image for one state layout.
 // When some of this rank's tensors live on a device, the image is held in
@@ -103,10 +116,6 @@ std::unique_ptr<CommitStore> NewInProcessCommitStore() {
   return std::make_unique<InProcessCommitStore>();
 }
 
-std::string CheckpointPath(const std::string& dir, int64_t step) {
-  return absl::StrCat(dir, "/", StepDirName(step));
-}
-
 struct CheckpointWriter::Impl {
   CheckpointOptions options;
   CommitStore* store;
@@ -118,6 +127,7 @@ struct CheckpointWriter::Impl {
   std::vector<Staging> staging;
   std::deque<std::shared_future<absl::Status>> in_flight;
   int64_t saves = 0;  // sequence number of Save calls: the commit key
+  absl::Status first_error;  // of the saves that left in_flight since the last WaitAll
 
   // Marks a staging buffer free again and wakes a Save waiting for one.
   void Release(Staging& stage) {
@@ -125,6 +135,11 @@ struct CheckpointWriter::Impl {
     stage.busy = false;
     freed.notify_all();
   }
+  // Writes this rank's shard; on success `report` is its entry for the
+  // manifest (file, bytes, datasets with checksums).
+  absl::Status WriteShard(Staging& stage, int64_t step, std::string* report);
+  // WriteShard, then the commit protocol's report and outcome (see
+  // checkpoint.h); the save's outcome, the same on every rank.
   absl::Status WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
                               const std::vector<TensorMeta>& metas, const std::string& extras);
   absl::Status Commit(int64_t seq, int64_t step, const std::vector<TensorMeta>& metas,
@@ -300,15 +315,20 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) 
                     })
                     .share();
   m.in_flight.push_back(ticket.done);
+  // Finished saves leave the list, but a failure is kept for WaitAll: no
+  // outcome is dropped unread.
   while (!m.in_flight.empty() &&
          m.in_flight.front().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+    absl::Status s = m.in_flight.front().get();
+    if (m.first_error.ok() && !s.ok()) m.first_error = s;
     m.in_flight.pop_front();
   }
   return ticket;
 }
 
 absl::Status CheckpointWriter::WaitAll() {
-  absl::Status first;
+  absl::Status first = impl_->first_error;
+  impl_->first_error = absl::OkStatus();
   for (auto& f : impl_->in_flight) {
     absl::Status s = f.get();
     if (first.ok() && !s.ok()) first = s;
@@ -317,20 +337,22 @@ absl::Status CheckpointWriter::WaitAll() {
   return first;
 }
 
-absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
-                                                    const std::vector<TensorMeta>& metas,
-                                                    const std::string& extras) {
+absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step,
+                                                std::string* report) {
   const std::string ckpt = CheckpointPath(options.dir, step);
-  const std::string final_path = absl::StrCat(ckpt, "/", ShardName(rank, world));
-  auto context = [&](const absl::Status& s) {
-    return absl::Status(s.code(),
-                        absl::StrCat("checkpoint step ", step, ", rank ", rank, ": ", s.message()));
-  };
+  const std::string final_path = absl::StrCat(ckpt, "/", ShardFileName(rank, world));
+  // Never write into a committed checkpoint: its manifest names the shards
+  // that are there, and rewriting them would break it.
+  if (env->Exists(ckpt + "/manifest.json")) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        ckpt, " already holds a committed checkpoint; it is not overwritten (this save is "
+              "dropped)"));
+  }
   absl::Status s = runtime->Blocking([&] {
     absl::Status made = env->CreateDirs(ckpt);
     return made.ok() ? env->SyncDir(options.dir) : made;
   });
-  if (!s.ok()) return context(s);
+  if (!s.ok()) return s;
   // Checksums of the datasets, from the staging buffer (once the device
   // copies of the snapshot, if any, have landed).
   nlohmann::json datasets = nlohmann::json::array();
@@ -349,8 +371,9 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
     }
     return absl::OkStatus();
   });
-  if (!s.ok()) return context(s);
-  // The shard: tmp, fsync, rename, fsync directory.
+  if (!s.ok()) return s;
+  // The shard: tmp, fsync, rename, fsync directory. On any failure this
+  // rank's files are removed (the commit does not happen).
   s = runtime->Blocking([&]() -> absl::Status {
     const std::string tmp = final_path + ".tmp";
     auto file = env->Create(tmp);
@@ -368,21 +391,51 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
       env->Remove(tmp).IgnoreError();
       return w;
     }
-    return env->SyncDir(ckpt);
+    w = env->SyncDir(ckpt);
+    if (!w.ok()) env->Remove(final_path).IgnoreError();
+    return w;
   });
-  if (!s.ok()) return context(s);
-  // Report; the last rank to arrive commits.
+  if (!s.ok()) return s;
+  *report = nlohmann::json({{"file", ShardFileName(rank, world)},
+                            {"bytes", static_cast<int64_t>(stage.size())},
+                            {"datasets", std::move(datasets)}})
+                .dump();
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
+                                                    const std::vector<TensorMeta>& metas,
+                                                    const std::string& extras) {
+  auto context = [&](const absl::Status& s) {
+    return absl::Status(s.code(),
+                        absl::StrCat("checkpoint step ", step, ", rank ", rank, ": ", s.message()));
+  };
+  std::string report;
+  absl::Status mine = WriteShard(stage, step, &report);
+  // Every rank reports, failed or not, so that the last one to arrive knows
+  // the outcome and every rank learns it: a save succeeds or fails as a whole.
   const std::string key = absl::StrCat("evenstep/ckpt/", seq, "/");
-  nlohmann::json shard = {{"file", ShardName(rank, world)},
-                          {"bytes", static_cast<int64_t>(stage.size())},
-                          {"datasets", std::move(datasets)}};
-  s = store->Set(absl::StrCat(key, "shard/", rank), shard.dump());
+  absl::Status s = store->Set(absl::StrCat(key, "shard/", rank),
+                              mine.ok() ? "ok\n" + report : "error\n" + EncodeStatus(context(mine)));
   if (!s.ok()) return context(s);
   absl::StatusOr<int64_t> arrived = store->Add(key + "arrived", 1);
   if (!arrived.ok()) return context(arrived.status());
-  if (*arrived != world) return absl::OkStatus();
-  s = Commit(seq, step, metas, extras);
-  return s.ok() ? s : context(s);
+  if (*arrived != world) {
+    absl::StatusOr<std::string> outcome = store->Get(key + "outcome");
+    if (!outcome.ok()) {
+      return context(absl::Status(outcome.status().code(),
+                                  absl::StrCat("waiting for the outcome of the save: ",
+                                               outcome.status().message())));
+    }
+    return DecodeStatus(*outcome);
+  }
+  absl::Status outcome = Commit(seq, step, metas, extras);
+  if (!outcome.ok() && !absl::StartsWith(outcome.message(), "checkpoint step ")) {
+    outcome = context(outcome);
+  }
+  s = store->Set(key + "outcome", EncodeStatus(outcome));
+  if (outcome.ok() && !s.ok()) return context(s);
+  return outcome;
 }
 
 absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
@@ -398,11 +451,31 @@ absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
     index[t.name] = static_cast<int>(manifest.tensors.size());
     manifest.tensors.push_back({t.name, t.dtype, t.shape, {}});
   }
+  const std::string ckpt = CheckpointPath(options.dir, step);
+  // A failed save leaves nothing behind: the shards of the ranks that
+  // succeeded are removed with the directory (never a committed one).
+  auto abandon = [&](absl::Status why) {
+    if (!env->Exists(ckpt + "/manifest.json")) {
+      runtime->Blocking([&] { return env->RemoveTree(ckpt); }).IgnoreError();
+      env->SyncDir(options.dir).IgnoreError();
+    }
+    return why;
+  };
+  std::vector<std::string> reports(world);
   for (int r = 0; r < world; ++r) {
     absl::StatusOr<std::string> value = store->Get(absl::StrCat(key, "shard/", r));
-    if (!value.ok()) return value.status();
-    const nlohmann::json shard = nlohmann::json::parse(*value, nullptr, /*allow_exceptions=*/false);
-    if (shard.is_discarded()) return absl::DataLossError(absl::StrCat("shard report of rank ", r));
+    if (!value.ok()) return abandon(value.status());
+    if (absl::StartsWith(*value, "error\n")) return abandon(DecodeStatus(value->substr(6)));
+    if (!absl::StartsWith(*value, "ok\n")) {
+      return abandon(absl::DataLossError(absl::StrCat("shard report of rank ", r, " unreadable")));
+    }
+    reports[r] = value->substr(3);
+  }
+  for (int r = 0; r < world; ++r) {
+    const nlohmann::json shard = nlohmann::json::parse(reports[r], nullptr, false);
+    if (shard.is_discarded()) {
+      return abandon(absl::DataLossError(absl::StrCat("shard report of rank ", r)));
+    }
     manifest.shards.push_back(shard.at("file").get<std::string>());
     manifest.shard_bytes.push_back(shard.at("bytes").get<int64_t>());
     for (const auto& d : shard.at("datasets")) {
@@ -421,36 +494,48 @@ absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
     std::sort(t.slices.begin(), t.slices.end(),
               [](const SliceInfo& a, const SliceInfo& b) { return a.begin < b.begin; });
   }
-  const std::string ckpt = CheckpointPath(options.dir, step);
   absl::Status s = runtime->Blocking(
       [&] { return WriteFileAtomically(*env, ckpt + "/manifest.json", ManifestToJson(manifest)); });
-  if (!s.ok()) return s;
+  if (!s.ok()) return abandon(s);
+  // Committed. `latest` is a hint for people (readers go by the manifests),
+  // and retention only frees space: their failures are reported as such.
   s = runtime->Blocking(
       [&] { return WriteFileAtomically(*env, options.dir + "/latest", StepDirName(step)); });
-  if (!s.ok()) return s;
-  return runtime->Blocking([&] { return Retain(step); });
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("committed ", ckpt, ", but updating ", options.dir,
+                                               "/latest failed: ", s.message()));
+  }
+  s = runtime->Blocking([&] { return Retain(step); });
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("committed ", ckpt,
+                                               ", but removing older checkpoints failed: ",
+                                               s.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckpointWriter::Impl::Retain(int64_t committed_step) {
-  absl::StatusOr<std::vector<std::string>> names = env->List(options.dir);
-  if (!names.ok()) return names.status();
-  std::vector<std::string> committed;
-  const std::string newest = StepDirName(committed_step);
-  for (const std::string& name : *names) {
-    if (!absl::StartsWith(name, "step-") || name.size() != newest.size()) continue;
-    const std::string path = options.dir + "/" + name;
-    if (env->Exists(path + "/manifest.json")) {
-      committed.push_back(name);
-    } else if (name < newest) {
-      env->RemoveTree(path).IgnoreError();  // an older save that never committed
+  absl::StatusOr<CheckpointListing> listing = ListCheckpoints(*env, options.dir);
+  if (!listing.ok()) return listing.status();
+  // Saves older than this one that never committed (a crash, a failure not
+  // cleaned up). With several saves in flight an older one may still be
+  // writing, so they are only removed when saves run one at a time.
+  if (options.max_in_flight == 1) {
+    for (int64_t step : listing->uncommitted) {
+      if (step < committed_step) env->RemoveTree(CheckpointPath(options.dir, step)).IgnoreError();
     }
   }
-  // Keep the newest `keep` committed; names sort by step.
-  for (size_t i = 0; i + options.keep < committed.size(); ++i) {
-    if (committed[i] == newest) continue;
+  // Keep this checkpoint and the newest keep-1 committed ones older than it;
+  // newer ones (another run's, in the same directory) are never touched.
+  std::vector<int64_t> older;
+  for (int64_t step : listing->committed) {
+    if (step < committed_step) older.push_back(step);
+  }
+  const size_t kept_older = static_cast<size_t>(options.keep - 1);
+  for (size_t i = 0; i + kept_older < older.size(); ++i) {
     // Manifest first, made durable, so a crash mid-removal cannot leave a
     // "committed" checkpoint with missing shards.
-    const std::string path = options.dir + "/" + committed[i];
+    const std::string path = CheckpointPath(options.dir, older[i]);
     absl::Status s = env->Remove(path + "/manifest.json");
     if (s.ok()) s = env->SyncDir(path);
     if (s.ok()) s = env->RemoveTree(path);

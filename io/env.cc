@@ -108,8 +108,29 @@ class PosixEnv : public Env {
     return std::unique_ptr<File>(new PosixFile(path, fd));
   }
   absl::StatusOr<std::unique_ptr<File>> OpenForRead(const std::string& path) override {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus(errno, "open", path);
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the
+    // last component may not be a symbolic link. Then only regular files.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+      if (errno == ELOOP) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("open ", path, ": a symbolic link (evenstep reads regular files only)"));
+      }
+      return ErrnoStatus(errno, "open", path);
+    }
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      const int error = errno;
+      ::close(fd);
+      return ErrnoStatus(error, "fstat", path);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "open ", path, ": not a regular file (a ",
+          S_ISDIR(st.st_mode) ? "directory" : S_ISFIFO(st.st_mode) ? "FIFO" : "device or socket",
+          "); evenstep reads regular files only"));
+    }
     return std::unique_ptr<File>(new PosixFile(path, fd));
   }
   absl::Status Rename(const std::string& from, const std::string& to) override {
@@ -168,11 +189,16 @@ Env* Env::Default() {
   return env;
 }
 
-absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path) {
+absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
+                                             int64_t max_bytes) {
   auto file = env.OpenForRead(path);
   if (!file.ok()) return file.status();
   auto size = (*file)->Size();
   if (!size.ok()) return size.status();
+  if (*size > max_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": ", *size, " bytes, more than the ", max_bytes,
+                                            " such a file may hold"));
+  }
   std::string data(static_cast<size_t>(*size), '\0');
   if (absl::Status s = (*file)->PRead(0, data.data(), data.size()); !s.ok()) return s;
   return data;

@@ -3,10 +3,13 @@
 
 #include <hdf5.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 namespace evenstep::internal {
@@ -189,6 +192,90 @@ absl::StatusOr<std::string> BuildShardImage(std::vector<ShardDataset>* datasets)
     }
   }
   return image;
+}
+
+std::vector<std::string> CheckShardFile(const std::string& path,
+                                        const std::vector<ShardDataset>& expected) {
+  std::lock_guard<std::mutex> lock(Hdf5Mutex());
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  std::vector<std::string> problems;
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (!file.ok()) {
+    problems.push_back(absl::StrCat(path, ": not readable as HDF5: ", Hdf5Error()));
+    return problems;
+  }
+  for (const ShardDataset& d : expected) {
+    auto problem = [&](const std::string& what) {
+      problems.push_back(absl::StrCat(path, ", dataset ", d.path, ": ", what));
+    };
+    if (H5Lexists(file.get(), d.path.c_str(), H5P_DEFAULT) <= 0) {
+      H5Eclear2(H5E_DEFAULT);
+      problem("missing from the HDF5 file");
+      continue;
+    }
+    Handle dset(H5Dopen2(file.get(), d.path.c_str(), H5P_DEFAULT), H5Dclose);
+    if (!dset.ok()) {
+      problem("cannot be opened: " + Hdf5Error());
+      continue;
+    }
+    Handle type(H5Dget_type(dset.get()), H5Tclose);
+    Handle want(FileType(d.dtype), H5Tclose);
+    if (!type.ok() || !want.ok() || H5Tequal(type.get(), want.get()) <= 0) {
+      H5Eclear2(H5E_DEFAULT);
+      problem(absl::StrCat("its HDF5 type is not that of ", d.dtype));
+      continue;
+    }
+    if (H5Aexists(dset.get(), "dtype") > 0) {
+      Handle attr(H5Aopen(dset.get(), "dtype", H5P_DEFAULT), H5Aclose);
+      Handle atype(attr.ok() ? H5Aget_type(attr.get()) : -1, H5Tclose);
+      std::string value;
+      if (atype.ok() && H5Tget_class(atype.get()) == H5T_STRING &&
+          H5Tis_variable_str(atype.get()) == 0) {
+        value.assign(H5Tget_size(atype.get()), '\0');
+        if (H5Aread(attr.get(), atype.get(), value.data()) < 0) value.clear();
+        value.erase(std::find(value.begin(), value.end(), '\0'), value.end());
+      }
+      if (value != d.dtype) {
+        H5Eclear2(H5E_DEFAULT);
+        problem(absl::StrCat("its dtype attribute is \"", value.substr(0, 40), "\", the manifest says ",
+                             d.dtype));
+        continue;
+      }
+    } else {
+      H5Eclear2(H5E_DEFAULT);
+      problem("no dtype attribute");
+      continue;
+    }
+    Handle space(H5Dget_space(dset.get()), H5Sclose);
+    const int rank = space.ok() ? H5Sget_simple_extent_ndims(space.get()) : -1;
+    std::vector<hsize_t> dims(rank > 0 ? rank : 0);
+    if (rank < 0 || (rank > 0 && H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr) < 0)) {
+      H5Eclear2(H5E_DEFAULT);
+      problem("no readable shape");
+      continue;
+    }
+    std::vector<int64_t> shape(dims.begin(), dims.end());
+    if (shape != d.shape) {
+      problem(absl::StrCat("shape [", absl::StrJoin(shape, ","), "], the manifest says [",
+                           absl::StrJoin(d.shape, ","), "]"));
+      continue;
+    }
+    Handle dcpl(H5Dget_create_plist(dset.get()), H5Pclose);
+    if (!dcpl.ok() || H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS) {
+      H5Eclear2(H5E_DEFAULT);
+      problem("not stored contiguously");
+      continue;
+    }
+    const haddr_t offset = H5Dget_offset(dset.get());
+    const int64_t at = offset == HADDR_UNDEF ? -1 : static_cast<int64_t>(offset);
+    const int64_t stored = static_cast<int64_t>(H5Dget_storage_size(dset.get()));
+    H5Eclear2(H5E_DEFAULT);
+    if (d.bytes > 0 && (at != d.offset || stored != d.bytes)) {
+      problem(absl::StrCat(stored, " bytes at offset ", at, ", the manifest says ", d.bytes,
+                           " at ", d.offset));
+    }
+  }
+  return problems;
 }
 
 }  // namespace evenstep::internal

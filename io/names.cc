@@ -1,6 +1,9 @@
 #include "evenstep/internal/names.h"
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
 namespace evenstep::internal {
@@ -31,6 +34,22 @@ absl::Status ValidateFileName(const std::string& name) {
     return absl::InvalidArgumentError(absl::StrCat("file name \"", name, "\" is not a plain name"));
   }
   return absl::OkStatus();
+}
+
+std::string StepDirName(int64_t step) { return absl::StrFormat("step-%010d", step); }
+
+std::optional<int64_t> StepOfDirName(const std::string& name) {
+  if (name.size() < 15 || name.size() > 24 || name.compare(0, 5, "step-") != 0) return std::nullopt;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(name[i]))) return std::nullopt;
+  }
+  int64_t step = 0;
+  if (!absl::SimpleAtoi(name.substr(5), &step) || StepDirName(step) != name) return std::nullopt;
+  return step;
+}
+
+std::string ShardFileName(int rank, int world) {
+  return absl::StrFormat("shard-%05d-of-%05d.h5", rank, world);
 }
 
 }  // namespace evenstep::internal

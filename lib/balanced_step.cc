@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "evenstep/internal/error_text.h"
@@ -33,7 +34,8 @@ enum ExchangeField {
   kBusy,
   kLossSum,
   kMicroBatches,
-  kExchangeFields
+  kAgreed,  // kAgreementSlots values follow
+  kExchangeFields = kAgreed + kAgreementSlots
 };
 
 // The device the model trains on (its first parameter's; CPU without any).
@@ -265,6 +267,7 @@ absl::Status BalancedStep::Exchange() {
   m[kBusy] = absl::ToDoubleSeconds(report_.busy);
   m[kLossSum] = loss_sum_;
   m[kMicroBatches] = static_cast<double>(micro_.size());
+  for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
   std::vector<at::Tensor> all;
   absl::Status s = ctx_.AllGather(mine, &all);
   if (!s.ok()) {
@@ -276,8 +279,12 @@ absl::Status BalancedStep::Exchange() {
   report_.rank_busy_s.assign(world, 0);
   report_.rank_micro_batches.assign(world, 0);
   double loss = 0, busy_sum = 0, busy_max = 0;
+  report_.agreed.fill(-std::numeric_limits<double>::infinity());
   for (int r = 0; r < world; ++r) {
     const double* v = all[r].data_ptr<double>();
+    for (int i = 0; i < kAgreementSlots; ++i) {
+      report_.agreed[i] = std::max(report_.agreed[i], v[kAgreed + i]);
+    }
     fits_[r].fixed_s = v[kFitFixed];
     fits_[r].per_unit_s = v[kFitPerUnit];
     fits_[r].observations = static_cast<int64_t>(v[kFitObservations]);
@@ -300,7 +307,23 @@ BalanceState BalancedStep::state() const {
   return state;
 }
 
+absl::Status BalancedStep::CheckRestore(const BalanceState& state) const {
+  if (in_step_) return absl::FailedPreconditionError("BalancedStep::Restore: a step is open");
+  if (state.steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BalancedStep::Restore: ", state.steps, " steps done"));
+  }
+  Sampler trial = sampler_;
+  EVENSTEP_RETURN_IF_ERROR(trial.Restore(state.sampler));
+  if (static_cast<int>(state.shares.size()) == ctx_.world_size()) {
+    Planner planner = planner_;
+    EVENSTEP_RETURN_IF_ERROR(planner.SetShares(state.shares));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BalancedStep::Restore(const BalanceState& state) {
+  EVENSTEP_RETURN_IF_ERROR(CheckRestore(state));
   if (in_step_) {
     return absl::FailedPreconditionError("BalancedStep::Restore: a step is open");
   }

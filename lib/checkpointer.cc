@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <cstring>
+#include <optional>
 #include <type_traits>
 
 #include "absl/flags/flag.h"
@@ -26,6 +28,7 @@
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/internal/h5_shard.h"
+#include "evenstep/internal/names.h"
 #include "evenstep/internal/shard_plan.h"
 #include "evenstep/status_macros.h"
 
@@ -56,6 +59,9 @@ at::Tensor StepTensor(int64_t step) { return at::scalar_tensor(step, at::kLong);
 // Capture: emit (field, tensor) of a state object; Restore: build one.
 struct OptimizerKind {
   std::string name;
+  std::vector<std::string> fields;    // tensors of a parameter's state (besides "step")
+  std::vector<std::string> required;  // of those, the ones every state holds
+  bool has_step = false;
   std::function<bool(const torch::optim::Optimizer&)> is;
   std::function<void(const OptimizerParamState&, Named*, const std::string&)> capture;
   std::function<std::unique_ptr<OptimizerParamState>(const std::map<std::string, at::Tensor>&)>
@@ -63,9 +69,13 @@ struct OptimizerKind {
 };
 
 template <typename Opt, typename State>
-OptimizerKind Kind(const std::string& name, std::vector<const char*> fields, bool has_step) {
+OptimizerKind Kind(const std::string& name, std::vector<const char*> fields, size_t required,
+                   bool has_step) {
   OptimizerKind k;
   k.name = name;
+  k.fields.assign(fields.begin(), fields.end());
+  k.required.assign(fields.begin(), fields.begin() + required);
+  k.has_step = has_step;
   k.is = [](const torch::optim::Optimizer& o) { return dynamic_cast<const Opt*>(&o) != nullptr; };
   k.capture = [fields, has_step](const OptimizerParamState& base, Named* out,
                                  const std::string& prefix) {
@@ -146,14 +156,14 @@ struct AdagradState : torch::optim::AdagradParamState {
 
 const std::vector<OptimizerKind>& Kinds() {
   static const std::vector<OptimizerKind> kinds = {
-      Kind<torch::optim::SGD, SgdState>("SGD", {"momentum_buffer"}, false),
+      Kind<torch::optim::SGD, SgdState>("SGD", {"momentum_buffer"}, 0, false),
       Kind<torch::optim::Adam, AdamLike<torch::optim::AdamParamState>>(
-          "Adam", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, true),
+          "Adam", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, 2, true),
       Kind<torch::optim::AdamW, AdamLike<torch::optim::AdamWParamState>>(
-          "AdamW", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, true),
+          "AdamW", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, 2, true),
       Kind<torch::optim::RMSprop, RmspropState>(
-          "RMSprop", {"square_avg", "momentum_buffer", "grad_avg"}, true),
-      Kind<torch::optim::Adagrad, AdagradState>("Adagrad", {"sum"}, true),
+          "RMSprop", {"square_avg", "momentum_buffer", "grad_avg"}, 1, true),
+      Kind<torch::optim::Adagrad, AdagradState>("Adagrad", {"sum"}, 1, true),
   };
   return kinds;
 }
@@ -266,12 +276,35 @@ absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& st
   CheckpointState ckpt;
   ckpt.step = step;
   EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, state.optimizer));
+  if (JsonNestingDepth(state.user_json) > kMaxJsonDepth - 2) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint of step ", step,
+                                                   ": user_json nests deeper than ",
+                                                   kMaxJsonDepth - 2, " levels"));
+  }
   nlohmann::json extras = {{"user", nlohmann::json::parse(state.user_json, nullptr, false)}};
   if (extras["user"].is_discarded()) {
-    return absl::InvalidArgumentError("checkpoint: user_json is not valid JSON");
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint of step ", step, ": user_json is not valid JSON"));
   }
   if (state.balance != nullptr) {
     extras["balance"] = nlohmann::json::parse(BalanceJson(state.balance->state()));
+  }
+  if (state.optimizer != nullptr) {
+    // What the optimizer tensors must add up to, so that a load can tell a
+    // fresh optimizer from state that went missing.
+    EVENSTEP_ASSIGN_OR_RETURN(const OptimizerKind* kind, KindOf(*state.optimizer));
+    std::vector<int64_t> groups;
+    for (const auto& g : state.optimizer->param_groups()) {
+      groups.push_back(static_cast<int64_t>(g.params().size()));
+    }
+    std::set<std::string> with_state;
+    for (const auto& [name, tensor] : ckpt.tensors) {
+      std::vector<std::string> parts = absl::StrSplit(name, '/');
+      if (parts.size() == 4 && parts[0] == "optimizer") with_state.insert(parts[1] + "/" + parts[2]);
+    }
+    extras["optimizer"] = {{"type", kind->name},
+                           {"groups", groups},
+                           {"states", static_cast<int64_t>(with_state.size())}};
   }
   ckpt.extras_json = extras.dump();
   return writer_->Save(ckpt);
@@ -279,39 +312,341 @@ absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& st
 
 absl::Status Checkpointer::WaitAll() { return writer_->WaitAll(); }
 
+namespace {
+
+// One small agreement among all ranks: each contributes a status and a
+// value; every rank gets the same answer (the first failing rank's status,
+// naming it) and every rank's value. One all-gather of a fixed-size record,
+// so no rank is left waiting for a broadcast that a failed rank never sends.
+struct Agreed {
+  absl::Status status;
+  bool mismatch = false;        // the failure is the live state's, not the checkpoint's
+  std::vector<int64_t> values;  // per rank
+};
+
+constexpr int64_t kRecordBytes = 512;
+constexpr int64_t kMessageBytes = kRecordBytes - 17;
+
+absl::StatusOr<Agreed> Agree(DistContext& ctx, const absl::Status& mine, bool mismatch,
+                             int64_t value) {
+  at::Tensor record = at::zeros({kRecordBytes}, at::kByte);
+  uint8_t* r = record.data_ptr<uint8_t>();
+  r[0] = static_cast<uint8_t>(mine.code());
+  r[1] = mismatch ? 1 : 0;
+  std::memcpy(r + 2, &value, sizeof(value));
+  const std::string message(mine.message().substr(0, kMessageBytes - 1));
+  std::memcpy(r + 17, message.data(), message.size());
+  std::vector<at::Tensor> all;
+  if (ctx.world_size() == 1) {
+    all.push_back(record);
+  } else {
+    EVENSTEP_RETURN_IF_ERROR(ctx.AllGather(record, &all));
+  }
+  Agreed out;
+  for (int rank = 0; rank < static_cast<int>(all.size()); ++rank) {
+    const uint8_t* v = all[rank].data_ptr<uint8_t>();
+    int64_t got = 0;
+    std::memcpy(&got, v + 2, sizeof(got));
+    out.values.push_back(got);
+    if (v[0] != 0 && out.status.ok()) {
+      const char* text = reinterpret_cast<const char*>(v + 17);
+      out.status = absl::Status(static_cast<absl::StatusCode>(std::min<int>(v[0], 16)),
+                                absl::StrCat("rank ", rank, ": ",
+                                             std::string(text, strnlen(text, kMessageBytes))));
+      out.mismatch = v[1] != 0;
+    }
+  }
+  return out;
+}
+
+// The optimizer state a checkpoint holds, checked against the live optimizer
+// (types, shapes, completeness) before anything is written.
+struct OptimizerPlan {
+  const OptimizerKind* kind = nullptr;
+  std::vector<std::pair<size_t, std::string>> lrs;  // group, tensor name
+  std::map<std::pair<size_t, size_t>, std::map<std::string, std::string>> fields;  // -> tensor
+};
+
+absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extras,
+                           torch::optim::Optimizer& optimizer, bool strict, OptimizerPlan* plan_out,
+                           bool* mismatch) {
+  OptimizerPlan& plan = *plan_out;
+  auto mismatch_error = [&](const std::string& what) {
+    *mismatch = true;
+    return absl::FailedPreconditionError(what);
+  };
+  auto corrupt = [&](const std::string& name, const std::string& what) {
+    return absl::DataLossError(absl::StrCat("optimizer tensor ", name, ": ", what));
+  };
+  EVENSTEP_ASSIGN_OR_RETURN(plan.kind, KindOf(optimizer));
+  auto& groups = optimizer.param_groups();
+  int64_t states = -1;
+  if (extras.contains("optimizer")) {
+    const nlohmann::json& o = extras["optimizer"];
+    if (!o.is_object() || !o.contains("type") || !o["type"].is_string() || !o.contains("groups") ||
+        !o["groups"].is_array() || !o.contains("states") || !o["states"].is_number_integer()) {
+      return absl::DataLossError("manifest extras: \"optimizer\" is malformed");
+    }
+    if (o["type"].get<std::string>() != plan.kind->name) {
+      return mismatch_error(absl::StrCat("it holds ", o["type"].get<std::string>(),
+                                         " state; the optimizer is ", plan.kind->name));
+    }
+    std::vector<int64_t> sizes;
+    for (const auto& g : groups) sizes.push_back(static_cast<int64_t>(g.params().size()));
+    const nlohmann::json& saved = o["groups"];
+    bool same = saved.size() == sizes.size();
+    for (size_t g = 0; same && g < sizes.size(); ++g) {
+      same = saved[g].is_number_integer() && saved[g].get<int64_t>() == sizes[g];
+    }
+    if (!same) {
+      return mismatch_error(absl::StrCat("its optimizer has groups of ", saved.dump(),
+                                         " parameters; this one [", absl::StrJoin(sizes, ","), "]"));
+    }
+    states = o["states"].get<int64_t>();
+  }
+  for (const TensorInfo& t : manifest.tensors) {
+    std::vector<std::string> parts = absl::StrSplit(t.name, '/');
+    if (parts[0] != "optimizer") continue;
+    size_t g = 0, i = 0;
+    if (parts.size() < 3 || !absl::SimpleAtoi(parts[1], &g)) {
+      return corrupt(t.name, "not optimizer/<group>/lr or optimizer/<group>/<index>/<field>");
+    }
+    if (g >= groups.size()) {
+      return mismatch_error(
+          absl::StrCat("tensor ", t.name, ": the optimizer has ", groups.size(), " groups"));
+    }
+    if (parts.size() == 3 && parts[2] == "lr") {
+      if (t.dtype != "float64" || !t.shape.empty()) {
+        return corrupt(t.name, absl::StrCat("a learning rate is a 0-d float64, not [",
+                                            absl::StrJoin(t.shape, ","), "] ", t.dtype));
+      }
+      plan.lrs.push_back({g, t.name});
+      continue;
+    }
+    if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &i)) {
+      return corrupt(t.name, "not optimizer/<group>/lr or optimizer/<group>/<index>/<field>");
+    }
+    if (i >= groups[g].params().size()) {
+      return mismatch_error(absl::StrCat("tensor ", t.name, ": group ", g, " has ",
+                                         groups[g].params().size(), " parameters"));
+    }
+    const at::Tensor& param = groups[g].params()[i];
+    const std::string& field = parts[3];
+    if (field == "step") {
+      if (!plan.kind->has_step || t.dtype != "int64" || !t.shape.empty()) {
+        return corrupt(t.name, absl::StrCat("a ", plan.kind->name, " step count is ",
+                                            plan.kind->has_step ? "a 0-d int64" : "not saved",
+                                            ", not [", absl::StrJoin(t.shape, ","), "] ", t.dtype));
+      }
+    } else if (std::find(plan.kind->fields.begin(), plan.kind->fields.end(), field) ==
+               plan.kind->fields.end()) {
+      return corrupt(t.name, absl::StrCat(plan.kind->name, " state has no field \"", field, "\""));
+    } else {
+      const std::string want = internal::DtypeName(param.scalar_type()).value_or("unsupported");
+      if (t.dtype != want || t.shape != param.sizes().vec()) {
+        return corrupt(t.name, absl::StrCat("[", absl::StrJoin(t.shape, ","), "] ", t.dtype,
+                                            "; its parameter is [",
+                                            absl::StrJoin(param.sizes().vec(), ","), "] ", want));
+      }
+    }
+    plan.fields[{g, i}][field] = t.name;
+  }
+  for (const auto& [index, names] : plan.fields) {
+    std::vector<std::string> needed = plan.kind->required;
+    if (plan.kind->has_step) needed.push_back("step");
+    for (const std::string& f : needed) {
+      if (!names.count(f)) {
+        return absl::DataLossError(absl::StrCat("optimizer state of group ", index.first,
+                                                " parameter ", index.second, " lacks ", f));
+      }
+    }
+  }
+  if (states >= 0 && static_cast<int64_t>(plan.fields.size()) != states) {
+    return absl::DataLossError(absl::StrCat("the optimizer state of ", states,
+                                            " parameters was saved; ", plan.fields.size(),
+                                            " are in the checkpoint"));
+  }
+  if (plan.lrs.size() != groups.size() && (strict || states >= 0)) {
+    // A checkpoint without optimizer state would resume with a fresh one.
+    return absl::DataLossError(absl::StrCat("learning rates of ", plan.lrs.size(), " of ",
+                                            groups.size(), " optimizer groups in the checkpoint"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const LoadOptions& options) {
   Env& env = *(options_.env != nullptr ? options_.env : Env::Default());
+  const bool fallback = options.fallback && options.path.empty();
+  // The candidates, newest first, as rank 0 sees the directory; every rank
+  // learns each candidate's step from rank 0 through the agreement.
+  std::vector<int64_t> candidates;
+  absl::Status listing_status;
+  std::string latest_note;
+  if (ctx_.rank() == 0 && options.path.empty()) {
+    absl::StatusOr<CheckpointListing> listing = ListCheckpoints(env, options_.dir);
+    if (!listing.ok() && !absl::IsNotFound(listing.status())) {
+      listing_status = listing.status();
+    } else if (listing.ok()) {
+      candidates.assign(listing->committed.rbegin(), listing->committed.rend());
+      const int64_t newest = candidates.empty() ? -1 : candidates.front();
+      if (listing->latest && *listing->latest > newest) {
+        // `latest` is written after the manifest: it names a checkpoint that
+        // was committed and has lost its manifest since.
+        candidates.insert(candidates.begin(), *listing->latest);
+      } else if (candidates.empty() && listing->has_latest) {
+        listing_status = absl::DataLossError(absl::StrCat(
+            options_.dir, "/latest exists but no committed checkpoint does",
+            listing->latest_problem.empty() ? "" : absl::StrCat(" (", listing->latest_problem, ")"),
+            "; remove it to start from scratch"));
+      }
+    }
+  }
+  std::vector<std::string> failures;
+  for (size_t attempt = 0;; ++attempt) {
+    int64_t mine = -1;
+    if (!options.path.empty()) {
+      mine = attempt == 0 ? 0 : -1;
+    } else if (attempt < candidates.size()) {
+      mine = candidates[attempt];
+    }
+    EVENSTEP_ASSIGN_OR_RETURN(Agreed chosen,
+                              Agree(ctx_, attempt == 0 ? listing_status : absl::OkStatus(), false,
+                                    mine));
+    if (!chosen.status.ok()) {
+      return absl::Status(chosen.status.code(), absl::StrCat("resume from ", options_.dir, ": ",
+                                                             chosen.status.message()));
+    }
+    const int64_t step = chosen.values[0];
+    if (step < 0) {
+      if (attempt == 0) {
+        return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", options_.dir));
+      }
+      return absl::DataLossError(absl::StrCat("resume from ", options_.dir,
+                                              ": no checkpoint loads: ",
+                                              absl::StrJoin(failures, "; ")));
+    }
+    const std::string path = options.path.empty() ? CheckpointPath(options_.dir, step) : options.path;
+    bool mismatch = false;
+    absl::StatusOr<LoadResult> loaded = LoadFrom(env, path, state, options, &mismatch);
+    if (loaded.ok()) {
+      loaded->skipped = failures;
+      return loaded;
+    }
+    const std::string why(loaded.status().message());
+    if (!fallback || mismatch || loaded.status().code() == absl::StatusCode::kDeadlineExceeded ||
+        loaded.status().code() == absl::StatusCode::kUnavailable) {
+      std::string hint;
+      if (!fallback && !mismatch && options.path.empty()) {
+        hint = "; --evenstep_resume=newest_valid falls back to the newest checkpoint that loads";
+      }
+      return absl::Status(loaded.status().code(), absl::StrCat("resume from ", path, ": ", why, hint));
+    }
+    // Fall back: set the unusable checkpoint aside (so that it is neither
+    // chosen again nor in the way of a new save of its step) and try the
+    // next older one.
+    std::string moved;
+    if (ctx_.rank() == 0 && options.path.empty() && env.Exists(path + "/manifest.json")) {
+      const std::string aside =
+          absl::StrCat(path, ".unusable-", absl::ToUnixSeconds(absl::Now()));
+      absl::Status renamed = env.Rename(path, aside);
+      if (renamed.ok()) renamed = env.SyncDir(options_.dir);
+      moved = renamed.ok() ? absl::StrCat(" (moved to ", aside, ")")
+                           : absl::StrCat(" (could not move it aside: ", renamed.message(), ")");
+    }
+    failures.push_back(absl::StrCat(internal::StepDirName(step), ": ", why, moved));
+  }
+}
+
+absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& path,
+                                                  const TrainState& state,
+                                                  const LoadOptions& options, bool* mismatch_out) {
   LoadResult result;
-  // Every rank must agree on which checkpoint: rank 0 picks, the others
-  // learn the step through a broadcast.
-  std::string path = options.path;
-  at::Tensor chosen = at::full({1}, -1, at::kLong);
-  if (ctx_.rank() == 0) {
-    if (path.empty()) {
-      absl::StatusOr<std::string> latest = LatestCheckpoint(env, options_.dir);
-      if (latest.ok()) path = *latest;
-    }
-    if (!path.empty()) {
-      absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(env, path);
-      if (r.ok()) chosen[0] = (*r)->manifest().step;
-    }
-  }
-  EVENSTEP_RETURN_IF_ERROR(ctx_.Broadcast(chosen, 0));
-  const int64_t step = chosen[0].item<int64_t>();
-  if (step < 0) {
-    return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", options_.dir));
-  }
-  if (options.path.empty()) path = CheckpointPath(options_.dir, step);
-  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
-                            CheckpointReader::Open(env, path));
-  const Manifest& manifest = reader->manifest();
-  result.step = manifest.step;
   result.path = path;
-  // What the training state expects.
-  EVENSTEP_ASSIGN_OR_RETURN(Named expected, CaptureTensors(state.model, nullptr));
-  std::map<std::string, at::Tensor> targets(expected.begin(), expected.end());
-  // Balanced reading: whole tensors (no slicing), assigned the way shards
-  // are planned, largest first to the least-loaded rank.
+  // 1. Open and validate, on every rank, against the live model, optimizer
+  //    and balancing state — before anything is written.
+  std::unique_ptr<CheckpointReader> reader;
+  Named expected;
+  std::map<std::string, at::Tensor> targets;
+  std::set<std::string> seen;
+  OptimizerPlan opt;
+  std::optional<BalanceState> balance;
+  bool mismatch = false;
+  auto prepare = [&]() -> absl::Status {
+    EVENSTEP_ASSIGN_OR_RETURN(reader, CheckpointReader::Open(env, path));
+    const Manifest& manifest = reader->manifest();
+    result.step = manifest.step;
+    const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
+    if (extras.is_discarded() || !extras.is_object()) {
+      return absl::DataLossError(absl::StrCat(path, "/manifest.json: extras are not an object"));
+    }
+    auto mismatch_error = [&](const std::string& what) {
+      mismatch = true;
+      return absl::FailedPreconditionError(what);
+    };
+    EVENSTEP_ASSIGN_OR_RETURN(expected, CaptureTensors(state.model, nullptr));
+    targets = std::map<std::string, at::Tensor>(expected.begin(), expected.end());
+    for (const TensorInfo& t : manifest.tensors) {
+      if (!absl::StartsWith(t.name, "model/")) continue;
+      auto target = targets.find(t.name);
+      if (target == targets.end()) {
+        result.unexpected.push_back(t.name);
+        continue;
+      }
+      seen.insert(t.name);
+      const at::Tensor& dst = target->second;
+      const std::string want = internal::DtypeName(dst.scalar_type()).value_or("unsupported");
+      if (dst.sizes().vec() != t.shape || want != t.dtype) {
+        return mismatch_error(absl::StrCat("tensor ", t.name, " has shape [",
+                                           absl::StrJoin(t.shape, ","), "] ", t.dtype,
+                                           "; the model has [",
+                                           absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
+      }
+    }
+    for (const auto& [name, tensor] : expected) {
+      if (!seen.count(name)) result.missing.push_back(name);
+    }
+    if (options.strict && (!result.missing.empty() || !result.unexpected.empty())) {
+      return mismatch_error(absl::StrCat("does not match the model: missing [",
+                                         absl::StrJoin(result.missing, ", "), "], unexpected [",
+                                         absl::StrJoin(result.unexpected, ", "), "]"));
+    }
+    if (state.optimizer != nullptr) {
+      EVENSTEP_RETURN_IF_ERROR(
+          PlanOptimizer(manifest, extras, *state.optimizer, options.strict, &opt, &mismatch));
+    }
+    if (state.balance != nullptr) {
+      if (extras.contains("balance")) {
+        EVENSTEP_ASSIGN_OR_RETURN(balance, BalanceFromJson(extras["balance"]));
+        if (absl::Status s = state.balance->CheckRestore(*balance); !s.ok()) {
+          return mismatch_error(absl::StrCat("balancing state: ", s.message()));
+        }
+      } else if (options.strict) {
+        return absl::DataLossError(
+            absl::StrCat(path, "/manifest.json: no balancing state in the extras"));
+      }
+    }
+    if (extras.contains("user")) result.user_json = extras["user"].dump();
+    return absl::OkStatus();
+  };
+  absl::Status prepared = prepare();
+  const uint64_t index = reader ? ManifestIndexChecksum(reader->manifest()) : 0;
+  EVENSTEP_ASSIGN_OR_RETURN(
+      Agreed opened, Agree(ctx_, prepared, mismatch, static_cast<int64_t>(index & 0x7fffffffffff)));
+  if (!opened.status.ok()) {
+    *mismatch_out = opened.mismatch;
+    return opened.status;
+  }
+  for (int r = 1; r < ctx_.world_size(); ++r) {
+    if (opened.values[r] != opened.values[0]) {
+      return absl::DataLossError(absl::StrCat("rank ", r, " read another manifest than rank 0 (",
+                                              "is ", path, " on a shared file system?)"));
+    }
+  }
+  const Manifest& manifest = reader->manifest();
+  // 2. Balanced reading: whole tensors (no slicing), assigned the way
+  //    shards are planned, largest first to the least-loaded rank.
   const int world = ctx_.world_size();
   std::vector<internal::TensorMeta> metas;
   for (const TensorInfo& t : manifest.tensors) {
@@ -326,36 +661,11 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
     for (const SliceInfo& s : t->slices) b += s.bytes;
     return b;
   };
-  // Check the model's tensors against the manifest before anything is
-  // written, so a mismatch leaves the model as it was.
-  std::set<std::string> seen;
-  for (const TensorInfo& t : manifest.tensors) {
-    if (!absl::StartsWith(t.name, "model/")) continue;
-    auto target = targets.find(t.name);
-    if (target == targets.end()) {
-      result.unexpected.push_back(t.name);
-      continue;
-    }
-    seen.insert(t.name);
-    const at::Tensor& dst = target->second;
-    const std::string want = internal::DtypeName(dst.scalar_type()).value_or("unsupported");
-    if (dst.sizes().vec() != t.shape || want != t.dtype) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", path, ": tensor ", t.name, " has shape [", absl::StrJoin(t.shape, ","),
-          "] ", t.dtype, "; the model has [", absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
-    }
-  }
-  for (const auto& [name, tensor] : expected) {
-    if (!seen.count(name)) result.missing.push_back(name);
-  }
-  if (options.strict && (!result.missing.empty() || !result.unexpected.empty())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint ", path, " does not match the model: missing [",
-                     absl::StrJoin(result.missing, ", "), "], unexpected [",
-                     absl::StrJoin(result.unexpected, ", "), "]"));
-  }
   // Where each tensor's bytes land: a CPU model tensor directly (read and
-  // broadcast in place, no staging copy), anything else a byte buffer.
+  // broadcast in place, no staging copy), anything else a byte buffer. A
+  // checksum failure can leave a model tensor of this rank partly written;
+  // the load then fails on every rank (and a fallback loads every tensor
+  // again).
   torch::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> loaded;
   std::set<std::string> in_place;
@@ -369,23 +679,27 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       loaded[t.name] = at::empty({n}, at::kByte);
     }
   }
-  // Every rank reads its part (all at once); then every part reaches every
-  // rank: large tensors one broadcast each, in place; small ones packed into
-  // one buffer.
+  // 3. Every rank reads its part (all at once, checksums verified), and the
+  //    ranks agree that every part is good before any broadcast.
+  absl::Status read;
   for (const internal::Piece& p : plan[ctx_.rank()]) {
     const TensorInfo& t = manifest.tensors[p.tensor];
     const int64_t n = bytes_of(&t);
-    EVENSTEP_RETURN_IF_ERROR(reader->ReadInto(t.name, loaded[t.name].data_ptr(), n));
+    read = reader->ReadInto(t.name, loaded[t.name].data_ptr(), n);
+    if (!read.ok()) break;
     result.bytes_read += n;
   }
+  EVENSTEP_ASSIGN_OR_RETURN(Agreed parts, Agree(ctx_, read, false, 0));
+  if (!parts.status.ok()) return parts.status;
+  // 4. Every part reaches every rank: large tensors one broadcast each, in
+  //    place; small ones packed into one buffer.
   constexpr int64_t kBroadcastAlone = 1 << 20;
   for (int root = 0; world > 1 && root < world; ++root) {
     auto broadcast = [&](at::Tensor& buffer) {
       absl::Status s = ctx_.Broadcast(buffer, root);
       if (s.ok()) return s;
       return absl::Status(s.code(),
-                          absl::StrCat("checkpoint load of ", path, ": broadcast of rank ", root,
-                                       "'s part: ", s.message()));
+                          absl::StrCat("broadcast of rank ", root, "'s part: ", s.message()));
     };
     std::vector<at::Tensor> small;  // views of `loaded`, sent together
     int64_t small_bytes = 0;
@@ -408,60 +722,42 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       at_byte += bytes.numel();
     }
   }
-  // Apply the model tensors that could not be read in place.
-  for (const std::string& name : seen) {
-    if (in_place.count(name)) continue;
-    at::Tensor& dst = targets[name];
-    at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
-    std::memcpy(cpu.data_ptr(), loaded[name].data_ptr(), loaded[name].numel());
-    dst.copy_(cpu);
-  }
-  // Optimizer state.
-  if (state.optimizer != nullptr) {
-    EVENSTEP_ASSIGN_OR_RETURN(const OptimizerKind* kind, KindOf(*state.optimizer));
-    auto& groups = state.optimizer->param_groups();
-    std::map<std::pair<size_t, size_t>, std::map<std::string, at::Tensor>> fields;
-    for (const TensorInfo& t : manifest.tensors) {
-      std::vector<std::string> parts = absl::StrSplit(t.name, '/');
-      if (parts.size() < 3 || parts[0] != "optimizer") continue;
-      size_t g = 0, i = 0;
-      if (!absl::SimpleAtoi(parts[1], &g) || g >= groups.size()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint ", path, ": ", t.name, ": the optimizer has ", groups.size(), " groups"));
-      }
-      auto typed = [&] {
+  // 5. Apply: model tensors that could not be read in place, optimizer
+  //    state, balancing state (all validated in step 1).
+  try {
+    for (const std::string& name : seen) {
+      if (in_place.count(name)) continue;
+      at::Tensor& dst = targets[name];
+      at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
+      std::memcpy(cpu.data_ptr(), loaded[name].data_ptr(), loaded[name].numel());
+      dst.copy_(cpu);
+    }
+    if (state.optimizer != nullptr) {
+      auto typed = [&](const std::string& name) {
+        const TensorInfo* t = reader->Find(name);
         at::Tensor out =
-            at::empty(t.shape, at::TensorOptions().dtype(*internal::DtypeFromName(t.dtype)));
-        std::memcpy(out.data_ptr(), loaded[t.name].data_ptr(), loaded[t.name].numel());
+            at::empty(t->shape, at::TensorOptions().dtype(*internal::DtypeFromName(t->dtype)));
+        std::memcpy(out.data_ptr(), loaded[name].data_ptr(), loaded[name].numel());
         return out;
       };
-      if (parts.size() == 3 && parts[2] == "lr") {
-        groups[g].options().set_lr(typed().item<double>());
-        continue;
+      auto& groups = state.optimizer->param_groups();
+      for (const auto& [g, name] : opt.lrs) groups[g].options().set_lr(typed(name).item<double>());
+      for (const auto& [index, names] : opt.fields) {
+        const at::Tensor& param = groups[index.first].params()[index.second];
+        std::map<std::string, at::Tensor> values;
+        for (const auto& [field, name] : names) {
+          at::Tensor value = typed(name);
+          if (value.dim() > 0) value = value.to(param.device());
+          values[field] = value;
+        }
+        state.optimizer->state()[StateKeyIn(state.optimizer->state(), param)] =
+            opt.kind->restore(values);
       }
-      if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &i) || i >= groups[g].params().size()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint ", path, ": ", t.name, " does not match the optimizer's parameters"));
-      }
-      at::Tensor value = typed();
-      const at::Tensor& param = groups[g].params()[i];
-      if (value.dim() > 0) value = value.to(param.device());
-      fields[{g, i}][parts[3]] = value;
     }
-    for (auto& [index, values] : fields) {
-      const at::Tensor& param = groups[index.first].params()[index.second];
-      state.optimizer->state()[StateKeyIn(state.optimizer->state(), param)] = kind->restore(values);
-    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("applying the loaded state: ", internal::ErrorText(e)));
   }
-  // Balancing state and user extras.
-  const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
-  if (!extras.is_discarded() && extras.is_object()) {
-    if (extras.contains("user")) result.user_json = extras["user"].dump();
-    if (state.balance != nullptr && extras.contains("balance")) {
-      EVENSTEP_ASSIGN_OR_RETURN(BalanceState b, BalanceFromJson(extras["balance"]));
-      EVENSTEP_RETURN_IF_ERROR(state.balance->Restore(b));
-    }
-  }
+  if (balance) EVENSTEP_RETURN_IF_ERROR(state.balance->Restore(*balance));
   return result;
 }
 

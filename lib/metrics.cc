@@ -38,12 +38,13 @@ absl::StatusOr<std::unique_ptr<MetricsLogger>> MetricsLogger::Create(DistContext
   }
   std::unique_ptr<MetricsLogger> m(new MetricsLogger(ctx, options));
   EVENSTEP_ASSIGN_OR_RETURN(
-      m->own_, AsyncAppender::Create(
-                   absl::StrFormat("%s/metrics-%05d.jsonl", options.dir, ctx.rank()), 64 << 10));
+      m->own_, AsyncAppender::CreateSegment(
+                   absl::StrFormat("%s/metrics-%05d", options.dir, ctx.rank()), ".jsonl", 64 << 10));
   EVENSTEP_ASSIGN_OR_RETURN(
       m->aggregate_,
-      AsyncAppender::Create(
-          absl::StrFormat("%s/metrics-aggregate-%05d.jsonl", options.dir, ctx.rank()), 64 << 10));
+      AsyncAppender::CreateSegment(
+          absl::StrFormat("%s/metrics-aggregate-%05d", options.dir, ctx.rank()), ".jsonl",
+          64 << 10));
   return m;
 }
 

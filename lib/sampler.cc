@@ -82,6 +82,13 @@ absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOpt
       return absl::InvalidArgumentError(absl::StrCat("Sampler: sample ", i, " has length ",
                                                      lengths[i], "; lengths must be >= 1"));
     }
+    if (options.micro_batch_tokens > 0 && lengths[i] > options.micro_batch_tokens) {
+      // A micro-batch holds at least one sample: the cap could not be kept.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Sampler: sample ", i, " has ", lengths[i], " tokens, more than the micro-batch cap "
+          "--evenstep_micro_batch_tokens=", options.micro_batch_tokens,
+          " allows; raise the cap or truncate the sample"));
+    }
     costs[i] = cost ? cost(lengths[i]) : static_cast<double>(lengths[i]);
     if (!(costs[i] > 0) || !std::isfinite(costs[i])) {
       return absl::InvalidArgumentError(absl::StrCat("Sampler: the cost function gives ", costs[i],

@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_join.h"
 #include "evenstep/checkpointer.h"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
@@ -16,8 +17,19 @@
 ABSL_FLAG(int, evenstep_ckpt_every, 0,
           "Session: save a checkpoint every this many steps (and at Finish); 0 = only at "
           "Finish. Checkpoints need a directory: --evenstep_ckpt_dir, or RUN_DIR/ckpt.");
-ABSL_FLAG(bool, evenstep_resume, true,
-          "Session: resume from the latest committed checkpoint when there is one.");
+ABSL_FLAG(std::string, evenstep_resume, "newest",
+          "Session: newest (resume from the newest committed checkpoint; if it cannot be "
+          "loaded, stop with an error naming it), newest_valid (set an unusable newest "
+          "checkpoint aside and resume from the newest one that loads, saying so) or off "
+          "(start at step 1; saves of steps that already hold a committed checkpoint fail). "
+          "Only a directory without any committed checkpoint starts from scratch.");
+ABSL_FLAG(std::string, evenstep_ckpt_on_error, "warn",
+          "Session: when a save fails (every rank reports it at the next step, one line naming "
+          "the step, rank, file and error): warn (go on; stop after "
+          "--evenstep_ckpt_max_failures failed saves in a row) or fail (stop at the first).");
+ABSL_FLAG(int, evenstep_ckpt_max_failures, 3,
+          "Session, with --evenstep_ckpt_on_error=warn: consecutive failed saves after which "
+          "training stops with an error (0 = never stop).");
 ABSL_FLAG(bool, evenstep_timeline, true,
           "Session: write this rank's timeline (RUN_DIR/trace-RRRRR.json) for evenstep-report.");
 ABSL_FLAG(int, evenstep_log_every, 10,
@@ -25,26 +37,74 @@ ABSL_FLAG(int, evenstep_log_every, 10,
           "go to RUN_DIR/metrics-*.jsonl.");
 
 namespace evenstep {
+namespace {
+
+enum class ResumeMode { kNewest, kNewestValid, kOff };
+
+absl::StatusOr<ResumeMode> ResumeModeFromFlag() {
+  const std::string mode = absl::GetFlag(FLAGS_evenstep_resume);
+  if (mode == "newest" || mode == "true" || mode == "1") return ResumeMode::kNewest;
+  if (mode == "newest_valid") return ResumeMode::kNewestValid;
+  if (mode == "off" || mode == "false" || mode == "0") return ResumeMode::kOff;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--evenstep_resume=", mode, ": expected newest, newest_valid or off"));
+}
+
+// Consecutive failed saves that stop training (0: never).
+absl::StatusOr<int> StopAfterFailedSaves() {
+  const std::string on_error = absl::GetFlag(FLAGS_evenstep_ckpt_on_error);
+  const int max_failures = absl::GetFlag(FLAGS_evenstep_ckpt_max_failures);
+  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_max_failures", max_failures, 0));
+  if (on_error == "fail") return 1;
+  if (on_error == "warn") return max_failures;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--evenstep_ckpt_on_error=", on_error, ": expected warn or fail"));
+}
+
+}  // namespace
+
+absl::Status ValidateEvenstepFlags() {
+  EVENSTEP_RETURN_IF_ERROR(DistOptions::FromFlags().status());
+  EVENSTEP_RETURN_IF_ERROR(BalanceConfig::FromFlags().status());
+  EVENSTEP_RETURN_IF_ERROR(CheckpointOptionsFromFlags().status());
+  EVENSTEP_RETURN_IF_ERROR(
+      internal::NotBelow("evenstep_ckpt_every", absl::GetFlag(FLAGS_evenstep_ckpt_every), 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      internal::NotBelow("evenstep_log_every", absl::GetFlag(FLAGS_evenstep_log_every), 1));
+  EVENSTEP_RETURN_IF_ERROR(ResumeModeFromFlag().status());
+  EVENSTEP_RETURN_IF_ERROR(StopAfterFailedSaves().status());
+  return absl::OkStatus();
+}
 
 Session::Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer)
     : ctx_(ctx), model_(model), optimizer_(optimizer) {}
 
-Session::~Session() { Finish().IgnoreError(); }
+Session::~Session() {
+  // A Session that was never finished (an error path) starts no new save;
+  // it waits for the saves in flight and reports how they ended.
+  if (created_ && !finished_) {
+    while (!pending_.empty()) {
+      Observe(pending_.front().step, pending_.front().done.get());
+      pending_.pop_front();
+    }
+  }
+}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch::nn::Module& model,
                                                          torch::optim::Optimizer& optimizer,
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir,
                                                          std::vector<double> counts) {
+  EVENSTEP_RETURN_IF_ERROR(ValidateEvenstepFlags());
   std::unique_ptr<Session> s(new Session(ctx, model, optimizer));
+  EVENSTEP_ASSIGN_OR_RETURN(const ResumeMode resume, ResumeModeFromFlag());
+  EVENSTEP_ASSIGN_OR_RETURN(s->stop_after_failures_, StopAfterFailedSaves());
   EVENSTEP_ASSIGN_OR_RETURN(BalanceConfig config, BalanceConfig::FromFlags());
   EVENSTEP_ASSIGN_OR_RETURN(
       s->step_, BalancedStep::Create(ctx, model, optimizer, std::move(lengths), std::move(config),
                                      std::move(counts)));
   EVENSTEP_ASSIGN_OR_RETURN(CheckpointOptions options, CheckpointOptionsFromFlags());
   if (options.dir.empty()) options.dir = run_dir + "/ckpt";
-  EVENSTEP_RETURN_IF_ERROR(
-      internal::NotBelow("evenstep_ckpt_every", absl::GetFlag(FLAGS_evenstep_ckpt_every), 0));
   EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, Checkpointer::Create(ctx, options));
   if (absl::GetFlag(FLAGS_evenstep_timeline)) {
     EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()));
@@ -53,31 +113,81 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
   metrics.dir = run_dir;
   metrics.interval = absl::GetFlag(FLAGS_evenstep_log_every);
   EVENSTEP_ASSIGN_OR_RETURN(s->metrics_, MetricsLogger::Create(ctx, metrics));
-  if (absl::GetFlag(FLAGS_evenstep_resume)) {
-    absl::StatusOr<LoadResult> loaded =
-        s->checkpointer_->Load({&model, &optimizer, s->step_.get(), "{}"});
+  const TrainState state{&model, &optimizer, s->step_.get(), "{}"};
+  if (resume != ResumeMode::kOff) {
+    LoadOptions load;
+    load.fallback = resume == ResumeMode::kNewestValid;
+    absl::StatusOr<LoadResult> loaded = s->checkpointer_->Load(state, load);
     if (loaded.ok()) {
       if (ctx.rank() == 0) {
-        std::cout << "[evenstep] resuming from " << loaded->path << " (step " << loaded->step << ")"
-                  << std::endl;
+        for (const std::string& skipped : loaded->skipped) {
+          std::cout << "[evenstep] resume: skipped unusable " << skipped << std::endl;
+        }
+        std::cout << "[evenstep] resuming from " << loaded->path << " (step " << loaded->step
+                  << ")" << std::endl;
       }
       s->first_step_ = loaded->step + 1;
       s->last_step_ = s->last_saved_ = loaded->step;
     } else if (!absl::IsNotFound(loaded.status())) {
       return loaded.status();
     }
+  } else if (ctx.rank() == 0) {
+    absl::StatusOr<CheckpointListing> listing = ListCheckpoints(*Env::Default(), options.dir);
+    if (listing.ok() && !listing->committed.empty()) {
+      std::cout << "[evenstep] --evenstep_resume=off: " << options.dir
+                << " already holds committed checkpoints up to step " << listing->committed.back()
+                << "; saves of those steps will fail rather than overwrite them" << std::endl;
+    }
   }
+  s->created_ = true;
   return s;
 }
 
-absl::Status Session::AfterStep(const StepReport& report) {
-  last_step_ = report.step;
-  if (timeline_) timeline_->AddStep(report);
-  metrics_->Log(report.step, "loss", report.loss);
-  metrics_->Log(report.step, "balance_efficiency", report.balance_efficiency);
-  EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report.step));
+void Session::Observe(int64_t step, const absl::Status& outcome) {
+  if (outcome.ok()) {
+    failure_run_ = 0;
+    return;
+  }
+  ++save_failures_;
+  longest_failure_run_ = std::max(longest_failure_run_, ++failure_run_);
+  last_save_error_ = outcome;
+  std::cerr << "[evenstep] rank " << ctx_.rank() << ": the checkpoint of step " << step
+            << " FAILED (" << save_failures_ << " failed saves so far): " << outcome.message()
+            << std::endl;
+}
+
+void Session::PollSaves() {
+  while (!pending_.empty() && pending_.front().done.wait_for(std::chrono::seconds(0)) ==
+                                  std::future_status::ready) {
+    Observe(pending_.front().step, pending_.front().done.get());
+    pending_.pop_front();
+  }
+}
+
+absl::Status Session::AfterStep(StepReport* report) {
+  last_step_ = report->step;
+  if (timeline_) timeline_->AddStep(*report);
+  metrics_->Log(report->step, "loss", report->loss);
+  metrics_->Log(report->step, "balance_efficiency", report->balance_efficiency);
+  EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report->step));
+  // Saves that finished since the last step are reported now; whether to
+  // stop is decided from the agreed maximum, so every rank stops together.
+  PollSaves();
+  report->checkpoint_failures = save_failures_;
+  step_->ShareAtNextExchange(kSaveFailureRun, longest_failure_run_);
+  const double agreed_run = report->agreed[kSaveFailureRun];
+  if (stop_after_failures_ > 0 && agreed_run >= stop_after_failures_) {
+    return absl::DataLossError(absl::StrCat(
+        "rank ", ctx_.rank(), ", step ", report->step, ": ", static_cast<int64_t>(agreed_run),
+        " checkpoint saves failed in a row (--evenstep_ckpt_on_error=",
+        absl::GetFlag(FLAGS_evenstep_ckpt_on_error),
+        ", --evenstep_ckpt_max_failures=", absl::GetFlag(FLAGS_evenstep_ckpt_max_failures),
+        "); training stops rather than run on without checkpoints. Last failure",
+        last_save_error_.ok() ? " (seen first by another rank)" : ": ",
+        last_save_error_.message()));
+  }
   const int every = absl::GetFlag(FLAGS_evenstep_ckpt_every);
-  if (every > 0 && report.step % every == 0) return Checkpoint();
+  if (every > 0 && report->step % every == 0) return Checkpoint();
   return absl::OkStatus();
 }
 
@@ -87,6 +197,15 @@ absl::Status Session::Checkpoint() {
       checkpointer_->Save(last_step_, {&model_, &optimizer_, step_.get(), "{}"});
   if (timeline_) timeline_->Span("checkpoint", begin, absl::Now(), last_step_);
   if (!ticket.ok()) return ticket.status();
+  if (ticket->skipped) {
+    if (ctx_.rank() == 0) {
+      std::cout << "[evenstep] checkpoint of step " << last_step_
+                << " skipped: earlier saves are still writing (--evenstep_ckpt_when_busy=skip)"
+                << std::endl;
+    }
+    return absl::OkStatus();
+  }
+  pending_.push_back({last_step_, ticket->done});
   last_saved_ = last_step_;
   return absl::OkStatus();
 }
@@ -106,12 +225,25 @@ absl::StatusOr<std::vector<double>> Session::Evaluate(
 }
 
 absl::Status Session::Finish() {
-  if (finished_) return absl::OkStatus();
+  if (!created_ || finished_) return absl::OkStatus();
   finished_ = true;
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();
-  absl::Status w = checkpointer_->WaitAll();
-  if (s.ok()) s = w;
+  const int64_t final_step = pending_.empty() ? -1 : pending_.back().step;
+  absl::Status final_outcome;
+  while (!pending_.empty()) {
+    final_outcome = pending_.front().done.get();
+    Observe(pending_.front().step, final_outcome);
+    pending_.pop_front();
+  }
+  // Every outcome was read through its ticket above.
+  checkpointer_->WaitAll().IgnoreError();
+  if (s.ok() && !final_outcome.ok()) {
+    s = absl::Status(final_outcome.code(),
+                     absl::StrCat("the last checkpoint (step ", final_step, ") failed (",
+                                  save_failures_, " failed saves in this run): ",
+                                  final_outcome.message()));
+  }
   absl::Status m = metrics_->Close();
   if (s.ok()) s = m;
   if (timeline_) {

@@ -17,7 +17,9 @@ int64_t Micros(absl::Time t) { return absl::ToUnixMicros(t); }
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Timeline>> Timeline::Open(const std::string& dir, int rank) {
-  auto out = AsyncAppender::Create(absl::StrFormat("%s/trace-%05d.json", dir, rank));
+  // After a resume, a new segment (trace-RRRRR.N.json) that evenstep-report
+  // reads with the earlier ones.
+  auto out = AsyncAppender::CreateSegment(absl::StrFormat("%s/trace-%05d", dir, rank), ".json");
   if (!out.ok()) return out.status();
   std::unique_ptr<Timeline> t(new Timeline(rank, *std::move(out)));
   t->out_->Append("[\n");

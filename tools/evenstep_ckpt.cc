@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "evenstep/checkpoint.h"
 #include "evenstep/internal/h5_shard.h"
+#include "evenstep/internal/names.h"
 
 namespace {
 
@@ -57,20 +58,26 @@ int64_t DirBytes(const std::string& dir) {
 int List(const std::string& dir) {
   Env& env = *Env::Default();
   auto names = env.List(dir);
-  if (!names.ok()) {
-    std::cerr << names.status() << "\n";
+  auto listing = evenstep::ListCheckpoints(env, dir);
+  if (!names.ok() || !listing.ok()) {
+    std::cerr << (names.ok() ? listing.status() : names.status()) << "\n";
     return 1;
   }
-  auto latest = evenstep::LatestCheckpoint(env, dir);
-  std::cout << absl::StrFormat("%-20s %12s %10s %s\n", "checkpoint", "bytes", "committed", "");
+  const int64_t newest = listing->committed.empty() ? -1 : listing->committed.back();
+  std::cout << absl::StrFormat("%-32s %12s %10s %s\n", "checkpoint", "bytes", "committed", "");
   for (const std::string& name : *names) {
     if (name.rfind("step-", 0) != 0) continue;
     const std::string path = dir + "/" + name;
-    const bool committed = env.Exists(path + "/manifest.json");
-    std::cout << absl::StrFormat("%-20s %12d %10s %s\n", name, DirBytes(path),
-                                 committed ? "yes" : "no",
-                                 latest.ok() && *latest == path ? "<- latest" : "");
+    const std::optional<int64_t> step = evenstep::internal::StepOfDirName(name);
+    const bool committed = step && env.Exists(path + "/manifest.json");
+    std::string note;
+    if (!step) note = "(set aside: not a checkpoint name)";
+    if (step && *step == newest) note = "<- resume loads this";
+    if (step && listing->latest && *listing->latest == *step) note += " <- latest";
+    std::cout << absl::StrFormat("%-32s %12d %10s %s\n", name, DirBytes(path),
+                                 committed ? "yes" : "no", note);
   }
+  if (!listing->latest_problem.empty()) std::cout << "latest: " << listing->latest_problem << "\n";
   return 0;
 }
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -50,11 +51,15 @@ struct Span {
   std::string name;
   double ts = 0, dur = 0;  // microseconds
   int64_t step = 0;
+  int segment = 0;  // trace-RRRRR.json is 0, trace-RRRRR.N.json (after a resume) N
 };
 
 struct RankTrace {
   std::vector<Span> spans;
   std::map<int64_t, double> arrive;  // step -> ts
+  // step -> the latest segment that ran it: a step run again after a resume
+  // counts as the later run only.
+  std::map<int64_t, int> segment_of;
   double peak_rss_mb = 0;
 };
 
@@ -108,12 +113,24 @@ int main(int argc, char** argv) {
       files.push_back(e.path().string());
     }
   }
-  std::sort(files.begin(), files.end());
+  // Segment order: trace-RRRRR.json, then trace-RRRRR.1.json, ...
+  auto segment_of_file = [](const std::string& path) {
+    const std::string name = std::filesystem::path(path).stem().string();  // trace-RRRRR[.N]
+    const size_t dot = name.find('.');
+    int n = 0;
+    if (dot != std::string::npos && !absl::SimpleAtoi(name.substr(dot + 1), &n)) n = 0;
+    return n;
+  };
+  std::sort(files.begin(), files.end(), [&](const std::string& a, const std::string& b) {
+    const int sa = segment_of_file(a), sb = segment_of_file(b);
+    return sa != sb ? sa < sb : a < b;
+  });
   if (error || files.empty()) {
     std::cerr << "evenstep-report: no trace-*.json in " << dir << "\n";
     return 1;
   }
   for (const std::string& file : files) {
+    const int segment = segment_of_file(file);
     json events;
     if (!ReadTrace(file, &events)) {
       std::cerr << "evenstep-report: " << file << " is not a trace (skipped)\n";
@@ -126,8 +143,11 @@ int main(int argc, char** argv) {
       const int64_t step =
           e.contains("args") && e["args"].contains("step") ? e["args"]["step"].get<int64_t>() : 0;
       const std::string name = e.value("name", "");
+      int& latest = ranks[rank].segment_of[step];
+      latest = std::max(latest, segment);
       if (e.value("ph", "") == "X") {
-        ranks[rank].spans.push_back({name, e["ts"].get<double>(), e.value("dur", 0.0), step});
+        ranks[rank].spans.push_back(
+            {name, e["ts"].get<double>(), e.value("dur", 0.0), step, segment});
       } else if (name == "arrive") {
         ranks[rank].arrive[step] = e["ts"].get<double>();
       } else if (name == "peak_rss_mb" && e.contains("args")) {
@@ -137,6 +157,13 @@ int main(int argc, char** argv) {
     }
   }
   std::ofstream(dir + "/trace.json") << merged.dump();
+  for (auto& [r, t] : ranks) {
+    t.spans.erase(std::remove_if(t.spans.begin(), t.spans.end(),
+                                 [&t = t](const Span& sp) {
+                                   return sp.segment < t.segment_of[sp.step];
+                                 }),
+                  t.spans.end());
+  }
   const int world = static_cast<int>(ranks.size());
 
   // Steps every rank reached the sync in.

@@ -14,14 +14,22 @@
 //      container + tensor bytes, XXH3-64 of every dataset computed from the
 //      staging buffer), fsync it, rename it to shard-RRRRR-of-WWWWW.h5,
 //      fsync the checkpoint directory.
-//   3. every rank: publish its shard's checksums under the commit key of this
-//      step and increment the step's arrival counter (CommitStore: the c10d
-//      store, not a collective on the training process group).
-//   4. the rank that brings the counter to the world size writes
+//      A rank that finds manifest.json already in the directory writes
+//      nothing (a committed checkpoint is never rewritten) and fails.
+//   3. every rank: publish its shard's checksums — or its error — under the
+//      commit key of this save and increment the save's arrival counter
+//      (CommitStore: the c10d store, not a collective on the training
+//      process group).
+//   4. the rank that brings the counter to the world size: if any rank
+//      failed, removes the directory (the shards that were written) and
+//      publishes that error as the outcome. Otherwise it writes
 //      manifest.json (tmp, fsync, rename, fsync directory) — the checkpoint
-//      exists from this moment — then DIR/latest the same way, then applies
-//      retention (keeps the newest `keep` committed checkpoints, never the
-//      newest, and removes uncommitted ones older than it).
+//      exists from this moment — then DIR/latest the same way (a hint for
+//      people: readers go by the manifests), then applies retention (keeps
+//      this checkpoint and the newest keep-1 committed ones older than it,
+//      and, with one save in flight, removes uncommitted older ones), and
+//      publishes the outcome. Every other rank waits for the outcome, so the
+//      save's result is the same on every rank.
 // A directory without manifest.json is never loaded. A crash at any point
 // leaves the previous checkpoint loadable and this one complete or invisible.
 //
@@ -32,6 +40,7 @@
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,8 +94,9 @@ struct CheckpointState {
 struct SaveTicket {
   int64_t step = 0;
   bool skipped = false;  // WhenBusy::kSkip and K saves were in flight
-  // OK once this rank's shard is durable and, on the committing rank, the
-  // manifest is committed; the error otherwise.
+  // The save's outcome, the same on every rank: OK once the manifest is
+  // committed; otherwise the first failing rank's error (naming the step,
+  // the rank and the file), and no file of this save is left behind.
   std::shared_future<absl::Status> done;
   double snapshot_seconds = 0;  // the training stall
 };
@@ -101,7 +111,8 @@ class CheckpointWriter {
   // Snapshots `state` and writes it in the background. InvalidArgument naming
   // the tensor for a bad name or dtype; the I/O outcome comes in the ticket.
   absl::StatusOr<SaveTicket> Save(const CheckpointState& state);
-  // Waits for every save in flight; the first error, if any.
+  // Waits for every save in flight; the first error of any save since the
+  // last WaitAll (none is dropped unread), OK otherwise.
   absl::Status WaitAll();
 
  private:
@@ -111,46 +122,75 @@ class CheckpointWriter {
 };
 
 // --- Reading -------------------------------------------------------------
+// Everything read from disk is untrusted input: sizes are capped before
+// anything is allocated, JSON nesting is bounded, only regular files are
+// opened (never a symbolic link, FIFO or device; see Env::OpenForRead), and
+// every field is checked against the others and the files.
+
+inline constexpr int64_t kMaxManifestBytes = int64_t{256} << 20;
+inline constexpr int64_t kMaxLatestBytes = 4096;
+inline constexpr int kMaxJsonDepth = 64;
 
 struct SliceInfo {
-  int shard = 0;
-  std::string dataset;
-  int64_t begin = 0, end = 0;  // flattened element range
-  int64_t offset = -1, bytes = 0;
-  uint64_t xxh3 = 0;
+  int shard = 0;         // index into Manifest::shards (the writing rank)
+  std::string dataset;   // HDF5 path: "/" + name, or "/" + name + "@" + begin for a slice
+  int64_t begin = 0, end = 0;    // flattened element range [begin, end)
+  int64_t offset = -1, bytes = 0;  // absolute byte offset in the shard file; -1 when empty
+  uint64_t xxh3 = 0;     // XXH3-64 (seed 0) of the slice's bytes
 };
 
 struct TensorInfo {
   std::string name;
   std::string dtype;
   std::vector<int64_t> shape;
-  std::vector<SliceInfo> slices;
+  std::vector<SliceInfo> slices;  // tile [0, numel) in order
 };
 
 struct Manifest {
-  int version = 1;
+  // 2: carries index_xxh3; 1 (written by earlier builds): read without it.
+  int version = 2;
   int64_t step = 0;
   int world_size = 0;
   std::vector<std::string> shards;  // file names, index = writing rank
   std::vector<int64_t> shard_bytes;
   std::vector<TensorInfo> tensors;
   std::string extras_json = "{}";
+  uint64_t index_xxh3 = 0;  // ManifestIndexChecksum() of the fields above
 };
 
 // DIR/step-SSSSSSSSSS for `step`.
 std::string CheckpointPath(const std::string& dir, int64_t step);
-// The committed checkpoint `latest` names, or the newest committed one if
-// `latest` is missing; NotFound when there is none.
+
+// What a checkpoint root holds. Only directories named exactly as
+// CheckpointPath names them count; quarantined ones (step-N.unusable-T) and
+// other entries are ignored.
+struct CheckpointListing {
+  std::vector<int64_t> committed;    // steps whose directory holds manifest.json, oldest first
+  std::vector<int64_t> uncommitted;  // step directories without one (saves that never committed)
+  bool has_latest = false;           // DIR/latest exists
+  std::optional<int64_t> latest;     // the step `latest` names, when it is a valid name
+  std::string latest_problem;        // why `latest` is unusable (empty when fine or absent)
+};
+absl::StatusOr<CheckpointListing> ListCheckpoints(Env& env, const std::string& dir);
+// The newest committed checkpoint, by manifest.json (`latest` is written
+// after the manifest and may lag it; it is a hint for people). NotFound when
+// there is none.
 absl::StatusOr<std::string> LatestCheckpoint(Env& env, const std::string& dir);
 // Committed checkpoints (those with a manifest), oldest first.
 absl::StatusOr<std::vector<std::string>> CommittedCheckpoints(Env& env, const std::string& dir);
 
+// XXH3-64 (seed 0) of the manifest's canonical index text: step, world size,
+// shard names and sizes, and every tensor's name, dtype, shape and slices
+// (one tab-separated line each; the README's format section spells it out).
+uint64_t ManifestIndexChecksum(const Manifest& manifest);
+
 class CheckpointReader {
  public:
-  // Parses and validates the manifest of the checkpoint at `path`: names
-  // (no absolute paths, no ".."), dtypes, shapes, slice ranges and offsets
-  // against the shard files' sizes — before anything is allocated.
-  // DataLoss / InvalidArgument naming the file and the entry.
+  // Parses and validates the manifest of the checkpoint at `path` (see
+  // ManifestFromJson), checks that its step matches the directory's name and
+  // that every shard is a regular file of the size the manifest says —
+  // before anything is allocated. DataLoss / FailedPrecondition naming the
+  // file and the entry.
   static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(Env& env, const std::string& path);
   const Manifest& manifest() const { return manifest_; }
   const std::string& path() const { return path_; }
@@ -160,7 +200,13 @@ class CheckpointReader {
   absl::StatusOr<at::Tensor> Read(const std::string& name) const;
   // The same into `dst` (the tensor's bytes, row-major; `size` must match).
   absl::Status ReadInto(const std::string& name, void* dst, int64_t size) const;
-  // Verifies every checksum; the list of problems (empty when intact).
+  // Opens every shard with HDF5 and compares each dataset's type, shape,
+  // contiguous storage, offset and size with the manifest, so that readers
+  // by dataset (h5py) and by offset (evenstep) read the same bytes; the
+  // list of problems (empty when they agree).
+  std::vector<std::string> CheckStructure() const;
+  // CheckStructure() and every checksum (read in bounded chunks); the list
+  // of problems (empty when intact).
   std::vector<std::string> Verify() const;
 
  private:
@@ -171,8 +217,16 @@ class CheckpointReader {
   Manifest manifest_;
 };
 
-// Manifest <-> JSON (exposed for tools and tests).
+// Manifest <-> JSON (exposed for tools and tests). ManifestToJson fills in
+// index_xxh3. ManifestFromJson checks every invariant the format states
+// (types, ranges, canonical shard and dataset names, slices tiling each
+// tensor, byte ranges inside their shard and not overlapping, the index
+// checksum); DataLoss naming `origin` and the entry otherwise.
 std::string ManifestToJson(const Manifest& manifest);
 absl::StatusOr<Manifest> ManifestFromJson(const std::string& json, const std::string& origin);
+// The deepest nesting of arrays and objects in a JSON text (a linear scan,
+// no recursion): callers reject texts deeper than kMaxJsonDepth before
+// parsing, since nlohmann::json's dump recurses.
+int JsonNestingDepth(const std::string& text);
 
 }  // namespace evenstep

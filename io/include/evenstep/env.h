@@ -44,6 +44,9 @@ class Env {
 
   // Creates (or truncates) `path` for writing and reading.
   virtual absl::StatusOr<std::unique_ptr<File>> Create(const std::string& path) = 0;
+  // Opens an existing regular file for reading. FailedPrecondition for a
+  // symbolic link (the last component), a directory, FIFO or device: the
+  // open never blocks.
   virtual absl::StatusOr<std::unique_ptr<File>> OpenForRead(const std::string& path) = 0;
   // Atomic replace of `to` by `from` (rename(2)); durable after SyncDir.
   virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
@@ -64,8 +67,10 @@ class Env {
 // operation and the path.
 absl::Status ErrnoStatus(int error, const std::string& operation, const std::string& path);
 
-// Reads a whole (small) file through `env`.
-absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path);
+// Reads a whole (small) file through `env`; DataLoss naming the file, before
+// anything is allocated, when it holds more than `max_bytes`.
+absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
+                                             int64_t max_bytes = int64_t{64} << 20);
 // Writes `data` to `path` crash-safely: `path`.tmp, fsync, rename, fsync of
 // the directory.
 absl::Status WriteFileAtomically(Env& env, const std::string& path, const std::string& data);

@@ -29,6 +29,7 @@
 // Thread-safety: one training thread drives a BalancedStep.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -94,6 +95,12 @@ struct MicroTiming {
   double units = 0;
 };
 
+// Slots of the per-step agreement (BalancedStep::ShareAtNextExchange).
+enum AgreementSlot : int {
+  kSaveFailureRun,  // Session: the longest run of consecutive failed saves seen
+  kAgreementSlots
+};
+
 struct StepReport {
   int64_t step = 0;  // optimizer steps completed, this one included
   int64_t epoch = 0;
@@ -117,6 +124,11 @@ struct StepReport {
   std::vector<double> shares;       // the plan this step used
   std::vector<double> rank_busy_s;  // every rank's busy time
   std::vector<int> rank_micro_batches;
+  // The maximum over ranks of each AgreementSlot, from this step's exchange.
+  std::array<double, kAgreementSlots> agreed{};
+  // Session: saves whose failure this rank has seen (each reported in one
+  // line as it was seen).
+  int64_t checkpoint_failures = 0;
 };
 
 // Where the balancing stands, for checkpoints.
@@ -177,6 +189,14 @@ class BalancedStep {
   // Continues from `state` (same dataset, seed and world size for the shares;
   // another world size starts from equal shares).
   absl::Status Restore(const BalanceState& state);
+  // The error Restore(state) would return, without changing anything.
+  absl::Status CheckRestore(const BalanceState& state) const;
+
+  // Values every rank contributes to the next step's exchange: after it,
+  // StepReport::agreed holds each slot's maximum over the ranks. A decision
+  // taken from them (stop after failed saves, ...) is the same on every rank
+  // at the same step, with no extra collective.
+  void ShareAtNextExchange(AgreementSlot slot, double value) { shared_[slot] = value; }
 
  private:
   BalancedStep(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
@@ -210,6 +230,7 @@ class BalancedStep {
   std::vector<CostFit> fits_;  // every rank's, from the last exchange
   int64_t steps_ = 0;
   StepReport report_;
+  std::array<double, kAgreementSlots> shared_{};
 };
 
 }  // namespace evenstep

@@ -4,7 +4,7 @@
 // checkpoints (io/checkpoint.h), and loads them at any world size.
 //
 //   auto ckpt = evenstep::Checkpointer::Create(*ctx, *evenstep::CheckpointOptionsFromFlags());
-//   auto loaded = (*ckpt)->LoadLatest({model.get(), &optimizer, step.get()});  // resume
+//   auto loaded = (*ckpt)->Load({model.get(), &optimizer, step.get()});  // resume
 //   ...
 //   (*ckpt)->Save(s, {model.get(), &optimizer, step.get()});   // blocks for the snapshot only
 //
@@ -51,8 +51,15 @@ struct LoadOptions {
   // and dtype and nothing unexpected may be there (errors name the tensor).
   // Non-strict: loads what matches and lists the rest.
   bool strict = true;
-  // A checkpoint directory; empty = the latest committed one.
+  // A checkpoint directory; empty = the newest committed one in the
+  // Checkpointer's directory.
   std::string path;
+  // With `path` empty: when the newest committed checkpoint cannot be
+  // opened, validated or read (a corrupt or missing file), set it aside
+  // (renamed to step-N.unusable-T) and load the next older one, and so on;
+  // LoadResult::skipped says what was skipped. A checkpoint that does not
+  // fit the live model or optimizer is never skipped: that is an error.
+  bool fallback = false;
 };
 
 struct LoadResult {
@@ -62,6 +69,7 @@ struct LoadResult {
   std::vector<std::string> missing;     // model tensors not in the checkpoint
   std::vector<std::string> unexpected;  // checkpoint tensors the model lacks
   int64_t bytes_read = 0;               // by this rank
+  std::vector<std::string> skipped;     // with fallback: each unusable checkpoint and why
 };
 
 // --evenstep_ckpt_* flags: dir, keep, in_flight, when_busy, slice_mb.
@@ -75,7 +83,16 @@ class Checkpointer {
 
   // Snapshot (the only stall) and background write of `state` at `step`.
   absl::StatusOr<SaveTicket> Save(int64_t step, const TrainState& state);
-  // NotFound when there is no committed checkpoint (start from scratch).
+  // Loads the newest committed checkpoint (by manifest.json, whatever
+  // `latest` says) or options.path. NotFound only when the directory holds
+  // no committed checkpoint at all (start from scratch); any other failure
+  // is an error naming the checkpoint, the file and the reason, the same on
+  // every rank (the ranks agree after opening and after reading, so none is
+  // left waiting). Everything the load will use — model tensor names,
+  // dtypes and shapes, the optimizer's kind, groups, state fields, dtypes
+  // and shapes, the balancing state — is checked before the model or the
+  // optimizer is touched. A FailedPrecondition error means the checkpoint
+  // does not fit the live state.
   absl::StatusOr<LoadResult> Load(const TrainState& state, const LoadOptions& options = {});
   absl::Status WaitAll();
   const CheckpointOptions& options() const { return options_; }
@@ -83,6 +100,11 @@ class Checkpointer {
  private:
   Checkpointer(DistContext& ctx, CheckpointOptions options, std::unique_ptr<CommitStore> store,
                std::unique_ptr<CheckpointWriter> writer);
+  // One attempt at `path`; *mismatch is set when it failed because the
+  // checkpoint does not fit the live state (never a reason to fall back).
+  absl::StatusOr<LoadResult> LoadFrom(Env& env, const std::string& path, const TrainState& state,
+                                      const LoadOptions& options, bool* mismatch);
+
   DistContext& ctx_;
   CheckpointOptions options_;
   std::unique_ptr<CommitStore> store_;

@@ -39,13 +39,20 @@ ABSL_DECLARE_FLAG(int, evenstep_ckpt_in_flight);
 ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_when_busy);
 ABSL_DECLARE_FLAG(double, evenstep_ckpt_slice_mb);
 ABSL_DECLARE_FLAG(int, evenstep_ckpt_every);
-ABSL_DECLARE_FLAG(bool, evenstep_resume);
+ABSL_DECLARE_FLAG(std::string, evenstep_resume);
+ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_on_error);
+ABSL_DECLARE_FLAG(int, evenstep_ckpt_max_failures);
 ABSL_DECLARE_FLAG(bool, evenstep_timeline);
 ABSL_DECLARE_FLAG(int, evenstep_log_every);
 
 namespace evenstep {
 
 struct GradSyncOptions;
+
+// Checks the value of every --evenstep_* flag, as the parts that use them
+// would: InvalidArgument naming the flag and its valid values or range for
+// the first bad one. Session::Create calls it first.
+absl::Status ValidateEvenstepFlags();
 
 // GradSync options from --evenstep_comm_hook, --evenstep_bucket_cap_mb,
 // --evenstep_first_bucket_cap_mb and --evenstep_timeout. InvalidArgument

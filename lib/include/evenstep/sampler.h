@@ -48,8 +48,8 @@ struct SamplerOptions {
   // than a token budget forms a global batch of its own.
   int64_t global_batch = 64;
   // Per-micro-batch cap: at most this many samples, and at most this many
-  // padded tokens (samples x longest length). 0 = no cap. A single sample
-  // over the token cap forms a micro-batch of its own.
+  // padded tokens (samples x longest length). 0 = no cap. A sample longer
+  // than the token cap is an error at Create (it could not be kept).
   int64_t micro_batch_samples = 0;
   int64_t micro_batch_tokens = 0;
   // Fewest micro-batches a rank with at least this many samples gets.

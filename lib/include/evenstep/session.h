@@ -14,7 +14,9 @@
 // collective.
 #pragma once
 
+#include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,9 +33,11 @@ class Timeline;
 
 class Session {
  public:
-  // Creates the parts from the flags, with RUN_DIR as the default place for
-  // checkpoints (RUN_DIR/ckpt), timelines and logs, and resumes from the
-  // latest checkpoint if there is one.
+  // Validates every --evenstep_* flag (InvalidArgument naming the flag and
+  // its valid values), creates the parts from them, with RUN_DIR as the
+  // default place for checkpoints (RUN_DIR/ckpt), timelines and logs, and
+  // resumes (--evenstep_resume): from the newest committed checkpoint if
+  // there is one, an error naming it if it cannot be loaded.
   static absl::StatusOr<std::unique_ptr<Session>> Create(DistContext& ctx, torch::nn::Module& model,
                                                          torch::optim::Optimizer& optimizer,
                                                          std::vector<int64_t> lengths,
@@ -52,7 +56,7 @@ class Session {
     absl::StatusOr<StepReport> report =
         step_->Step(std::forward<Load>(load), std::forward<LossSum>(loss_sum));
     if (!report.ok()) return report;
-    EVENSTEP_RETURN_IF_ERROR(AfterStep(*report));
+    EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
     return report;
   }
   // The same with the loop's own loss: `loss_sum(samples)` gets a
@@ -69,14 +73,27 @@ class Session {
   absl::StatusOr<std::vector<double>> Evaluate(
       const std::vector<int64_t>& lengths,
       const std::function<at::Tensor(const std::vector<int64_t>&)>& fn);
-  // Saves a checkpoint of the current step now (in the background).
+  // Saves a checkpoint of the current step now (in the background). Its
+  // outcome is reported at a later step, on every rank, in one line naming
+  // the step, rank, file and error (see --evenstep_ckpt_on_error).
   absl::Status Checkpoint();
-  // Waits for checkpoints in flight, closes logs and timeline.
+  // Saves the last step if it is not saved yet, waits for the checkpoints
+  // in flight, closes logs and timeline. An error when the last save
+  // failed. A Session destroyed without Finish (an error path) starts no
+  // save: it only waits for those in flight and reports their outcome.
   absl::Status Finish();
 
  private:
+  struct PendingSave {
+    int64_t step;
+    std::shared_future<absl::Status> done;
+  };
   Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
-  absl::Status AfterStep(const StepReport& report);
+  absl::Status AfterStep(StepReport* report);
+  // Reports the outcome of the save of `step` (a line when it failed).
+  void Observe(int64_t step, const absl::Status& outcome);
+  // Observes the saves that have finished, oldest first.
+  void PollSaves();
 
   DistContext& ctx_;
   torch::nn::Module& model_;
@@ -88,7 +105,14 @@ class Session {
   int64_t first_step_ = 1;
   int64_t last_step_ = 0;
   int64_t last_saved_ = 0;
+  bool created_ = false;  // Create finished: every part exists
   bool finished_ = false;
+  std::deque<PendingSave> pending_;  // saves in flight, oldest first
+  int64_t save_failures_ = 0;        // failed saves this rank has seen
+  int failure_run_ = 0;              // consecutive failed saves, the latest ones
+  int longest_failure_run_ = 0;
+  int stop_after_failures_ = 3;      // consecutive failures that stop training; 0 = never
+  absl::Status last_save_error_;
 };
 
 }  // namespace evenstep

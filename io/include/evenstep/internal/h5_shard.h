@@ -39,4 +39,13 @@ int64_t DtypeSize(const std::string& dtype);
 // HDF5's message otherwise.
 absl::StatusOr<std::string> BuildShardImage(std::vector<ShardDataset>* datasets);
 
+// Opens the shard file at `path` with HDF5 (read-only) and compares each of
+// `expected` (path, dtype, shape, offset, bytes) with the dataset the file
+// holds: its HDF5 type and "dtype" attribute, its shape, contiguous layout,
+// offset and storage size. The problems found, each naming the file and the
+// dataset (empty when they agree). The file must be known to be a regular
+// file (CheckpointReader::Open checks it); HDF5 opens it by path.
+std::vector<std::string> CheckShardFile(const std::string& path,
+                                        const std::vector<ShardDataset>& expected);
+
 }  // namespace evenstep::internal

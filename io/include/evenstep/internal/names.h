@@ -2,6 +2,9 @@
 // tensor names and shard file names from (possibly untrusted) manifests.
 #pragma once
 
+#include <cstdint>
+#include <optional>
+
 #include <string>
 
 #include "absl/status/status.h"
@@ -13,5 +16,13 @@ namespace evenstep::internal {
 absl::Status ValidateTensorName(const std::string& name);
 // A plain file name: no '/', not "." or "..", not empty, printable.
 absl::Status ValidateFileName(const std::string& name);
+
+// "step-SSSSSSSSSS": a checkpoint's directory name (zero-padded to 10 digits).
+std::string StepDirName(int64_t step);
+// The step of a checkpoint directory name, exactly as StepDirName writes it;
+// nullopt for any other name (quarantined ones, temporary files, ...).
+std::optional<int64_t> StepOfDirName(const std::string& name);
+// "shard-RRRRR-of-WWWWW.h5": the shard file of `rank` among `world` ranks.
+std::string ShardFileName(int rank, int world);
 
 }  // namespace evenstep::internal
