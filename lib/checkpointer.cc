@@ -184,18 +184,35 @@ std::string BalanceJson(const BalanceState& b) {
 }
 
 absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
-  try {
-    BalanceState b;
-    b.sampler.epoch = j.at("epoch").get<int64_t>();
-    b.sampler.step = j.at("step").get<int64_t>();
-    b.sampler.seed = j.at("seed").get<uint64_t>();
-    b.sampler.num_samples = j.at("num_samples").get<int64_t>();
-    b.steps = j.at("steps").get<int64_t>();
-    b.shares = j.at("shares").get<std::vector<double>>();
-    return b;
-  } catch (const std::exception& e) {
-    return absl::DataLossError(absl::StrCat("checkpoint extras: balance state: ", e.what()));
+  auto bad = [](const std::string& why) {
+    return absl::DataLossError(absl::StrCat("manifest extras: balance state: ", why));
+  };
+  if (!j.is_object()) return bad("not an object");
+  auto integer = [&](const char* key, int64_t* out) {
+    if (!j.contains(key) || !j[key].is_number_integer() ||
+        (j[key].is_number_unsigned() && j[key].get<uint64_t>() > (uint64_t{1} << 62))) {
+      return false;
+    }
+    *out = j[key].get<int64_t>();
+    return true;
+  };
+  BalanceState b;
+  if (!integer("epoch", &b.sampler.epoch) || !integer("step", &b.sampler.step) ||
+      !integer("num_samples", &b.sampler.num_samples) || !integer("steps", &b.steps)) {
+    return bad("epoch, step, num_samples and steps must be integers");
   }
+  if (!j.contains("seed") || !j["seed"].is_number_unsigned()) {
+    if (!j.contains("seed") || !j["seed"].is_number_integer() || j["seed"].get<int64_t>() < 0) {
+      return bad("seed must be a non-negative integer");
+    }
+  }
+  b.sampler.seed = j["seed"].get<uint64_t>();
+  if (!j.contains("shares") || !j["shares"].is_array()) return bad("shares must be an array");
+  for (const auto& v : j["shares"]) {
+    if (!v.is_number()) return bad("a share is not a number");
+    b.shares.push_back(v.get<double>());
+  }
+  return b;
 }
 
 }  // namespace
@@ -541,7 +558,12 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       if (!fallback && !mismatch && options.path.empty()) {
         hint = "; --evenstep_resume=newest_valid falls back to the newest checkpoint that loads";
       }
-      return absl::Status(loaded.status().code(), absl::StrCat("resume from ", path, ": ", why, hint));
+      // NotFound means "no checkpoint at all" to callers (start from
+      // scratch); a missing file of a committed checkpoint is data loss.
+      const absl::StatusCode code = absl::IsNotFound(loaded.status())
+                                        ? absl::StatusCode::kDataLoss
+                                        : loaded.status().code();
+      return absl::Status(code, absl::StrCat("resume from ", path, ": ", why, hint));
     }
     // Fall back: set the unusable checkpoint aside (so that it is neither
     // chosen again nor in the way of a new save of its step) and try the

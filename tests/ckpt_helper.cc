@@ -6,6 +6,10 @@
 //     builds the same model from another seed, loads the latest checkpoint
 //     (any world size) and prints "digest <hex>", the step and the sampler
 //     position it resumed.
+//   ckpt_helper --mode=session --run_dir=R [--steps=N] [--evenstep_*]
+//     trains through evenstep::Session (resume, periodic checkpoints, save
+//     failure reports); prints "first step S", "step K loss L" per step and
+//     "finished" after Finish().
 // Exit codes: 0 ok, 2 evenstep error, 3 init.
 #include <torch/torch.h>
 #include <xxhash.h>
@@ -24,8 +28,10 @@
 #include "evenstep/checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/session.h"
 
-ABSL_FLAG(std::string, mode, "save", "save or load");
+ABSL_FLAG(std::string, mode, "save", "save, load or session");
+ABSL_FLAG(std::string, run_dir, "", "--mode=session: the run directory.");
 ABSL_FLAG(std::string, optimizer, "adam", "sgd, adam, adamw, rmsprop or adagrad");
 ABSL_FLAG(int, steps, 3, "Steps before the save.");
 ABSL_FLAG(int64_t, width, 300, "Hidden width (>= 262144: tensors of over 1 MiB, loaded in place).");
@@ -77,6 +83,45 @@ std::string Digest(torch::nn::Module& model, torch::optim::Optimizer& optimizer)
   return absl::StrFormat("%016x (%d tensors)", h, tensors->size());
 }
 
+torch::Tensor LossSum(torch::nn::Module& model, const std::vector<int64_t>& samples) {
+  torch::Tensor x = torch::zeros({static_cast<int64_t>(samples.size()), 4});
+  for (size_t k = 0; k < samples.size(); ++k) x[k].fill_(samples[k] * 0.01);
+  return model.as<torch::nn::Sequential>()->forward(x).pow(2).sum();
+}
+
+int RunSession(evenstep::DistContext& ctx) {
+  torch::manual_seed(0);
+  const int64_t width = absl::GetFlag(FLAGS_width);
+  torch::nn::Sequential model(torch::nn::Linear(4, width), torch::nn::Tanh(), Scale(width),
+                              torch::nn::Linear(width, 1));
+  auto optimizer = MakeOptimizer(*model, absl::GetFlag(FLAGS_optimizer));
+  std::vector<int64_t> lengths(200);
+  for (size_t i = 0; i < lengths.size(); ++i) lengths[i] = 1 + static_cast<int64_t>(i % 13);
+  auto session = evenstep::Session::Create(ctx, *model, *optimizer, lengths,
+                                           absl::GetFlag(FLAGS_run_dir));
+  if (!session.ok()) {
+    std::cerr << "session: " << session.status() << std::endl;
+    return 2;
+  }
+  std::cout << "first step " << (*session)->first_step() << std::endl;
+  for (int64_t s = (*session)->first_step(); s <= absl::GetFlag(FLAGS_steps); ++s) {
+    auto report = (*session)->Step(
+        [&](const std::vector<int64_t>& samples) { return LossSum(*model, samples); });
+    if (!report.ok()) {
+      std::cerr << "step " << s << ": " << report.status() << std::endl;
+      return 2;
+    }
+    std::cout << "step " << s << " loss " << report->loss << " checkpoint_failures "
+              << report->checkpoint_failures << std::endl;
+  }
+  if (absl::Status done = (*session)->Finish(); !done.ok()) {
+    std::cerr << "finish: " << done << std::endl;
+    return 2;
+  }
+  std::cout << "finished" << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -87,7 +132,9 @@ int main(int argc, char** argv) {
     std::cerr << ctx.status() << "\n";
     return 3;
   }
-  const bool save = absl::GetFlag(FLAGS_mode) == "save";
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode == "session") return RunSession(**ctx);
+  const bool save = mode == "save";
   torch::manual_seed(save ? 0 : 99);
   const int64_t width = absl::GetFlag(FLAGS_width);
   torch::nn::Sequential model(torch::nn::Linear(4, width), torch::nn::Tanh(), Scale(width),

@@ -2,20 +2,26 @@
 """Reads an evenstep checkpoint with h5py alone: no evenstep code, no pickle.
 
     from evenstep_ckpt_reader import load, model_state_dict, optimizer_state_dict
-    tensors, extras = load("runs/fortunes/ckpt")          # the latest, or a step-* dir
+    tensors, extras = load("runs/fortunes/ckpt")          # the newest committed, or a step-* dir
     model.load_state_dict(model_state_dict(tensors))
     optimizer.load_state_dict(optimizer_state_dict(tensors, optimizer))
 
 Returns {name: tensor} (torch tensors when torch is importable, numpy arrays
 otherwise; bfloat16 without torch comes back as its raw uint16 words) and the
-manifest's extras. Every slice's XXH3-64 is checked when the `xxhash` module
-is installed (Debian: python3-xxhash).
+manifest's extras. It checks what evenstep's own reader checks: every
+invariant of the manifest (tiling, offsets, bounds, canonical names, the index
+checksum), regular files only (no symbolic link is followed), each HDF5
+dataset's offset, size and dtype against the manifest, and every slice's
+XXH3-64 (the `xxhash` module, Debian: python3-xxhash). CheckpointError names
+the file and entry otherwise.
 
     evenstep_ckpt_reader.py CKPT                 prints name, dtype, shape
     evenstep_ckpt_reader.py CKPT --dump DIR      writes each tensor's raw bytes to DIR
 """
 import json
 import os
+import re
+import stat
 import sys
 
 import h5py
@@ -24,36 +30,225 @@ import numpy as np
 NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
          "bfloat16": np.uint16, "int8": np.int8, "int16": np.int16, "int32": np.int32,
          "int64": np.int64, "uint8": np.uint8, "bool": np.bool_}
+SIZE = {k: np.dtype(v).itemsize for k, v in NUMPY.items()}
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_JSON_DEPTH = 64
+STEP_DIR = re.compile(r"^step-[0-9]{10,19}$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that breaks the format (the message names file and entry)."""
+
+
+def _regular_file(path):
+    """lstat: a regular file (not a symbolic link, FIFO or device); its size."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError("%s: missing" % path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError("%s: not a regular file (evenstep reads regular files only)" % path)
+    return st.st_size
 
 
 def resolve(path):
-    """A checkpoint directory: `path` itself, or the one `path/latest` names."""
-    if os.path.exists(os.path.join(path, "manifest.json")):
+    """A checkpoint directory: `path` itself when it holds manifest.json, else
+    the newest committed checkpoint under `path` (by manifest, as evenstep's
+    resume chooses; `latest` is only a hint and is never followed)."""
+    if os.path.lexists(os.path.join(path, "manifest.json")):
         return path
-    with open(os.path.join(path, "latest")) as f:
-        return os.path.join(path, f.read().strip())
+    steps = [n for n in os.listdir(path) if STEP_DIR.match(n) and
+             "step-%010d" % int(n[5:]) == n and
+             os.path.lexists(os.path.join(path, n, "manifest.json"))]
+    if not steps:
+        raise CheckpointError("%s: no committed checkpoint" % path)
+    return os.path.join(path, max(steps, key=lambda n: int(n[5:])))
+
+
+def _depth(text):
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def index_text(m):
+    """The canonical index text whose XXH3-64 is the manifest's index_xxh3."""
+    lines = ["evenstep-checkpoint-index\t%d" % m["version"], "step\t%d" % m["step"],
+             "world_size\t%d" % m["world_size"]]
+    for i, (name, size) in enumerate(zip(m["shards"], m["shard_bytes"])):
+        lines.append("shard\t%d\t%s\t%d" % (i, name, size))
+    for t in m["tensors"]:
+        lines.append("tensor\t%s\t%s\t%s" % (t["name"], t["dtype"], ",".join(str(d) for d in t["shape"])))
+        for s in t["slices"]:
+            lines.append("slice\t%d\t%s\t%d\t%d\t%d\t%d\t%s" % (
+                s["shard"], s["dataset"], s["begin"], s["end"], s["offset"], s["bytes"], s["xxh3"]))
+    return "".join(line + "\n" for line in lines)
+
+
+def _int(obj, key, lo=0, hi=(1 << 63) - 1):
+    v = obj.get(key) if isinstance(obj, dict) else None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise CheckpointError("\"%s\" = %r is not an integer in [%d, %d]" % (key, v, lo, hi))
+    return v
+
+
+def validate(m, path, shard_sizes=None):
+    """Every invariant of the format (README: the checkpoint format), as the
+    C++ reader checks them. Raises CheckpointError naming the entry."""
+    def bad(why):
+        raise CheckpointError("%s: %s" % (os.path.join(path, "manifest.json"), why))
+    if not isinstance(m, dict) or m.get("format") != "evenstep-checkpoint":
+        bad("not an evenstep manifest")
+    try:
+        version = _int(m, "version")
+        if version not in (1, 2):
+            bad("format version %d (this reader reads 1 and 2)" % version)
+        step, world = _int(m, "step"), _int(m, "world_size", 1, 1 << 20)
+        shards, sizes = m.get("shards"), m.get("shard_bytes")
+        if not isinstance(shards, list) or not isinstance(sizes, list) or \
+                len(shards) != world or len(sizes) != world:
+            bad("world_size %d with %r shards" % (world, shards))
+        for i, (name, size) in enumerate(zip(shards, sizes)):
+            if name != "shard-%05d-of-%05d.h5" % (i, world):
+                bad("shard %d is named %r" % (i, name))
+            if not isinstance(size, int) or size < 0:
+                bad("shard_bytes of shard %d is %r" % (i, size))
+            if shard_sizes is not None and shard_sizes[i] != size:
+                bad("%s: %d bytes, the manifest says %d" % (name, shard_sizes[i], size))
+        base = os.path.basename(os.path.normpath(path))
+        if STEP_DIR.match(base) and int(base[5:]) != step:
+            bad("step %d in the directory of step %d" % (step, int(base[5:])))
+        names, ranges = set(), [[] for _ in range(world)]
+        for t in m.get("tensors", None) or []:
+            name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+            if not isinstance(name, str) or not name or name.startswith("/") or \
+                    any(ord(c) < 0x20 or c in "@\\\x7f" for c in name) or \
+                    any(seg in ("", ".", "..") for seg in name.split("/")):
+                bad("tensor name %r" % (name,))
+            if name in names:
+                bad("tensor %s appears twice" % name)
+            names.add(name)
+            if dtype not in SIZE:
+                bad("tensor %s: unknown dtype %r" % (name, dtype))
+            if not isinstance(shape, list) or len(shape) > 64 or \
+                    any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+                bad("tensor %s: shape %r" % (name, shape))
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel * 16 >= 1 << 63:
+                bad("tensor %s: impossible shape" % name)
+            slices = t.get("slices")
+            if not isinstance(slices, list) or not slices:
+                bad("tensor %s: no slices" % name)
+            covered = 0
+            for s in slices:
+                shard, begin, end = _int(s, "shard", 0, world - 1), _int(s, "begin"), _int(s, "end")
+                offset, nbytes = _int(s, "offset", -1), _int(s, "bytes")
+                if not isinstance(s.get("xxh3"), str) or not re.match(r"^[0-9a-f]{16}$", s["xxh3"]):
+                    bad("tensor %s: xxh3 %r" % (name, s.get("xxh3")))
+                grows = end > begin or (numel == 0 and len(slices) == 1)
+                if begin != covered or not grows or end > numel or nbytes != (end - begin) * SIZE[dtype]:
+                    bad("tensor %s: slice [%d, %d) does not continue at %d of %d" %
+                        (name, begin, end, covered, numel))
+                want = "/" + name if len(slices) == 1 else "/%s@%d" % (name, begin)
+                if s.get("dataset") != want:
+                    bad("tensor %s: dataset %r, the format names it %r" % (name, s.get("dataset"), want))
+                if (nbytes == 0) != (offset == -1):
+                    bad("tensor %s: offset %d with %d bytes" % (name, offset, nbytes))
+                if nbytes and offset + nbytes > sizes[shard]:
+                    bad("tensor %s: bytes [%d, %d) outside %s" % (name, offset, offset + nbytes, shards[shard]))
+                if nbytes:
+                    ranges[shard].append((offset, offset + nbytes, name))
+                covered = end
+            if covered != numel:
+                bad("tensor %s: slices cover %d of %d elements" % (name, covered, numel))
+        for r, spans in enumerate(ranges):
+            spans.sort()
+            for a, b in zip(spans, spans[1:]):
+                if b[0] < a[1]:
+                    bad("tensors %s and %s overlap in %s" % (a[2], b[2], shards[r]))
+        if version >= 2:
+            try:
+                import xxhash
+            except ImportError:
+                xxhash = None
+            if xxhash is not None:
+                computed = "%016x" % xxhash.xxh3_64_intdigest(index_text(m).encode())
+                if computed != m.get("index_xxh3"):
+                    bad("index checksum %r does not match its tensor index (%s)" %
+                        (m.get("index_xxh3"), computed))
+    except CheckpointError as e:
+        if str(e).startswith(os.path.join(path, "manifest.json")):
+            raise
+        bad("malformed: %s" % e)
+    except (TypeError, AttributeError, KeyError) as e:
+        bad("malformed: %r" % e)
 
 
 def load(path, as_torch=None):
     path = resolve(path)
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != "evenstep-checkpoint" or manifest.get("version") != 1:
-        raise ValueError("%s: not an evenstep checkpoint of format version 1" % path)
+    manifest_path = os.path.join(path, "manifest.json")
+    if _regular_file(manifest_path) > MAX_MANIFEST_BYTES:
+        raise CheckpointError("%s: larger than %d bytes" % (manifest_path, MAX_MANIFEST_BYTES))
+    with open(manifest_path, "rb") as f:
+        text = f.read().decode("utf-8")
+    if _depth(text) > MAX_JSON_DEPTH:
+        raise CheckpointError("%s: JSON nested deeper than %d" % (manifest_path, MAX_JSON_DEPTH))
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError("%s: not JSON: %s" % (manifest_path, e))
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        raise CheckpointError("%s: not an evenstep manifest" % manifest_path)
+    shard_paths = [os.path.join(path, str(s)) for s in manifest["shards"]]
+    validate(manifest, path, None)
+    validate(manifest, path, [_regular_file(p) for p in shard_paths])
     try:
         import xxhash
     except ImportError:
         xxhash = None
-    shards = [h5py.File(os.path.join(path, os.path.basename(s)), "r") for s in manifest["shards"]]
+        print("evenstep_ckpt_reader: python3-xxhash is not installed: checksums NOT verified",
+              file=sys.stderr)
+    shards = [h5py.File(p, "r") for p in shard_paths]
     out = {}
     for t in manifest["tensors"]:
         count = int(np.prod(t["shape"], dtype=np.int64))
         flat = np.empty(count, dtype=NUMPY[t["dtype"]])
         for s in t["slices"]:
-            data = shards[s["shard"]][s["dataset"]][...]
-            data = np.ascontiguousarray(data).view(flat.dtype).reshape(-1)
+            where = "%s, dataset %s" % (manifest["shards"][s["shard"]], s["dataset"])
+            if s["bytes"] == 0:
+                continue
+            ds = shards[s["shard"]].get(s["dataset"])
+            if not isinstance(ds, h5py.Dataset):
+                raise CheckpointError("%s: missing from the HDF5 file" % where)
+            if ds.id.get_offset() != s["offset"] or ds.id.get_storage_size() != s["bytes"] or \
+                    ds.attrs.get("dtype") not in (t["dtype"], t["dtype"].encode()):
+                raise CheckpointError("%s: the HDF5 dataset (offset %s, %d bytes, dtype %r) is not "
+                                      "what the manifest says" % (where, ds.id.get_offset(),
+                                                                  ds.id.get_storage_size(),
+                                                                  ds.attrs.get("dtype")))
+            data = np.ascontiguousarray(ds[...]).view(flat.dtype).reshape(-1)
+            if data.size != s["end"] - s["begin"]:
+                raise CheckpointError("%s: %d elements, the manifest says %d" %
+                                      (where, data.size, s["end"] - s["begin"]))
             if xxhash is not None and xxhash.xxh3_64_intdigest(data.tobytes()) != int(s["xxh3"], 16):
-                raise ValueError("%s, dataset %s: checksum mismatch" % (manifest["shards"][s["shard"]], s["dataset"]))
+                raise CheckpointError("%s: checksum mismatch" % where)
             flat[s["begin"]:s["end"]] = data
         out[t["name"]] = flat.reshape(t["shape"])
     for f in shards:
@@ -69,9 +264,11 @@ def load(path, as_torch=None):
         converted = {}
         for t in manifest["tensors"]:
             array = out[t["name"]]
-            tensor = torch.from_numpy(array.copy())
             if t["dtype"] == "bfloat16":
-                tensor = tensor.view(torch.bfloat16)
+                # torch 1.13 has no uint16: the same bits as int16, viewed as bfloat16.
+                tensor = torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+            else:
+                tensor = torch.from_numpy(array.copy())
             converted[t["name"]] = tensor
         out = converted
     return out, manifest.get("extras", {})
@@ -121,7 +318,11 @@ def main():
     if len(sys.argv) < 2:
         print(__doc__)
         return 2
-    tensors, extras = load(sys.argv[1], as_torch=False)
+    try:
+        tensors, extras = load(sys.argv[1], as_torch=False)
+    except CheckpointError as e:
+        print("evenstep_ckpt_reader: %s" % e, file=sys.stderr)
+        return 1
     if len(sys.argv) == 4 and sys.argv[2] == "--dump":
         os.makedirs(sys.argv[3], exist_ok=True)
         for name, array in tensors.items():
