@@ -258,10 +258,7 @@ absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags() {
   const double slice_mb = absl::GetFlag(FLAGS_evenstep_ckpt_slice_mb);
   EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_keep", options.keep, 1));
   EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_in_flight", options.max_in_flight, 1));
-  if (!(slice_mb > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_ckpt_slice_mb=", slice_mb, ": must be positive"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(internal::InRange("evenstep_ckpt_slice_mb", slice_mb, 0, 1 << 20, true));
   options.slice_bytes = std::max<int64_t>(1, static_cast<int64_t>(slice_mb * (1 << 20)));
   return options;
 }

@@ -2,6 +2,7 @@
 #include "evenstep/flags.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <vector>
@@ -108,15 +109,17 @@ absl::StatusOr<DistOptions> DistOptions::FromFlags() {
   }
   options.collective_timeout = absl::GetFlag(FLAGS_evenstep_timeout);
   options.rendezvous_timeout = absl::GetFlag(FLAGS_evenstep_rendezvous_timeout);
-  if (options.collective_timeout <= absl::ZeroDuration()) {
+  if (options.collective_timeout <= absl::ZeroDuration() ||
+      options.collective_timeout == absl::InfiniteDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--evenstep_timeout=", absl::FormatDuration(options.collective_timeout),
-                     ": must be positive"));
+                     ": must be positive and finite"));
   }
-  if (options.rendezvous_timeout <= absl::ZeroDuration()) {
+  if (options.rendezvous_timeout <= absl::ZeroDuration() ||
+      options.rendezvous_timeout == absl::InfiniteDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--evenstep_rendezvous_timeout=", absl::FormatDuration(options.rendezvous_timeout),
-        ": must be positive"));
+        ": must be positive and finite"));
   }
   return options;
 }
@@ -135,14 +138,9 @@ absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags() {
   options.comm_hook = *std::move(comm_hook);
   const double cap = absl::GetFlag(FLAGS_evenstep_bucket_cap_mb);
   const double first = absl::GetFlag(FLAGS_evenstep_first_bucket_cap_mb);
-  if (!(cap > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_bucket_cap_mb=", cap, ": must be positive"));
-  }
-  if (!(first > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_first_bucket_cap_mb=", first, ": must be positive"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(internal::InRange("evenstep_bucket_cap_mb", cap, 0, 1 << 20, true));
+  EVENSTEP_RETURN_IF_ERROR(
+      internal::InRange("evenstep_first_bucket_cap_mb", first, 0, 1 << 20, true));
   options.bucket_cap_bytes = static_cast<int64_t>(cap * (1 << 20));
   options.first_bucket_cap_bytes = static_cast<int64_t>(first * (1 << 20));
   options.timeout = absl::GetFlag(FLAGS_evenstep_timeout);
@@ -151,9 +149,27 @@ absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags() {
 
 namespace internal {
 
+namespace {
+// A bound or value as people write it: 1048576, not 1.04858e+06.
+std::string Num(double v) {
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 1e15) {
+    return absl::StrCat(static_cast<int64_t>(v));
+  }
+  return absl::StrCat(v);
+}
+}  // namespace
+
 absl::Status NotBelow(const char* flag, double value, double minimum) {
-  if (value >= minimum) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": must be >= ", minimum));
+  if (value >= minimum && std::isfinite(value)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, "=", Num(value), ": must be >= ", Num(minimum), " (and finite)"));
+}
+
+absl::Status InRange(const char* flag, double value, double lo, double hi, bool lo_open) {
+  const bool ok = std::isfinite(value) && (lo_open ? value > lo : value >= lo) && value <= hi;
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", Num(value), ": must be in ",
+                                                 lo_open ? "(" : "[", Num(lo), ", ", Num(hi), "]"));
 }
 
 }  // namespace internal

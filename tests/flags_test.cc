@@ -5,10 +5,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/checkpointer.h"
 
@@ -110,6 +114,91 @@ TEST_F(FlagsTest, ConfigFromFlags) {
   ASSERT_TRUE(config->cost);
   EXPECT_EQ(config->cost(10), 60);
   EXPECT_EQ(config->sampler.global_batch, 64);
+}
+
+// Every value of every --evenstep_* flag that is not valid, and what the
+// program says: a flag missing from this table fails the test, so a new flag
+// cannot ship without its invalid values tried.
+struct BadValues {
+  const char* flag;
+  std::vector<const char*> values;  // each: a parse error or a validation error naming the flag
+  const char* why_none = "";        // for flags without an invalid value: why
+};
+
+const std::vector<BadValues>& FlagTable() {
+  static const std::vector<BadValues> table = {
+      {"evenstep_backend", {"foo", ""}},
+      {"evenstep_timeout", {"0s", "-1s", "inf", "ten"}},
+      {"evenstep_rendezvous_timeout", {"0s", "-5m", "inf"}},
+      {"evenstep_comm_hook", {"foo", ""}},
+      {"evenstep_bucket_cap_mb", {"0", "-1", "nan", "inf", "1e30"}},
+      {"evenstep_first_bucket_cap_mb", {"0", "-1", "nan", "1e30"}},
+      {"evenstep_balance", {"foo", ""}},
+      {"evenstep_global_batch", {"0", "-5", "many"}},
+      {"evenstep_batch_unit", {"bytes"}},
+      {"evenstep_micro_batch_samples", {"-1"}},
+      {"evenstep_micro_batch_tokens", {"-1"}},
+      {"evenstep_min_micro_batches", {"-1"}},
+      {"evenstep_max_micro_batches", {"-1"}},
+      {"evenstep_plan_interval", {"0", "-2"}},
+      {"evenstep_plan_damping", {"0", "1.5", "-0.1", "nan"}},
+      {"evenstep_warmup_steps", {"-1"}},
+      {"evenstep_seed", {"-1", "x"}},
+      {"evenstep_sort_window", {"-1"}},
+      {"evenstep_drop_last", {"maybe"}},
+      {"evenstep_normalize", {"bytes"}},
+      {"evenstep_cost_quadratic", {"-1", "nan", "inf"}},
+      {"evenstep_clip_grad_norm", {"-1", "nan", "inf"}},
+      {"evenstep_ckpt_dir",
+       {},
+       "any path is a valid value; an unusable one fails Checkpointer::Create naming it "
+       "(resume_test: BadFlagsAndPathsStopWithAMessage)"},
+      {"evenstep_ckpt_keep", {"0", "-1"}},
+      {"evenstep_ckpt_in_flight", {"0"}},
+      {"evenstep_ckpt_when_busy", {"later"}},
+      {"evenstep_ckpt_slice_mb", {"0", "-1", "nan", "1e30"}},
+      {"evenstep_ckpt_every", {"-1"}},
+      {"evenstep_resume", {"maybe", ""}},
+      {"evenstep_ckpt_on_error", {"ignore"}},
+      {"evenstep_ckpt_max_failures", {"-1"}},
+      {"evenstep_timeline", {"maybe"}},
+      {"evenstep_log_every", {"0", "-3"}},
+  };
+  return table;
+}
+
+TEST_F(FlagsTest, EveryInvalidValueOfEveryFlagIsAnErrorNamingTheFlag) {
+  ASSERT_TRUE(ValidateEvenstepFlags().ok()) << "the defaults must be valid";
+  std::map<std::string, const BadValues*> by_name;
+  for (const BadValues& b : FlagTable()) by_name[b.flag] = &b;
+  int tried = 0;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!absl::StartsWith(name, "evenstep_")) continue;
+    auto it = by_name.find(std::string(name));
+    ASSERT_NE(it, by_name.end()) << "--" << name << " is not in the table of invalid values";
+    const BadValues& bad = *it->second;
+    EXPECT_TRUE(!bad.values.empty() || *bad.why_none) << name;
+    const std::string original = flag->CurrentValue();
+    for (const char* value : bad.values) {
+      ++tried;
+      const std::string arg = absl::StrCat("--", name, "=", value);
+      std::string error;
+      if (!flag->ParseFrom(value, &error)) {
+        // Not even of the flag's type: the parser names the flag.
+        std::vector<std::string> rest;
+        const absl::Status s = Parse({arg}, &rest);
+        EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << arg;
+        EXPECT_THAT(s.message(), HasSubstr("--" + std::string(name))) << arg;
+        continue;
+      }
+      const absl::Status s = ValidateEvenstepFlags();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << arg << ": " << s;
+      EXPECT_THAT(s.message(), HasSubstr("--" + std::string(name))) << arg;
+      ASSERT_TRUE(flag->ParseFrom(original, &error)) << error;
+    }
+    ASSERT_TRUE(ValidateEvenstepFlags().ok()) << "after --" << name;
+  }
+  EXPECT_GT(tried, 60);
 }
 
 }  // namespace

@@ -354,6 +354,31 @@ TEST_F(ResumeTest, ACommittedCheckpointIsNeverRewritten) {
   EXPECT_EQ(ReadAll(ckpt(4) + kShard0) + ReadAll(ckpt(4) + "/manifest.json"), before);
 }
 
+TEST_F(ResumeTest, BadFlagsAndPathsStopWithAMessageNeverACrash) {
+  // The values real runs crashed on (SIGSEGV from a half-built Session).
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--evenstep_balance=foo", "--evenstep_balance=foo: expected"},
+      {"--evenstep_ckpt_keep=0", "--evenstep_ckpt_keep=0: must be >= 1"},
+      {"--evenstep_global_batch=0", "--evenstep_global_batch=0: must be >= 1"},
+      {"--evenstep_plan_damping=0", "--evenstep_plan_damping=0: must be in (0, 1]"},
+      {"--evenstep_log_every=0", "--evenstep_log_every=0: must be >= 1"},
+      {"--evenstep_bucket_cap_mb=-1", "--evenstep_bucket_cap_mb=-1: must be in (0, 1048576]"},
+      {"--evenstep_ckpt_every=-1", "--evenstep_ckpt_every=-1: must be >= 0"},
+      {"--evenstep_resume=maybe", "--evenstep_resume=maybe: expected newest, newest_valid or off"},
+      {"--evenstep_micro_batch_tokens=10",
+       "has 11 tokens, more than the micro-batch cap --evenstep_micro_batch_tokens=10"},
+      {"--evenstep_ckpt_dir=" + dir_ + "/ckpt/latest/sub", "/ckpt/latest/sub"},
+  };
+  for (const auto& [flag, expect] : cases) {
+    auto r = Train(dir_ + "/bad", 2, {flag});
+    for (const ProcessResult& p : r) {
+      EXPECT_EQ(p.signal, 0) << flag << "\n" << Describe(r);
+      EXPECT_EQ(p.exit_code, 2) << flag << "\n" << Describe(r);
+      EXPECT_THAT(p.output, HasSubstr(expect)) << flag << "\n" << Describe(r);
+    }
+  }
+}
+
 // A tmpfs mounted for one test (skipped where mounting is not permitted).
 class MountedTest : public ::testing::Test {
  protected:

@@ -10,5 +10,8 @@ namespace evenstep::internal {
 // OK when value >= minimum; otherwise InvalidArgument
 // "--FLAG=VALUE: must be >= MINIMUM".
 absl::Status NotBelow(const char* flag, double value, double minimum);
+// OK when value is finite and lo < value <= hi (lo_open) or lo <= value <= hi;
+// otherwise InvalidArgument "--FLAG=VALUE: must be in (LO, HI]" (or "[LO, HI]").
+absl::Status InRange(const char* flag, double value, double lo, double hi, bool lo_open = false);
 
 }  // namespace evenstep::internal
