@@ -44,7 +44,9 @@ absl::StatusOr<std::string> BuildShardImage(std::vector<ShardDataset>* datasets)
 // holds: its HDF5 type and "dtype" attribute, its shape, contiguous layout,
 // offset and storage size. The problems found, each naming the file and the
 // dataset (empty when they agree). The file must be known to be a regular
-// file (CheckpointReader::Open checks it); HDF5 opens it by path.
+// file (CheckpointReader::Open checks it); HDF5 opens it by path, in a child
+// process (libhdf5 is not safe on hostile metadata): a crash, a hang (120 s)
+// or a runaway allocation there comes back as a problem naming the file.
 std::vector<std::string> CheckShardFile(const std::string& path,
                                         const std::vector<ShardDataset>& expected);
 
