@@ -85,6 +85,17 @@ TEST_F(SampleTest, ResumeAfterSigkillMatchesTheUninterruptedRun) {
   for (const auto& [step, loss] : resumed) {
     EXPECT_EQ(loss, full.at(step)) << "step " << step;  // exactly
   }
+  // Nothing the first segment logged is lost: the resumed run writes new
+  // segments beside it, and the report reads them together.
+  const std::string run = dir_ + "/cut";
+  for (const std::string& file :
+       {"trace-00000.json", "trace-00000.1.json", "trace-00001.json", "trace-00001.1.json",
+        "metrics-00000.jsonl", "metrics-00000.1.jsonl"}) {
+    EXPECT_TRUE(std::filesystem::exists(run + "/" + file)) << file;
+  }
+  const auto report = evenstep::testing::RunAll(
+      {{{EVENSTEP_REPORT_TOOL, run}, {}}}, absl::Seconds(60));
+  EXPECT_EQ(report[0].exit_code, 0) << report[0].output;
   // The same checkpoint resumed on 3 ranks: close, not bit-exact.
   std::filesystem::copy(dir_ + "/cut", dir_ + "/cut3", std::filesystem::copy_options::recursive);
   const auto three = Train(3, "cut3", work, &code, &output);

@@ -188,14 +188,17 @@ TEST(SamplerTest, PackRespectsCapsAndMinimum) {
   options.micro_batch_samples = 6;
   options.micro_batch_tokens = 400;
   options.min_micro_batches = 3;
-  auto sampler = Sampler::Create(Lengths(500), options);
+  std::vector<int64_t> lengths = Lengths(500);
+  for (int64_t& l : lengths) l = std::min<int64_t>(l, 400);
+  auto sampler = Sampler::Create(lengths, options);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
   std::vector<int64_t> all(500);
   std::iota(all.begin(), all.end(), 0);
   const auto micro = sampler->Pack(all);
   int64_t total = 0;
   for (const MicroBatch& mb : micro) {
     EXPECT_LE(mb.samples.size(), 6u);
-    if (mb.samples.size() > 1) EXPECT_LE(mb.max_length * mb.samples.size(), 400);
+    EXPECT_LE(mb.max_length * static_cast<int64_t>(mb.samples.size()), 400);
     total += mb.samples.size();
   }
   EXPECT_EQ(total, 500);
@@ -204,6 +207,16 @@ TEST(SamplerTest, PackRespectsCapsAndMinimum) {
   EXPECT_EQ(small.size(), 3u);
   EXPECT_EQ(sampler->Pack({}).size(), 0u);
   EXPECT_EQ(sampler->Pack({9}).size(), 1u);
+}
+
+TEST(SamplerTest, ASampleLongerThanTheTokenCapIsAnErrorNamingIt) {
+  SamplerOptions options;
+  options.micro_batch_tokens = 10;
+  auto sampler = Sampler::Create({3, 10, 11, 2}, options);
+  EXPECT_EQ(sampler.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(sampler.status().message(),
+              ::testing::HasSubstr("sample 2 has 11 tokens, more than the micro-batch cap "
+                                   "--evenstep_micro_batch_tokens=10"));
 }
 
 TEST(SamplerTest, CountsForNormalisation) {
