@@ -421,13 +421,36 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
   absl::StatusOr<int64_t> arrived = store->Add(key + "arrived", 1);
   if (!arrived.ok()) return context(arrived.status());
   if (*arrived != world) {
-    absl::StatusOr<std::string> outcome = store->Get(key + "outcome");
-    if (!outcome.ok()) {
-      return context(absl::Status(outcome.status().code(),
-                                  absl::StrCat("waiting for the outcome of the save: ",
-                                               outcome.status().message())));
+    // Wait for the outcome on the blocking pool (other saves' fibers keep
+    // running). A store timeout is not the end while ranks keep arriving (a
+    // large shard on a slow disk): only a whole timeout without a new
+    // arrival is, and the error then says how many ranks arrived.
+    int64_t seen = *arrived;
+    bool waited_for_commit = false;
+    for (;;) {
+      absl::StatusOr<std::string> outcome;
+      runtime->Blocking([&] {
+        outcome = store->Get(key + "outcome");
+        return absl::OkStatus();
+      }).IgnoreError();
+      if (outcome.ok()) return DecodeStatus(*outcome);
+      absl::StatusOr<int64_t> now = store->Add(key + "arrived", 0);
+      if (absl::IsDeadlineExceeded(outcome.status()) && now.ok()) {
+        // Progress: wait again. Every rank arrived: the last one is
+        // committing; wait once more for it.
+        const bool progress = *now > seen;
+        seen = *now;
+        if (progress && *now < world) continue;
+        if (*now == world && !waited_for_commit) {
+          waited_for_commit = true;
+          continue;
+        }
+      }
+      return context(absl::Status(
+          outcome.status().code(),
+          absl::StrCat("waiting for the outcome of the save (", now.ok() ? *now : -1, " of ", world,
+                       " ranks reported): ", outcome.status().message())));
     }
-    return DecodeStatus(*outcome);
   }
   absl::Status outcome = Commit(seq, step, metas, extras);
   if (!outcome.ok() && !absl::StartsWith(outcome.message(), "checkpoint step ")) {

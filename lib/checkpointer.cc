@@ -542,15 +542,16 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
                                               absl::StrJoin(failures, "; ")));
     }
     const std::string path = options.path.empty() ? CheckpointPath(options_.dir, step) : options.path;
-    bool mismatch = false;
-    absl::StatusOr<LoadResult> loaded = LoadFrom(env, path, state, options, &mismatch);
+    bool mismatch = false, agreed = false;
+    absl::StatusOr<LoadResult> loaded = LoadFrom(env, path, state, options, &mismatch, &agreed);
     if (loaded.ok()) {
       loaded->skipped = failures;
       return loaded;
     }
     const std::string why(loaded.status().message());
-    if (!fallback || mismatch || loaded.status().code() == absl::StatusCode::kDeadlineExceeded ||
-        loaded.status().code() == absl::StatusCode::kUnavailable) {
+    // Only a failure every rank agreed on may lead to the next candidate
+    // (a broadcast that failed may have failed on some ranks only).
+    if (!fallback || mismatch || !agreed) {
       std::string hint;
       if (!fallback && !mismatch && options.path.empty()) {
         hint = "; --evenstep_resume=newest_valid falls back to the newest checkpoint that loads";
@@ -580,7 +581,8 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
 
 absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& path,
                                                   const TrainState& state,
-                                                  const LoadOptions& options, bool* mismatch_out) {
+                                                  const LoadOptions& options, bool* mismatch_out,
+                                                  bool* agreed_out) {
   LoadResult result;
   result.path = path;
   // 1. Open and validate, on every rank, against the live model, optimizer
@@ -655,10 +657,12 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
       Agreed opened, Agree(ctx_, prepared, mismatch, static_cast<int64_t>(index & 0x7fffffffffff)));
   if (!opened.status.ok()) {
     *mismatch_out = opened.mismatch;
+    *agreed_out = true;
     return opened.status;
   }
   for (int r = 1; r < ctx_.world_size(); ++r) {
     if (opened.values[r] != opened.values[0]) {
+      *agreed_out = true;  // every rank sees every value
       return absl::DataLossError(absl::StrCat("rank ", r, " read another manifest than rank 0 (",
                                               "is ", path, " on a shared file system?)"));
     }
@@ -709,7 +713,10 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
     result.bytes_read += n;
   }
   EVENSTEP_ASSIGN_OR_RETURN(Agreed parts, Agree(ctx_, read, false, 0));
-  if (!parts.status.ok()) return parts.status;
+  if (!parts.status.ok()) {
+    *agreed_out = true;
+    return parts.status;
+  }
   // 4. Every part reaches every rank: large tensors one broadcast each, in
   //    place; small ones packed into one buffer.
   constexpr int64_t kBroadcastAlone = 1 << 20;

@@ -100,10 +100,12 @@ class Checkpointer {
  private:
   Checkpointer(DistContext& ctx, CheckpointOptions options, std::unique_ptr<CommitStore> store,
                std::unique_ptr<CheckpointWriter> writer);
-  // One attempt at `path`; *mismatch is set when it failed because the
-  // checkpoint does not fit the live state (never a reason to fall back).
+  // One attempt at `path`. On failure, *mismatch is set when the checkpoint
+  // does not fit the live state (never a reason to fall back), *agreed when
+  // every rank knows of the failure (only then may the ranks move on to
+  // another candidate together).
   absl::StatusOr<LoadResult> LoadFrom(Env& env, const std::string& path, const TrainState& state,
-                                      const LoadOptions& options, bool* mismatch);
+                                      const LoadOptions& options, bool* mismatch, bool* agreed);
 
   DistContext& ctx_;
   CheckpointOptions options_;
