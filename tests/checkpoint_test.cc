@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -424,6 +425,42 @@ TEST(CheckpointTest, CkptToolListsShowsVerifiesAndConsolidates) {
   std::tie(rc, out) = RunShell(tool + " verify " + dir.path());
   EXPECT_EQ(rc, 1) << out;
   EXPECT_THAT(out, HasSubstr("CORRUPT " + shard));
+}
+
+TEST(CheckpointTest, ToolsRefuseHostileCheckpointsWithoutCrashingOrHanging) {
+  TempDir dir;
+  ASSERT_TRUE(SaveAsRanks(dir.path(), MakeState(4, 1), 2).ok());
+  const std::string tool = EVENSTEP_CKPT_TOOL;
+  const std::string ckpt = CheckpointPath(dir.path(), 4);
+  const std::string manifest = ckpt + "/manifest.json";
+  const std::string original = *ReadFileToString(*Env::Default(), manifest);
+  // `extras` nested 58,000 deep (nlohmann's dump recurses: SIGSEGV before).
+  std::string deep = original;
+  deep.replace(deep.find("\"extras\": {"), 11,
+               "\"extras\": {\"x\": " + std::string(58000, '[') + std::string(58000, ']') + ", ");
+  std::ofstream(manifest, std::ios::trunc) << deep;
+  for (const std::string command : {"show", "verify", "consolidate", "export"}) {
+    auto [rc, out] = RunShell(absl::StrCat(tool, " ", command, " ", ckpt, " ", dir.path(), "/out"));
+    EXPECT_EQ(rc, 1) << command << ": " << out;
+    EXPECT_THAT(out, HasSubstr("JSON nested 58002 deep (at most 64)")) << command;
+  }
+  // A manifest that is a FIFO: refused at once (it used to hang).
+  std::filesystem::remove(manifest);
+  ASSERT_EQ(mkfifo(manifest.c_str(), 0644), 0);
+  auto [rc, out] = RunShell(tool + " verify " + ckpt);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, HasSubstr("not a regular file (a FIFO)"));
+  std::filesystem::remove(manifest);
+  std::ofstream(manifest) << original;
+  // A 1 TiB sparse `latest`: never read whole (it used to throw bad_alloc);
+  // the checkpoint is still found by its manifest.
+  std::filesystem::resize_file(dir.path() + "/latest", int64_t{1} << 40);
+  std::tie(rc, out) = RunShell(tool + " ls " + dir.path());
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("step-0000000004"));
+  EXPECT_THAT(out, HasSubstr("more than the 4096 such a file may hold"));
+  std::tie(rc, out) = RunShell(tool + " verify " + dir.path());
+  EXPECT_EQ(rc, 0) << out;
 }
 
 TEST(CheckpointTest, VerifyOpensEveryShardWithHdf5) {
