@@ -497,7 +497,6 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
   // learns each candidate's step from rank 0 through the agreement.
   std::vector<int64_t> candidates;
   absl::Status listing_status;
-  std::string latest_note;
   if (ctx_.rank() == 0 && options.path.empty()) {
     absl::StatusOr<CheckpointListing> listing = ListCheckpoints(env, options_.dir);
     if (!listing.ok() && !absl::IsNotFound(listing.status())) {
