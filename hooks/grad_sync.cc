@@ -396,13 +396,18 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(torch::nn::Module& mo
                                                            c10d::ProcessGroup& group,
                                                            GradSyncOptions options) {
   std::vector<NamedTensor> params;
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    if (item.value().requires_grad()) params.emplace_back(item.key(), item.value());
-  }
+  // Frozen parameters are not synced, but every replica must start from the
+  // same values (as DDP broadcasts every parameter at construction): they
+  // are fingerprinted and broadcast with the buffers, whatever
+  // broadcast_buffers says.
   std::vector<NamedTensor> buffers;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!item.value().defined()) continue;
+    (item.value().requires_grad() ? params : buffers).emplace_back(item.key(), item.value());
+  }
   if (options.broadcast_buffers) {
     for (const auto& item : module.named_buffers(/*recurse=*/true)) {
-      buffers.emplace_back(item.key(), item.value());
+      if (item.value().defined()) buffers.emplace_back(item.key(), item.value());
     }
   }
   return Attach(std::move(params), std::move(buffers), group, std::move(options));
@@ -428,10 +433,12 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
     }
   }
   const at::Device device = parameters.front().second.device();
-  absl::Status s = CheckReplicasMatch(group, parameters, device, options.timeout);
-  if (!s.ok()) return s;
+  // Names, dtypes, shapes and devices of everything that is broadcast must
+  // match across ranks (parameters first, so their indices are as before).
   std::vector<NamedTensor> to_broadcast = parameters;
   to_broadcast.insert(to_broadcast.end(), buffers.begin(), buffers.end());
+  absl::Status s = CheckReplicasMatch(group, to_broadcast, device, options.timeout);
+  if (!s.ok()) return s;
   s = BroadcastTensors(group, to_broadcast, options.broadcast_root, options.timeout);
   if (!s.ok()) return s;
 

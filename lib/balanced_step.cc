@@ -97,6 +97,15 @@ BalancedStep::BalancedStep(DistContext& ctx, torch::nn::Module& model,
 BalancedStep::~BalancedStep() = default;
 
 absl::Status BalancedStep::BeginStep() {
+  if (!abandoned_.ok()) {
+    // The peers are still in the abandoned step's collectives (or have
+    // failed in them): a new step here would pair this rank's collectives
+    // with theirs and mix two steps' gradients. Never run on.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BalancedStep: rank ", ctx_.rank(), ": no further step runs after step ", steps_ + 1,
+        " was abandoned (", abandoned_.message(),
+        "); the ranks are out of step: restart from the last checkpoint"));
+  }
   if (in_step_) {
     return absl::FailedPreconditionError(absl::StrCat("BalancedStep: rank ", ctx_.rank(),
                                                       ": BeginStep while step ", steps_ + 1,
@@ -202,9 +211,15 @@ absl::Status BalancedStep::Account() {
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {
   in_step_ = false;
   sync_->set_sync_enabled(true);
-  return absl::InternalError(absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
-                                          ", micro-batch ", micro_batch + 1, " of ", micro_.size(),
-                                          ": ", what));
+  // The abandoned step's gradients must never reach an optimizer step.
+  try {
+    optimizer_.zero_grad();
+  } catch (const std::exception&) {
+  }
+  abandoned_ = absl::InternalError(absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ",
+                                                steps_ + 1, ", micro-batch ", micro_batch + 1,
+                                                " of ", micro_.size(), ": ", what));
+  return abandoned_;
 }
 
 absl::StatusOr<StepReport> BalancedStep::FinishStep() {

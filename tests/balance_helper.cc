@@ -35,6 +35,12 @@
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
 ABSL_FLAG(int, split_seed, 0, "Seed of random initial shares (0 = equal).");
 ABSL_FLAG(int, fail_rank, -1, "Rank whose loss callback throws on step 2.");
+ABSL_FLAG(int, fail_micro_batch, 1,
+          "With --fail_rank: the micro-batch of step 2 (1-based) whose callback throws (the "
+          "last one when it has fewer).");
+ABSL_FLAG(bool, continue_after_failure, false,
+          "After a failed step: report whether the gradients were cleared and try the next "
+          "step (which must refuse to run).");
 ABSL_FLAG(int, samples, 300, "Samples in the synthetic dataset.");
 ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
 ABSL_FLAG(std::string, duty, "none",
@@ -178,10 +184,15 @@ int main(int argc, char** argv) {
   }
   for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
     max_err = 0;
+    int calls = 0;
     auto report =
         (*step)->Step([&](const evenstep::MicroBatch& mb) { return mb.samples; },
                       [&](const std::vector<int64_t>& samples) {
-                        if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank)) {
+                        ++calls;
+                        const int fail_at = std::min<int>(
+                            absl::GetFlag(FLAGS_fail_micro_batch),
+                            static_cast<int>((*step)->micro_batches().size()));
+                        if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
                           throw std::runtime_error("injected failure in the loss callback");
                         }
                         if (sleep_ms > 0) {
@@ -191,7 +202,14 @@ int main(int argc, char** argv) {
                       });
     if (!report.ok()) {
       std::cerr << report.status() << "\n";
-      return 2;
+      if (!absl::GetFlag(FLAGS_continue_after_failure)) return 2;
+      bool cleared = true;
+      for (const auto& p : model->parameters()) {
+        cleared &= !p.grad().defined() || p.grad().abs().max().item<double>() == 0;
+      }
+      std::cout << "step " << s << " failed; gradients " << (cleared ? "cleared" : "LEFT")
+                << std::endl;
+      continue;
     }
     if (timeline) timeline->AddStep(*report);
     if (metrics) {

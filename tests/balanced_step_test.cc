@@ -121,6 +121,20 @@ TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatch) {
               ::testing::ContainsRegex("rank\\(s\\) 1 \\(last at #[0-9]+\\) never arrived"));
 }
 
+TEST(BalancedStepTest, AnAbandonedStepClearsItsGradientsAndNoStepRunsAfterIt) {
+  // A trainer that catches the error and goes on: the abandoned step's
+  // gradients are gone, and the next step refuses to run instead of pairing
+  // its collectives with the peers' abandoned step.
+  auto results = RunHelper(1, {"--fail_rank=0", "--fail_micro_batch=3", "--steps=3",
+                               "--continue_after_failure", "--evenstep_micro_batch_samples=4"});
+  const std::string& out = results[0].output;
+  EXPECT_THAT(out, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
+  EXPECT_THAT(out, HasSubstr("step 3 failed; gradients cleared")) << Describe(results);
+  EXPECT_THAT(out, HasSubstr("rank 0: no further step runs after step 2 was abandoned (BalancedStep: "
+                             "rank 0, step 2, micro-batch 3 of"))
+      << Describe(results);
+}
+
 TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--evenstep_balance=fast", "--evenstep_balance=fast: expected static, work or dynamic"},

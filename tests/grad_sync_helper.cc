@@ -6,6 +6,9 @@
 //   nosync          no collective during local micro-steps, local accumulation
 //   unused          a parameter only rank 0 uses is reduced as zeros elsewhere
 //   mismatch        rank 1's model differs: Attach must fail naming it
+//   frozen          every rank builds its model from another seed and freezes
+//                   l1: after Attach every parameter, frozen ones included,
+//                   equals rank 0's
 //   hook NAME       sum | avg | fp16 | bf16 | user, compared with SUM
 // Exit codes: 0 passed, 1 check failed (printed), 3 init failed, 4 expected error.
 #include <torch/torch.h>
@@ -257,6 +260,29 @@ int Mismatch(evenstep::DistContext& dist) {
   return 4;
 }
 
+int Frozen(evenstep::DistContext& dist) {
+  auto net = MakeNet(100 + dist.rank());
+  for (auto& p : net->l1->parameters()) p.set_requires_grad(false);
+  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+  if (!sync.ok()) {
+    std::cout << sync.status() << std::endl;
+    return 1;
+  }
+  int failures = 0;
+  for (const auto& item : net->named_parameters()) {
+    torch::Tensor mine = item.value().detach().clone();
+    torch::Tensor root = mine.clone();
+    if (!dist.Broadcast(root, 0).ok()) return 1;
+    if (!torch::equal(mine, root)) {
+      std::cout << "parameter " << item.key() << " differs from rank 0's after Attach"
+                << (item.value().requires_grad() ? "" : " (frozen)") << std::endl;
+      ++failures;
+    }
+  }
+  if (failures == 0) std::cout << "frozen ok" << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
 int Hook(evenstep::DistContext& dist, const std::string& name) {
   const int world = dist.world_size(), rank = dist.rank();
   const Batch batch = GlobalBatch();
@@ -328,6 +354,7 @@ int main(int argc, char** argv) {
   if (scenario == "nosync") return NoSync(dist);
   if (scenario == "unused") return Unused(dist);
   if (scenario == "mismatch") return Mismatch(dist);
+  if (scenario == "frozen") return Frozen(dist);
   if (scenario == "hook") return Hook(dist, arg);
   std::cerr << "unknown scenario " << scenario << std::endl;
   return 2;

@@ -85,6 +85,14 @@ TEST(GradSyncTest, UnusedParameterIsReducedAsZeros) {
   }
 }
 
+TEST(GradSyncTest, FrozenParametersStartEqualOnEveryRank) {
+  auto results = RunRanks(3, {"frozen"});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("frozen ok"));
+  }
+}
+
 TEST(GradSyncTest, ReplicaMismatchNamesParameterAndRanks) {
   auto results = RunRanks(3, {"mismatch"});
   for (const ProcessResult& r : results) {

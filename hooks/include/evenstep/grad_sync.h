@@ -94,10 +94,14 @@ using NamedTensor = std::pair<std::string, at::Tensor>;
 
 class GradSync {
  public:
-  // Every parameter of `module` (recursively, those that require grad) and,
-  // with broadcast_buffers, its buffers. Collective over `group`: all ranks
-  // call it. FailedPrecondition naming the first differing parameter and the
-  // ranks when the replicas do not match.
+  // Syncs the parameters of `module` (recursively) that require grad. Every
+  // rank starts from rank `broadcast_root`'s values of all of them, of the
+  // frozen parameters (requires_grad false: fingerprinted and broadcast,
+  // never synced) and, with broadcast_buffers, of its buffers. Collective
+  // over `group`: all ranks call it. FailedPrecondition naming the first
+  // differing tensor (name, dtype, shape, device) and the ranks when the
+  // replicas do not match. A requires_grad change after Attach is not seen:
+  // attach again.
   static absl::StatusOr<std::unique_ptr<GradSync>> Attach(torch::nn::Module& module,
                                                           c10d::ProcessGroup& group,
                                                           GradSyncOptions options = {});

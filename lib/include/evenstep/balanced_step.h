@@ -25,7 +25,10 @@
 //
 // Failures (a collective that times out, a peer that died, an exception from
 // the user's callbacks) come back as a status naming the rank, the step and
-// the micro-batch; the step is then abandoned (gradients are not applied).
+// the micro-batch; the step is then abandoned: its gradients are cleared
+// (never applied), and since the other ranks are still in that step's
+// collectives, every later BeginStep/Step on this rank fails with an error
+// saying so (restart from the last checkpoint) instead of mixing steps.
 // Thread-safety: one training thread drives a BalancedStep.
 #pragma once
 
@@ -230,6 +233,7 @@ class BalancedStep {
   std::vector<CostFit> fits_;  // every rank's, from the last exchange
   int64_t steps_ = 0;
   StepReport report_;
+  absl::Status abandoned_;  // the error that abandoned a step; no step runs after it
   std::array<double, kAgreementSlots> shared_{};
 };
 
