@@ -479,8 +479,12 @@ absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
   // succeeded are removed with the directory (never a committed one).
   auto abandon = [&](absl::Status why) {
     if (!env->Exists(ckpt + "/manifest.json")) {
-      runtime->Blocking([&] { return env->RemoveTree(ckpt); }).IgnoreError();
-      env->SyncDir(options.dir).IgnoreError();
+      runtime
+          ->Blocking([&] {
+            env->RemoveTree(ckpt).IgnoreError();
+            return env->SyncDir(options.dir);
+          })
+          .IgnoreError();
     }
     return why;
   };

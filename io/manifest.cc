@@ -37,25 +37,29 @@ const json& Field(const json& j, const char* key) {
   return *it;
 }
 
-int64_t Int(const json& j, const char* key, int64_t lo, int64_t hi) {
-  const json& v = Field(j, key);
+// A JSON integer (never a float) in [lo, hi]; `what` names it in the error.
+int64_t IntOf(const json& v, const std::string& what, int64_t lo, int64_t hi) {
   if (!v.is_number_integer()) {
-    throw Malformed{absl::StrCat("\"", key, "\" is ", v.dump().substr(0, 40), ", not an integer")};
+    throw Malformed{absl::StrCat(what, " is ", v.dump().substr(0, 40), ", not an integer")};
   }
   int64_t out = 0;
   if (v.is_number_unsigned()) {
     const uint64_t u = v.get<uint64_t>();
     if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      throw Malformed{absl::StrCat("\"", key, "\" = ", u, " is out of range")};
+      throw Malformed{absl::StrCat(what, " = ", u, " is out of range")};
     }
     out = static_cast<int64_t>(u);
   } else {
     out = v.get<int64_t>();
   }
   if (out < lo || out > hi) {
-    throw Malformed{absl::StrCat("\"", key, "\" = ", out, " is outside [", lo, ", ", hi, "]")};
+    throw Malformed{absl::StrCat(what, " = ", out, " is outside [", lo, ", ", hi, "]")};
   }
   return out;
+}
+
+int64_t Int(const json& j, const char* key, int64_t lo, int64_t hi) {
+  return IntOf(Field(j, key), absl::StrCat("\"", key, "\""), lo, hi);
 }
 
 std::string Str(const json& j, const char* key) {
@@ -186,13 +190,8 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
       m.shards.push_back(s.get<std::string>());
     }
     for (const json& b : Array(j, "shard_bytes")) {
-      if (!b.is_number_integer() || b.is_number_float() ||
-          (!b.is_number_unsigned() && b.get<int64_t>() < 0) ||
-          (b.is_number_unsigned() &&
-           b.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
-        throw Malformed{"a shard_bytes entry is not a non-negative integer"};
-      }
-      m.shard_bytes.push_back(b.get<int64_t>());
+      m.shard_bytes.push_back(
+          IntOf(b, "a shard_bytes entry", 0, std::numeric_limits<int64_t>::max()));
     }
     const json& extras = Field(j, "extras");
     m.extras_json = extras.is_string() ? extras.get<std::string>() : extras.dump();
@@ -205,14 +204,10 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
         throw Malformed{absl::StrCat("tensor ", info.name, ": more than ", kMaxDims, " dimensions")};
       }
       for (const json& d : shape) {
-        if (!d.is_number_integer() || d.is_number_float()) {
-          throw Malformed{absl::StrCat("tensor ", info.name, ": a dimension is not an integer")};
-        }
-        if (d.is_number_unsigned() &&
-            d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-          throw Malformed{absl::StrCat("tensor ", info.name, ": impossible shape")};
-        }
-        info.shape.push_back(d.get<int64_t>());
+        // Negative dimensions are refused below, with the whole shape.
+        info.shape.push_back(IntOf(d, absl::StrCat("tensor ", info.name, ": a dimension"),
+                                   std::numeric_limits<int64_t>::min(),
+                                   std::numeric_limits<int64_t>::max()));
       }
       for (const json& s : Array(t, "slices")) {
         SliceInfo slice;

@@ -6,7 +6,6 @@
 #include <iostream>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/str_join.h"
 #include "evenstep/checkpointer.h"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"

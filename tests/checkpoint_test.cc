@@ -68,13 +68,7 @@ CheckpointState MakeState(int64_t step, int seed) {
   return state;
 }
 
-// Runs a shell command (through the tests' bounded Subprocess);
-// (exit status, combined output).
-std::pair<int, std::string> RunShell(const std::string& command) {
-  const auto results = evenstep::testing::RunAll(
-      {evenstep::testing::ProcessSpec{{"/bin/sh", "-c", command}, {}}}, absl::Seconds(120));
-  return {results[0].exit_code, results[0].output};
-}
+using ::evenstep::testing::RunShell;
 
 bool BitEqual(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;

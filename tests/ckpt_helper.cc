@@ -161,9 +161,7 @@ int main(int argc, char** argv) {
       auto report =
           (*step)->Step([](const evenstep::MicroBatch& mb) { return mb.samples; },
                         [&](const std::vector<int64_t>& samples) {
-                          torch::Tensor x = torch::zeros({static_cast<int64_t>(samples.size()), 4});
-                          for (size_t k = 0; k < samples.size(); ++k) x[k].fill_(samples[k] * 0.01);
-                          return model->forward(x).pow(2).sum();
+                          return LossSum(*model, samples);
                         });
       if (!report.ok()) {
         std::cerr << report.status() << "\n";

@@ -47,8 +47,7 @@ void WriteAll(const std::string& path, const std::string& text) {
 }
 
 std::pair<int, std::string> Shell(const std::string& command) {
-  const auto r = evenstep::testing::RunAll({{{"/bin/sh", "-c", command}, {}}}, absl::Seconds(60));
-  return {r[0].exit_code, r[0].output};
+  return evenstep::testing::RunShell(command, absl::Seconds(60));
 }
 
 // Runs ckpt_helper's Session loop on 2 ranks in `run_dir` (checkpoints in

@@ -107,9 +107,11 @@ def _int(obj, key, lo=0, hi=(1 << 63) - 1):
     return v
 
 
-def validate(m, path, shard_sizes=None):
+def validate(m, path, files=True):
     """Every invariant of the format (README: the checkpoint format), as the
-    C++ reader checks them. Raises CheckpointError naming the entry."""
+    C++ reader checks them; with `files`, also that each shard is a regular
+    file of the size the manifest says (stat'ed once its name is known to be
+    canonical). Raises CheckpointError naming the entry."""
     def bad(why):
         raise CheckpointError("%s: %s" % (os.path.join(path, "manifest.json"), why))
     if not isinstance(m, dict) or m.get("format") != "evenstep-checkpoint":
@@ -128,8 +130,10 @@ def validate(m, path, shard_sizes=None):
                 bad("shard %d is named %r" % (i, name))
             if not isinstance(size, int) or size < 0:
                 bad("shard_bytes of shard %d is %r" % (i, size))
-            if shard_sizes is not None and shard_sizes[i] != size:
-                bad("%s: %d bytes, the manifest says %d" % (name, shard_sizes[i], size))
+            if files:
+                on_disk = _regular_file(os.path.join(path, name))
+                if on_disk != size:
+                    bad("%s: %d bytes, the manifest says %d" % (name, on_disk, size))
         base = os.path.basename(os.path.normpath(path))
         if STEP_DIR.match(base) and int(base[5:]) != step:
             bad("step %d in the directory of step %d" % (step, int(base[5:])))
@@ -194,7 +198,7 @@ def validate(m, path, shard_sizes=None):
                     bad("index checksum %r does not match its tensor index (%s)" %
                         (m.get("index_xxh3"), computed))
     except CheckpointError as e:
-        if str(e).startswith(os.path.join(path, "manifest.json")):
+        if str(e).startswith(path):  # already names its file (the manifest or a shard)
             raise
         bad("malformed: %s" % e)
     except (TypeError, AttributeError, KeyError) as e:
@@ -214,11 +218,8 @@ def load(path, as_torch=None):
         manifest = json.loads(text)
     except ValueError as e:
         raise CheckpointError("%s: not JSON: %s" % (manifest_path, e))
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
-        raise CheckpointError("%s: not an evenstep manifest" % manifest_path)
-    shard_paths = [os.path.join(path, str(s)) for s in manifest["shards"]]
-    validate(manifest, path, None)
-    validate(manifest, path, [_regular_file(p) for p in shard_paths])
+    validate(manifest, path)
+    shard_paths = [os.path.join(path, s) for s in manifest["shards"]]
     try:
         import xxhash
     except ImportError:

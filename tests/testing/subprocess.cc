@@ -206,4 +206,9 @@ std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& a
   return RunAll(TorchrunRanks(world, (*server)->port(), argv), timeout);
 }
 
+std::pair<int, std::string> RunShell(const std::string& command, absl::Duration timeout) {
+  const auto results = RunAll({ProcessSpec{{"/bin/sh", "-c", command}, {}}}, timeout);
+  return {results[0].exit_code, results[0].output};
+}
+
 }  // namespace evenstep::testing

@@ -55,6 +55,10 @@ class Subprocess {
 // Runs every spec at once and waits for all of them under one deadline.
 std::vector<ProcessResult> RunAll(const std::vector<ProcessSpec>& specs, absl::Duration timeout);
 
+// Runs `command` with /bin/sh -c under `timeout`: (exit status, output).
+std::pair<int, std::string> RunShell(const std::string& command,
+                                     absl::Duration timeout = absl::Seconds(120));
+
 // Specs for `world` ranks of `argv` with the torchrun convention (RANK,
 // WORLD_SIZE = declared_world or world, LOCAL_*, MASTER_ADDR/PORT) against a
 // store already hosted on 127.0.0.1:`port` (TORCHELASTIC_USE_AGENT_STORE), one
