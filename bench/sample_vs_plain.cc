@@ -138,8 +138,8 @@ int main(int argc, char** argv) {
   const Result plain =
       Measure("plain", EVENSTEP_PLAIN_TRAINER, common + " --trace", runs, steps, nproc);
   const Result es =
-      Measure("evenstep", EVENSTEP_TRAINER, common + " --evenstep_resume=off --evenstep_ckpt_keep=1",
-              runs, steps, nproc);
+      Measure("evenstep", EVENSTEP_TRAINER,
+              common + " --evenstep_resume=off --evenstep_ckpt_keep=1", runs, steps, nproc);
   if (temporary) std::filesystem::remove_all(runs);
   if (!plain.ok || !es.ok) return 1;
 

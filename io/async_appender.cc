@@ -20,8 +20,10 @@ absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::Create(const std::
   return std::unique_ptr<AsyncAppender>(new AsyncAppender(path, *std::move(file), flush_bytes));
 }
 
-absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::CreateSegment(
-    const std::string& stem, const std::string& ext, size_t flush_bytes, Env* env) {
+absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::CreateSegment(const std::string& stem,
+                                                                            const std::string& ext,
+                                                                            size_t flush_bytes,
+                                                                            Env* env) {
   Env& e = env != nullptr ? *env : *Env::Default();
   std::string path = stem + ext;
   for (int n = 1; e.Exists(path); ++n) path = absl::StrCat(stem, ".", n, ext);

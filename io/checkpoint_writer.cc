@@ -79,7 +79,8 @@ absl::Status DecodeStatus(const std::string& text) {
   int code = 0;
   if (nl == std::string::npos || !absl::SimpleAtoi(text.substr(0, nl), &code) || code < 0 ||
       code > 16) {
-    return absl::InternalError(absl::StrCat("checkpoint outcome unreadable: ", text.substr(0, 200)));
+    return absl::InternalError(
+        absl::StrCat("checkpoint outcome unreadable: ", text.substr(0, 200)));
   }
   return absl::Status(static_cast<absl::StatusCode>(code), text.substr(nl + 1));
 }
@@ -126,7 +127,7 @@ struct CheckpointWriter::Impl {
   std::condition_variable freed;
   std::vector<Staging> staging;
   std::deque<std::shared_future<absl::Status>> in_flight;
-  int64_t saves = 0;  // sequence number of Save calls: the commit key
+  int64_t saves = 0;         // sequence number of Save calls: the commit key
   absl::Status first_error;  // of the saves that left in_flight since the last WaitAll
 
   // Marks a staging buffer free again and wakes a Save waiting for one.
@@ -337,16 +338,16 @@ absl::Status CheckpointWriter::WaitAll() {
   return first;
 }
 
-absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step,
-                                                std::string* report) {
+absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step, std::string* report) {
   const std::string ckpt = CheckpointPath(options.dir, step);
   const std::string final_path = absl::StrCat(ckpt, "/", ShardFileName(rank, world));
   // Never write into a committed checkpoint: its manifest names the shards
   // that are there, and rewriting them would break it.
   if (env->Exists(ckpt + "/manifest.json")) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        ckpt, " already holds a committed checkpoint; it is not overwritten (this save is "
-              "dropped)"));
+    return absl::AlreadyExistsError(
+        absl::StrCat(ckpt,
+                     " already holds a committed checkpoint; it is not overwritten (this save is "
+                     "dropped)"));
   }
   absl::Status s = runtime->Blocking([&] {
     absl::Status made = env->CreateDirs(ckpt);
@@ -415,8 +416,9 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
   // Every rank reports, failed or not, so that the last one to arrive knows
   // the outcome and every rank learns it: a save succeeds or fails as a whole.
   const std::string key = absl::StrCat("evenstep/ckpt/", seq, "/");
-  absl::Status s = store->Set(absl::StrCat(key, "shard/", rank),
-                              mine.ok() ? "ok\n" + report : "error\n" + EncodeStatus(context(mine)));
+  absl::Status s =
+      store->Set(absl::StrCat(key, "shard/", rank),
+                 mine.ok() ? "ok\n" + report : "error\n" + EncodeStatus(context(mine)));
   if (!s.ok()) return context(s);
   absl::StatusOr<int64_t> arrived = store->Add(key + "arrived", 1);
   if (!arrived.ok()) return context(arrived.status());
@@ -429,10 +431,12 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
     bool waited_for_commit = false;
     for (;;) {
       absl::StatusOr<std::string> outcome;
-      runtime->Blocking([&] {
-        outcome = store->Get(key + "outcome");
-        return absl::OkStatus();
-      }).IgnoreError();
+      runtime
+          ->Blocking([&] {
+            outcome = store->Get(key + "outcome");
+            return absl::OkStatus();
+          })
+          .IgnoreError();
       if (outcome.ok()) return DecodeStatus(*outcome);
       absl::StatusOr<int64_t> now = store->Add(key + "arrived", 0);
       if (absl::IsDeadlineExceeded(outcome.status()) && now.ok()) {
@@ -534,9 +538,9 @@ absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
   }
   s = runtime->Blocking([&] { return Retain(step); });
   if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("committed ", ckpt,
-                                               ", but removing older checkpoints failed: ",
-                                               s.message()));
+    return absl::Status(
+        s.code(),
+        absl::StrCat("committed ", ckpt, ", but removing older checkpoints failed: ", s.message()));
   }
   return absl::OkStatus();
 }

@@ -126,10 +126,11 @@ class PosixEnv : public Env {
     }
     if (!S_ISREG(st.st_mode)) {
       ::close(fd);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "open ", path, ": not a regular file (a ",
-          S_ISDIR(st.st_mode) ? "directory" : S_ISFIFO(st.st_mode) ? "FIFO" : "device or socket",
-          "); evenstep reads regular files only"));
+      return absl::FailedPreconditionError(absl::StrCat("open ", path, ": not a regular file (a ",
+                                                        S_ISDIR(st.st_mode)    ? "directory"
+                                                        : S_ISFIFO(st.st_mode) ? "FIFO"
+                                                                               : "device or socket",
+                                                        "); evenstep reads regular files only"));
     }
     return std::unique_ptr<File>(new PosixFile(path, fd));
   }
@@ -189,8 +190,7 @@ Env* Env::Default() {
   return env;
 }
 
-absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
-                                             int64_t max_bytes) {
+absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path, int64_t max_bytes) {
   auto file = env.OpenForRead(path);
   if (!file.ok()) return file.status();
   auto size = (*file)->Size();

@@ -1,9 +1,8 @@
 // BuildShardImage: HDF5 container layout in memory (see h5_shard.h).
 #include "evenstep/internal/h5_shard.h"
 
-#include <hdf5.h>
-
 #include <fcntl.h>
+#include <hdf5.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -249,8 +248,8 @@ std::vector<std::string> CheckShardFileHere(const std::string& path,
       }
       if (value != d.dtype) {
         H5Eclear2(H5E_DEFAULT);
-        problem(absl::StrCat("its dtype attribute is \"", value.substr(0, 40), "\", the manifest says ",
-                             d.dtype));
+        problem(absl::StrCat("its dtype attribute is \"", value.substr(0, 40),
+                             "\", the manifest says ", d.dtype));
         continue;
       }
     } else {
@@ -261,7 +260,8 @@ std::vector<std::string> CheckShardFileHere(const std::string& path,
     Handle space(H5Dget_space(dset.get()), H5Sclose);
     const int rank = space.ok() ? H5Sget_simple_extent_ndims(space.get()) : -1;
     std::vector<hsize_t> dims(rank > 0 ? rank : 0);
-    if (rank < 0 || (rank > 0 && H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr) < 0)) {
+    if (rank < 0 ||
+        (rank > 0 && H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr) < 0)) {
       H5Eclear2(H5E_DEFAULT);
       problem("no readable shape");
       continue;
@@ -283,8 +283,8 @@ std::vector<std::string> CheckShardFileHere(const std::string& path,
     const int64_t stored = static_cast<int64_t>(H5Dget_storage_size(dset.get()));
     H5Eclear2(H5E_DEFAULT);
     if (d.bytes > 0 && (at != d.offset || stored != d.bytes)) {
-      problem(absl::StrCat(stored, " bytes at offset ", at, ", the manifest says ", d.bytes,
-                           " at ", d.offset));
+      problem(absl::StrCat(stored, " bytes at offset ", at, ", the manifest says ", d.bytes, " at ",
+                           d.offset));
     }
   }
   return problems;
@@ -298,8 +298,8 @@ std::vector<std::string> CheckShardFile(const std::string& path,
   {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     char head[8] = {};
-    const bool signed_file = fd >= 0 && ::pread(fd, head, 8, 0) == 8 &&
-                             std::memcmp(head, "\x89HDF\r\n\x1a\n", 8) == 0;
+    const bool signed_file =
+        fd >= 0 && ::pread(fd, head, 8, 0) == 8 && std::memcmp(head, "\x89HDF\r\n\x1a\n", 8) == 0;
     if (fd >= 0) ::close(fd);
     if (!signed_file) return {absl::StrCat(path, ": not an HDF5 file (no HDF5 signature)")};
   }

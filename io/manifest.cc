@@ -78,7 +78,8 @@ const json& Array(const json& j, const char* key) {
 uint64_t Hex64(const json& j, const char* key) {
   const std::string s = Str(j, key);
   uint64_t out = 0;
-  if (s.size() != 16) throw Malformed{absl::StrCat("\"", key, "\" = \"", s, "\" is not 16 hex digits")};
+  if (s.size() != 16)
+    throw Malformed{absl::StrCat("\"", key, "\" = \"", s, "\" is not 16 hex digits")};
   for (char c : s) {
     int d = -1;
     if (c >= '0' && c <= '9') d = c - '0';
@@ -201,7 +202,8 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
       info.dtype = Str(t, "dtype");
       const json& shape = Array(t, "shape");
       if (static_cast<int64_t>(shape.size()) > kMaxDims) {
-        throw Malformed{absl::StrCat("tensor ", info.name, ": more than ", kMaxDims, " dimensions")};
+        throw Malformed{
+            absl::StrCat("tensor ", info.name, ": more than ", kMaxDims, " dimensions")};
       }
       for (const json& d : shape) {
         // Negative dimensions are refused below, with the whole shape.
@@ -237,12 +239,14 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
   for (int i = 0; i < m.world_size; ++i) {
     if (m.shards[i] != internal::ShardFileName(i, m.world_size)) {
       return bad(absl::StrCat("shard ", i, " is named \"", m.shards[i].substr(0, 200),
-                              "\"; the format names it ", internal::ShardFileName(i, m.world_size)));
+                              "\"; the format names it ",
+                              internal::ShardFileName(i, m.world_size)));
     }
   }
   std::set<std::string> names;
   // Byte ranges per shard, to find overlaps: (offset, end, tensor).
-  std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, std::string>>> ranges(m.world_size);
+  std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, std::string>>> ranges(
+      m.world_size);
   for (const TensorInfo& t : m.tensors) {
     if (absl::Status s = internal::ValidateTensorName(t.name); !s.ok()) {
       return bad(std::string(s.message()));
@@ -262,8 +266,8 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
     int64_t covered = 0;
     for (const SliceInfo& s : t.slices) {
       if (s.shard < 0 || s.shard >= m.world_size) {
-        return bad(absl::StrCat("tensor ", t.name, ": slice in shard ", s.shard, " of ",
-                                m.world_size));
+        return bad(
+            absl::StrCat("tensor ", t.name, ": slice in shard ", s.shard, " of ", m.world_size));
       }
       const bool progresses = s.end > s.begin || (numel == 0 && t.slices.size() == 1);
       if (s.begin != covered || !progresses || s.end > numel ||
@@ -272,9 +276,8 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
                                 s.bytes, " bytes does not continue the element range at ", covered,
                                 " of ", numel));
       }
-      const std::string dataset = t.slices.size() == 1
-                                      ? absl::StrCat("/", t.name)
-                                      : absl::StrCat("/", t.name, "@", s.begin);
+      const std::string dataset = t.slices.size() == 1 ? absl::StrCat("/", t.name)
+                                                       : absl::StrCat("/", t.name, "@", s.begin);
       if (s.dataset != dataset) {
         return bad(absl::StrCat("tensor ", t.name, ": dataset \"", s.dataset.substr(0, 200),
                                 "\"; the format names it \"", dataset, "\""));

@@ -101,10 +101,10 @@ absl::Status BalancedStep::BeginStep() {
     // The peers are still in the abandoned step's collectives (or have
     // failed in them): a new step here would pair this rank's collectives
     // with theirs and mix two steps' gradients. Never run on.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BalancedStep: rank ", ctx_.rank(), ": no further step runs after step ", steps_ + 1,
-        " was abandoned (", abandoned_.message(),
-        "); the ranks are out of step: restart from the last checkpoint"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": no further step runs after step ",
+                     steps_ + 1, " was abandoned (", abandoned_.message(),
+                     "); the ranks are out of step: restart from the last checkpoint"));
   }
   if (in_step_) {
     return absl::FailedPreconditionError(absl::StrCat("BalancedStep: rank ", ctx_.rank(),

@@ -6,13 +6,13 @@
 #include <torch/optim.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
-#include <cstring>
-#include <optional>
 #include <type_traits>
 
 #include "absl/flags/flag.h"
@@ -314,7 +314,8 @@ absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& st
     std::set<std::string> with_state;
     for (const auto& [name, tensor] : ckpt.tensors) {
       std::vector<std::string> parts = absl::StrSplit(name, '/');
-      if (parts.size() == 4 && parts[0] == "optimizer") with_state.insert(parts[1] + "/" + parts[2]);
+      if (parts.size() == 4 && parts[0] == "optimizer")
+        with_state.insert(parts[1] + "/" + parts[2]);
     }
     extras["optimizer"] = {{"type", kind->name},
                            {"groups", groups},
@@ -364,9 +365,9 @@ absl::StatusOr<Agreed> Agree(DistContext& ctx, const absl::Status& mine, bool mi
     out.values.push_back(got);
     if (v[0] != 0 && out.status.ok()) {
       const char* text = reinterpret_cast<const char*>(v + 17);
-      out.status = absl::Status(static_cast<absl::StatusCode>(std::min<int>(v[0], 16)),
-                                absl::StrCat("rank ", rank, ": ",
-                                             std::string(text, strnlen(text, kMessageBytes))));
+      out.status = absl::Status(
+          static_cast<absl::StatusCode>(std::min<int>(v[0], 16)),
+          absl::StrCat("rank ", rank, ": ", std::string(text, strnlen(text, kMessageBytes))));
       out.mismatch = v[1] != 0;
     }
   }
@@ -414,7 +415,8 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
     }
     if (!same) {
       return mismatch_error(absl::StrCat("its optimizer has groups of ", saved.dump(),
-                                         " parameters; this one [", absl::StrJoin(sizes, ","), "]"));
+                                         " parameters; this one [", absl::StrJoin(sizes, ","),
+                                         "]"));
     }
     states = o["states"].get<int64_t>();
   }
@@ -524,9 +526,8 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
     } else if (attempt < candidates.size()) {
       mine = candidates[attempt];
     }
-    EVENSTEP_ASSIGN_OR_RETURN(Agreed chosen,
-                              Agree(ctx_, attempt == 0 ? listing_status : absl::OkStatus(), false,
-                                    mine));
+    EVENSTEP_ASSIGN_OR_RETURN(
+        Agreed chosen, Agree(ctx_, attempt == 0 ? listing_status : absl::OkStatus(), false, mine));
     if (!chosen.status.ok()) {
       return absl::Status(chosen.status.code(), absl::StrCat("resume from ", options_.dir, ": ",
                                                              chosen.status.message()));
@@ -536,11 +537,11 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       if (attempt == 0) {
         return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", options_.dir));
       }
-      return absl::DataLossError(absl::StrCat("resume from ", options_.dir,
-                                              ": no checkpoint loads: ",
-                                              absl::StrJoin(failures, "; ")));
+      return absl::DataLossError(absl::StrCat(
+          "resume from ", options_.dir, ": no checkpoint loads: ", absl::StrJoin(failures, "; ")));
     }
-    const std::string path = options.path.empty() ? CheckpointPath(options_.dir, step) : options.path;
+    const std::string path =
+        options.path.empty() ? CheckpointPath(options_.dir, step) : options.path;
     bool mismatch = false, agreed = false;
     absl::StatusOr<LoadResult> loaded = LoadFrom(env, path, state, options, &mismatch, &agreed);
     if (loaded.ok()) {
@@ -557,9 +558,8 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       }
       // NotFound means "no checkpoint at all" to callers (start from
       // scratch); a missing file of a committed checkpoint is data loss.
-      const absl::StatusCode code = absl::IsNotFound(loaded.status())
-                                        ? absl::StatusCode::kDataLoss
-                                        : loaded.status().code();
+      const absl::StatusCode code =
+          absl::IsNotFound(loaded.status()) ? absl::StatusCode::kDataLoss : loaded.status().code();
       return absl::Status(code, absl::StrCat("resume from ", path, ": ", why, hint));
     }
     // Fall back: set the unusable checkpoint aside (so that it is neither
@@ -567,8 +567,7 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
     // next older one.
     std::string moved;
     if (ctx_.rank() == 0 && options.path.empty() && env.Exists(path + "/manifest.json")) {
-      const std::string aside =
-          absl::StrCat(path, ".unusable-", absl::ToUnixSeconds(absl::Now()));
+      const std::string aside = absl::StrCat(path, ".unusable-", absl::ToUnixSeconds(absl::Now()));
       absl::Status renamed = env.Rename(path, aside);
       if (renamed.ok()) renamed = env.SyncDir(options_.dir);
       moved = renamed.ok() ? absl::StrCat(" (moved to ", aside, ")")
@@ -618,10 +617,9 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
       const at::Tensor& dst = target->second;
       const std::string want = internal::DtypeName(dst.scalar_type()).value_or("unsupported");
       if (dst.sizes().vec() != t.shape || want != t.dtype) {
-        return mismatch_error(absl::StrCat("tensor ", t.name, " has shape [",
-                                           absl::StrJoin(t.shape, ","), "] ", t.dtype,
-                                           "; the model has [",
-                                           absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
+        return mismatch_error(absl::StrCat(
+            "tensor ", t.name, " has shape [", absl::StrJoin(t.shape, ","), "] ", t.dtype,
+            "; the model has [", absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
       }
     }
     for (const auto& [name, tensor] : expected) {

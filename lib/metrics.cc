@@ -38,13 +38,13 @@ absl::StatusOr<std::unique_ptr<MetricsLogger>> MetricsLogger::Create(DistContext
   }
   std::unique_ptr<MetricsLogger> m(new MetricsLogger(ctx, options));
   EVENSTEP_ASSIGN_OR_RETURN(
-      m->own_, AsyncAppender::CreateSegment(
-                   absl::StrFormat("%s/metrics-%05d", options.dir, ctx.rank()), ".jsonl", 64 << 10));
+      m->own_,
+      AsyncAppender::CreateSegment(absl::StrFormat("%s/metrics-%05d", options.dir, ctx.rank()),
+                                   ".jsonl", 64 << 10));
   EVENSTEP_ASSIGN_OR_RETURN(
-      m->aggregate_,
-      AsyncAppender::CreateSegment(
-          absl::StrFormat("%s/metrics-aggregate-%05d", options.dir, ctx.rank()), ".jsonl",
-          64 << 10));
+      m->aggregate_, AsyncAppender::CreateSegment(
+                         absl::StrFormat("%s/metrics-aggregate-%05d", options.dir, ctx.rank()),
+                         ".jsonl", 64 << 10));
   return m;
 }
 

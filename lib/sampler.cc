@@ -85,9 +85,10 @@ absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOpt
     if (options.micro_batch_tokens > 0 && lengths[i] > options.micro_batch_tokens) {
       // A micro-batch holds at least one sample: the cap could not be kept.
       return absl::InvalidArgumentError(absl::StrCat(
-          "Sampler: sample ", i, " has ", lengths[i], " tokens, more than the micro-batch cap "
-          "--evenstep_micro_batch_tokens=", options.micro_batch_tokens,
-          " allows; raise the cap or truncate the sample"));
+          "Sampler: sample ", i, " has ", lengths[i],
+          " tokens, more than the micro-batch cap "
+          "--evenstep_micro_batch_tokens=",
+          options.micro_batch_tokens, " allows; raise the cap or truncate the sample"));
     }
     costs[i] = cost ? cost(lengths[i]) : static_cast<double>(lengths[i]);
     if (!(costs[i] > 0) || !std::isfinite(costs[i])) {

@@ -122,8 +122,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
         for (const std::string& skipped : loaded->skipped) {
           std::cout << "[evenstep] resume: skipped unusable " << skipped << std::endl;
         }
-        std::cout << "[evenstep] resuming from " << loaded->path << " (step " << loaded->step
-                  << ")" << std::endl;
+        std::cout << "[evenstep] resuming from " << loaded->path << " (step " << loaded->step << ")"
+                  << std::endl;
       }
       s->first_step_ = loaded->step + 1;
       s->last_step_ = s->last_saved_ = loaded->step;
@@ -156,8 +156,8 @@ void Session::Observe(int64_t step, const absl::Status& outcome) {
 }
 
 void Session::PollSaves() {
-  while (!pending_.empty() && pending_.front().done.wait_for(std::chrono::seconds(0)) ==
-                                  std::future_status::ready) {
+  while (!pending_.empty() &&
+         pending_.front().done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
     Observe(pending_.front().step, pending_.front().done.get());
     pending_.pop_front();
   }
@@ -238,10 +238,10 @@ absl::Status Session::Finish() {
   // Every outcome was read through its ticket above.
   checkpointer_->WaitAll().IgnoreError();
   if (s.ok() && !final_outcome.ok()) {
-    s = absl::Status(final_outcome.code(),
-                     absl::StrCat("the last checkpoint (step ", final_step, ") failed (",
-                                  save_failures_, " failed saves in this run): ",
-                                  final_outcome.message()));
+    s = absl::Status(
+        final_outcome.code(),
+        absl::StrCat("the last checkpoint (step ", final_step, ") failed (", save_failures_,
+                     " failed saves in this run): ", final_outcome.message()));
   }
   absl::Status m = metrics_->Close();
   if (s.ok()) s = m;

@@ -185,21 +185,20 @@ int main(int argc, char** argv) {
   for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
     max_err = 0;
     int calls = 0;
-    auto report =
-        (*step)->Step([&](const evenstep::MicroBatch& mb) { return mb.samples; },
-                      [&](const std::vector<int64_t>& samples) {
-                        ++calls;
-                        const int fail_at = std::min<int>(
-                            absl::GetFlag(FLAGS_fail_micro_batch),
-                            static_cast<int>((*step)->micro_batches().size()));
-                        if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
-                          throw std::runtime_error("injected failure in the loss callback");
-                        }
-                        if (sleep_ms > 0) {
-                          std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
-                        }
-                        return LossSum(model, data, samples, per_token);
-                      });
+    auto report = (*step)->Step(
+        [&](const evenstep::MicroBatch& mb) { return mb.samples; },
+        [&](const std::vector<int64_t>& samples) {
+          ++calls;
+          const int fail_at = std::min<int>(absl::GetFlag(FLAGS_fail_micro_batch),
+                                            static_cast<int>((*step)->micro_batches().size()));
+          if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
+            throw std::runtime_error("injected failure in the loss callback");
+          }
+          if (sleep_ms > 0) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+          }
+          return LossSum(model, data, samples, per_token);
+        });
     if (!report.ok()) {
       std::cerr << report.status() << "\n";
       if (!absl::GetFlag(FLAGS_continue_after_failure)) return 2;

@@ -130,8 +130,9 @@ TEST(BalancedStepTest, AnAbandonedStepClearsItsGradientsAndNoStepRunsAfterIt) {
   const std::string& out = results[0].output;
   EXPECT_THAT(out, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
   EXPECT_THAT(out, HasSubstr("step 3 failed; gradients cleared")) << Describe(results);
-  EXPECT_THAT(out, HasSubstr("rank 0: no further step runs after step 2 was abandoned (BalancedStep: "
-                             "rank 0, step 2, micro-batch 3 of"))
+  EXPECT_THAT(out,
+              HasSubstr("rank 0: no further step runs after step 2 was abandoned (BalancedStep: "
+                        "rank 0, step 2, micro-batch 3 of"))
       << Describe(results);
 }
 

@@ -34,10 +34,9 @@ class TempDir {
   // the Env (crashes and faults are injected), not the disk, and fsync is
   // free there.
   TempDir() {
-    std::string tmpl =
-        std::filesystem::is_directory("/dev/shm") && access("/dev/shm", W_OK) == 0
-            ? "/dev/shm/evenstep_ckpt_XXXXXX"
-            : "/tmp/evenstep_ckpt_XXXXXX";
+    std::string tmpl = std::filesystem::is_directory("/dev/shm") && access("/dev/shm", W_OK) == 0
+                           ? "/dev/shm/evenstep_ckpt_XXXXXX"
+                           : "/tmp/evenstep_ckpt_XXXXXX";
     path_ = mkdtemp(tmpl.data());
   }
   ~TempDir() { std::filesystem::remove_all(path_); }
@@ -392,7 +391,8 @@ TEST(CheckpointTest, CkptToolListsShowsVerifiesAndConsolidates) {
   const std::string tool = EVENSTEP_CKPT_TOOL;
   auto [rc, out] = RunShell(tool + " ls " + dir.path());
   EXPECT_EQ(rc, 0) << out;
-  EXPECT_THAT(out, ::testing::ContainsRegex("step-0000000004 +[0-9]+ +yes <- resume loads this <- latest"));
+  EXPECT_THAT(
+      out, ::testing::ContainsRegex("step-0000000004 +[0-9]+ +yes <- resume loads this <- latest"));
   std::tie(rc, out) = RunShell(tool + " show " + dir.path());
   EXPECT_EQ(rc, 0) << out;
   EXPECT_THAT(out, HasSubstr("model/bf16"));
@@ -487,17 +487,15 @@ TEST(CheckpointTest, PythonReaderRefusesWhatTheCppReaderRefuses) {
   const std::string ckpt = CheckpointPath(dir.path(), 6);
   const std::string reader = absl::StrCat("/usr/bin/python3 ", EVENSTEP_CKPT_READER, " ");
   // bfloat16 comes back as torch.bfloat16 under Debian's torch 1.13.
-  auto [rc, out] = RunShell(absl::StrCat(
-      "cd ", std::filesystem::path(EVENSTEP_CKPT_READER).parent_path().string(),
-      " && /usr/bin/python3 -c \"import evenstep_ckpt_reader as r; t, _ = r.load('", dir.path(),
-      "'); print(t['model/bf16'].dtype, t['model/bf16'].shape)\""));
+  auto [rc, out] = RunShell(
+      absl::StrCat("cd ", std::filesystem::path(EVENSTEP_CKPT_READER).parent_path().string(),
+                   " && /usr/bin/python3 -c \"import evenstep_ckpt_reader as r; t, _ = r.load('",
+                   dir.path(), "'); print(t['model/bf16'].dtype, t['model/bf16'].shape)\""));
   EXPECT_EQ(rc, 0) << out;
   EXPECT_THAT(out, HasSubstr("torch.bfloat16 torch.Size([9])"));
   // `latest` is never followed: a decoy outside the directory is not loaded.
   std::filesystem::rename(ckpt, dir.path() + "/elsewhere");
-  {
-    std::ofstream(dir.path() + "/latest") << "../../elsewhere";
-  }
+  { std::ofstream(dir.path() + "/latest") << "../../elsewhere"; }
   std::tie(rc, out) = RunShell(reader + dir.path());
   EXPECT_EQ(rc, 1) << out;
   EXPECT_THAT(out, HasSubstr("no committed checkpoint"));

@@ -97,8 +97,8 @@ int RunSession(evenstep::DistContext& ctx) {
   auto optimizer = MakeOptimizer(*model, absl::GetFlag(FLAGS_optimizer));
   std::vector<int64_t> lengths(200);
   for (size_t i = 0; i < lengths.size(); ++i) lengths[i] = 1 + static_cast<int64_t>(i % 13);
-  auto session = evenstep::Session::Create(ctx, *model, *optimizer, lengths,
-                                           absl::GetFlag(FLAGS_run_dir));
+  auto session =
+      evenstep::Session::Create(ctx, *model, *optimizer, lengths, absl::GetFlag(FLAGS_run_dir));
   if (!session.ok()) {
     std::cerr << "session: " << session.status() << std::endl;
     return 2;
@@ -158,11 +158,9 @@ int main(int argc, char** argv) {
                                    "{\"note\": \"hello\"}"};
   if (save) {
     for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
-      auto report =
-          (*step)->Step([](const evenstep::MicroBatch& mb) { return mb.samples; },
-                        [&](const std::vector<int64_t>& samples) {
-                          return LossSum(*model, samples);
-                        });
+      auto report = (*step)->Step(
+          [](const evenstep::MicroBatch& mb) { return mb.samples; },
+          [&](const std::vector<int64_t>& samples) { return LossSum(*model, samples); });
       if (!report.ok()) {
         std::cerr << report.status() << "\n";
         return 2;

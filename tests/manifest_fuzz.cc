@@ -103,7 +103,8 @@ Seed MakeSeed() {
     for (const auto& d : per_shard[r]) {
       const int64_t element = evenstep::internal::DtypeSize(d.dtype);
       const std::string& src = seed.bytes[d.tensor];
-      if (d.bytes > 0) std::memcpy(image->data() + d.offset, src.data() + d.begin * element, d.bytes);
+      if (d.bytes > 0)
+        std::memcpy(image->data() + d.offset, src.data() + d.begin * element, d.bytes);
       evenstep::SliceInfo s;
       s.shard = r;
       s.dataset = d.path;
@@ -111,7 +112,8 @@ Seed MakeSeed() {
       s.end = d.end;
       s.offset = d.offset;
       s.bytes = d.bytes;
-      s.xxh3 = d.bytes > 0 ? XXH3_64bits(image->data() + d.offset, d.bytes) : XXH3_64bits(nullptr, 0);
+      s.xxh3 =
+          d.bytes > 0 ? XXH3_64bits(image->data() + d.offset, d.bytes) : XXH3_64bits(nullptr, 0);
       for (auto& t : m.tensors) {
         if (t.name == d.tensor) t.slices.push_back(s);
       }
@@ -134,13 +136,35 @@ class Mutator {
   size_t Below(size_t n) { return n == 0 ? 0 : static_cast<size_t>(rng_() % n); }
 
   void MutateText(std::string* s) {
-    static const std::vector<std::string> numbers = {
-        "-1", "0", "1", "2", "1e400", "-1e400", "9223372036854775807", "9223372036854775808",
-        "18446744073709551615", "-9223372036854775808", "1.5", "\"x\"", "null", "[]", "{}",
-        "true", "4096", "1099511627776", "-0"};
-    static const std::vector<std::string> strings = {
-        "\"../../etc/passwd\"", "\"/abs\"", "\"\"", "\"a@b\"", "\"model/w\"", "\"step-0000000007\"",
-        "\"shard-00000-of-00002.h5\"", "\"bfloat16\"", "\"ffffffffffffffff\"", "\"\\u0000\""};
+    static const std::vector<std::string> numbers = {"-1",
+                                                     "0",
+                                                     "1",
+                                                     "2",
+                                                     "1e400",
+                                                     "-1e400",
+                                                     "9223372036854775807",
+                                                     "9223372036854775808",
+                                                     "18446744073709551615",
+                                                     "-9223372036854775808",
+                                                     "1.5",
+                                                     "\"x\"",
+                                                     "null",
+                                                     "[]",
+                                                     "{}",
+                                                     "true",
+                                                     "4096",
+                                                     "1099511627776",
+                                                     "-0"};
+    static const std::vector<std::string> strings = {"\"../../etc/passwd\"",
+                                                     "\"/abs\"",
+                                                     "\"\"",
+                                                     "\"a@b\"",
+                                                     "\"model/w\"",
+                                                     "\"step-0000000007\"",
+                                                     "\"shard-00000-of-00002.h5\"",
+                                                     "\"bfloat16\"",
+                                                     "\"ffffffffffffffff\"",
+                                                     "\"\\u0000\""};
     switch (Below(8)) {
       case 0:  // flip a byte
         if (!s->empty()) (*s)[Below(s->size())] ^= static_cast<char>(1 << Below(8));
@@ -266,8 +290,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   Mutator mutate(rng_seed);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   int64_t runs = 0, accepted = 0;
   std::map<std::string, int64_t> first_words;
   while (std::chrono::steady_clock::now() < deadline) {

@@ -54,18 +54,18 @@ std::pair<int, std::string> Shell(const std::string& command) {
 // `ckpt_dir`, default run_dir/ckpt).
 std::vector<ProcessResult> Train(const std::string& run_dir, int steps,
                                  std::vector<std::string> extra, std::string ckpt_dir = "") {
-  std::vector<std::string> argv = {EVENSTEP_CKPT_HELPER,
-                                   "--mode=session",
-                                   "--run_dir=" + run_dir,
-                                   "--evenstep_ckpt_dir=" + (ckpt_dir.empty() ? run_dir + "/ckpt"
-                                                                              : ckpt_dir),
-                                   "--steps=" + std::to_string(steps),
-                                   "--evenstep_ckpt_every=2",
-                                   "--evenstep_global_batch=24",
-                                   "--evenstep_micro_batch_samples=5",
-                                   "--evenstep_log_every=1",
-                                   "--evenstep_timeout=60s",
-                                   "--evenstep_rendezvous_timeout=60s"};
+  std::vector<std::string> argv = {
+      EVENSTEP_CKPT_HELPER,
+      "--mode=session",
+      "--run_dir=" + run_dir,
+      "--evenstep_ckpt_dir=" + (ckpt_dir.empty() ? run_dir + "/ckpt" : ckpt_dir),
+      "--steps=" + std::to_string(steps),
+      "--evenstep_ckpt_every=2",
+      "--evenstep_global_batch=24",
+      "--evenstep_micro_batch_samples=5",
+      "--evenstep_log_every=1",
+      "--evenstep_timeout=60s",
+      "--evenstep_rendezvous_timeout=60s"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return evenstep::testing::RunRanks(2, argv, absl::Seconds(120));
 }
@@ -134,9 +134,7 @@ const std::string kShard1 = "/shard-00001-of-00002.h5";
 std::vector<Corruption> Corruptions() {
   return {
       {"shard_truncated_by_one_byte",
-       [](const std::string& c) {
-         fs::resize_file(c + kShard1, fs::file_size(c + kShard1) - 1);
-       },
+       [](const std::string& c) { fs::resize_file(c + kShard1, fs::file_size(c + kShard1) - 1); },
        "bytes, the manifest says"},
       {"shard_missing", [](const std::string& c) { fs::remove(c + kShard0); },
        "No such file or directory"},
@@ -162,7 +160,8 @@ std::vector<Corruption> Corruptions() {
        [](const std::string& c) {
          const nlohmann::json j = nlohmann::json::parse(ReadAll(c + "/manifest.json"));
          const auto& slice = j["tensors"][0]["slices"][0];
-         const std::string shard = c + "/" + j["shards"][slice["shard"].get<int>()].get<std::string>();
+         const std::string shard =
+             c + "/" + j["shards"][slice["shard"].get<int>()].get<std::string>();
          std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
          f.seekp(slice["offset"].get<int64_t>() + 1);
          f.write("\x5a", 1);
@@ -200,15 +199,13 @@ std::vector<Corruption> Corruptions() {
        },
        "manifest.json"},
       {"step_of_another_directory",
-       [](const std::string& c) {
-         EditManifest(c, [](nlohmann::json& j) { j["step"] = 3; });
-       },
+       [](const std::string& c) { EditManifest(c, [](nlohmann::json& j) { j["step"] = 3; }); },
        "step 3 in the directory of step 4"},
       {"extras_nested_58000_deep",
        [](const std::string& c) {
-         ReplaceInFile(c + "/manifest.json", "\"extras\": {",
-                       "\"extras\": {\"deep\": " + std::string(58000, '[') +
-                           std::string(58000, ']') + ", ");
+         ReplaceInFile(
+             c + "/manifest.json", "\"extras\": {",
+             "\"extras\": {\"deep\": " + std::string(58000, '[') + std::string(58000, ']') + ", ");
        },
        "JSON nested 58002 deep"},
       {"lr_dtype_relabelled",
@@ -218,9 +215,8 @@ std::vector<Corruption> Corruptions() {
        "index checksum"},
       {"lr_dtype_relabelled_and_rechecksummed",
        [](const std::string& c) {
-         EditManifest(c, [](nlohmann::json& j) {
-           (*TensorNamed(j, "optimizer/0/lr"))["dtype"] = "int64";
-         });
+         EditManifest(
+             c, [](nlohmann::json& j) { (*TensorNamed(j, "optimizer/0/lr"))["dtype"] = "int64"; });
        },
        "a learning rate is a 0-d float64"},
       {"step_tensor_as_float64",
@@ -235,9 +231,13 @@ std::vector<Corruption> Corruptions() {
          EditManifest(c, [](nlohmann::json& j) {
            nlohmann::json& t = *TensorNamed(j, "optimizer/0/1/exp_avg");
            t["shape"] = {0};
-           t["slices"] = nlohmann::json::array(
-               {{{"shard", 0}, {"dataset", "/optimizer/0/1/exp_avg"}, {"begin", 0},
-                 {"end", 0}, {"offset", -1}, {"bytes", 0}, {"xxh3", "2d06800538d394c2"}}});
+           t["slices"] = nlohmann::json::array({{{"shard", 0},
+                                                 {"dataset", "/optimizer/0/1/exp_avg"},
+                                                 {"begin", 0},
+                                                 {"end", 0},
+                                                 {"offset", -1},
+                                                 {"bytes", 0},
+                                                 {"xxh3", "2d06800538d394c2"}}});
          });
        },
        "its parameter is"},
@@ -435,10 +435,10 @@ TEST_F(MountedTest, FullDiskIsReportedOnEveryRankPartialFilesGoCommittedOnesStay
     left.push_back(fs::relative(e.path(), ckpt_dir).string());
   }
   std::sort(left.begin(), left.end());
-  EXPECT_EQ(left, (std::vector<std::string>{
-                      "latest", "step-0000000002", "step-0000000002/manifest.json",
-                      "step-0000000002/shard-00000-of-00002.h5",
-                      "step-0000000002/shard-00001-of-00002.h5"}));
+  EXPECT_EQ(left,
+            (std::vector<std::string>{"latest", "step-0000000002", "step-0000000002/manifest.json",
+                                      "step-0000000002/shard-00000-of-00002.h5",
+                                      "step-0000000002/shard-00001-of-00002.h5"}));
   auto [rc, out] = Shell(absl::StrCat(EVENSTEP_CKPT_TOOL, " verify ", CheckpointPath(ckpt_dir, 2)));
   EXPECT_EQ(rc, 0) << out;
 }

@@ -93,8 +93,8 @@ TEST_F(SampleTest, ResumeAfterSigkillMatchesTheUninterruptedRun) {
         "metrics-00000.jsonl", "metrics-00000.1.jsonl"}) {
     EXPECT_TRUE(std::filesystem::exists(run + "/" + file)) << file;
   }
-  const auto report = evenstep::testing::RunAll(
-      {{{EVENSTEP_REPORT_TOOL, run}, {}}}, absl::Seconds(60));
+  const auto report =
+      evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, run}, {}}}, absl::Seconds(60));
   EXPECT_EQ(report[0].exit_code, 0) << report[0].output;
   // The same checkpoint resumed on 3 ranks: close, not bit-exact.
   std::filesystem::copy(dir_ + "/cut", dir_ + "/cut3", std::filesystem::copy_options::recursive);

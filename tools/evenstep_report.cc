@@ -158,11 +158,10 @@ int main(int argc, char** argv) {
   }
   std::ofstream(dir + "/trace.json") << merged.dump();
   for (auto& [r, t] : ranks) {
-    t.spans.erase(std::remove_if(t.spans.begin(), t.spans.end(),
-                                 [&t = t](const Span& sp) {
-                                   return sp.segment < t.segment_of[sp.step];
-                                 }),
-                  t.spans.end());
+    t.spans.erase(
+        std::remove_if(t.spans.begin(), t.spans.end(),
+                       [&t = t](const Span& sp) { return sp.segment < t.segment_of[sp.step]; }),
+        t.spans.end());
   }
   const int world = static_cast<int>(ranks.size());
 

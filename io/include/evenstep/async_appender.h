@@ -27,9 +27,11 @@ class AsyncAppender {
   // A new segment of a log that earlier runs (a resume) may have written:
   // STEM + EXT when there is none yet, else STEM.N + EXT for the first free
   // N = 1, 2, ...; nothing an earlier segment wrote is overwritten.
-  static absl::StatusOr<std::unique_ptr<AsyncAppender>> CreateSegment(
-      const std::string& stem, const std::string& ext, size_t flush_bytes = 256 << 10,
-      Env* env = nullptr);
+  static absl::StatusOr<std::unique_ptr<AsyncAppender>> CreateSegment(const std::string& stem,
+                                                                      const std::string& ext,
+                                                                      size_t flush_bytes = 256
+                                                                                           << 10,
+                                                                      Env* env = nullptr);
   ~AsyncAppender();
   void Append(const std::string& text);
   // Writes what is buffered and waits for every write; the first error.

@@ -132,11 +132,11 @@ inline constexpr int64_t kMaxLatestBytes = 4096;
 inline constexpr int kMaxJsonDepth = 64;
 
 struct SliceInfo {
-  int shard = 0;         // index into Manifest::shards (the writing rank)
-  std::string dataset;   // HDF5 path: "/" + name, or "/" + name + "@" + begin for a slice
-  int64_t begin = 0, end = 0;    // flattened element range [begin, end)
+  int shard = 0;                   // index into Manifest::shards (the writing rank)
+  std::string dataset;             // HDF5 path: "/" + name, or "/" + name + "@" + begin for a slice
+  int64_t begin = 0, end = 0;      // flattened element range [begin, end)
   int64_t offset = -1, bytes = 0;  // absolute byte offset in the shard file; -1 when empty
-  uint64_t xxh3 = 0;     // XXH3-64 (seed 0) of the slice's bytes
+  uint64_t xxh3 = 0;               // XXH3-64 (seed 0) of the slice's bytes
 };
 
 struct TensorInfo {

@@ -111,7 +111,7 @@ class Session {
   int64_t save_failures_ = 0;        // failed saves this rank has seen
   int failure_run_ = 0;              // consecutive failed saves, the latest ones
   int longest_failure_run_ = 0;
-  int stop_after_failures_ = 3;      // consecutive failures that stop training; 0 = never
+  int stop_after_failures_ = 3;  // consecutive failures that stop training; 0 = never
   absl::Status last_save_error_;
 };
 
