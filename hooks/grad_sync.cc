@@ -1,13 +1,17 @@
 // GradSync: bucketed gradient all-reduce launched from gradient-accumulator
 // hooks; see grad_sync.h for the contract.
 //
-// Per synchronised backward:
-//   hook(param i)  -> copy grad into its bucket slice; when the bucket is
-//                     complete, launch every ready bucket in index order.
-//   first hook     -> queue Finalize on the autograd engine.
-//   Finalize       -> treat params without a hook call as zeros, launch the
-//                     rest in order, wait for all, write param.grad() as aliases of the bucket
-//                     slices.
+// One synchronisation issues, on every rank and in this order:
+//   1. the buffer broadcast (a snapshot of rank 0's buffers), at its start;
+//   2. the dense buckets, in index order, each once all its gradients are
+//      ready (from a hook while backward runs, or at the end);
+//   3. one sparse all_reduce per sparse parameter, in parameter order;
+//   4. the control all_reduce (failure flags per rank, then a used count per
+//      parameter), unless it rides in the last bucket's tail (built-in hooks);
+//   5. once, after the first successful one: the broadcast of rank 0's ready
+//      order, from which every rank rebuilds the same buckets.
+// A rank that fails locally still issues all of them (zeros and its failure
+// flag), so every rank learns of the failure in the same synchronisation.
 #include "evenstep/grad_sync.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -15,13 +19,17 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -35,16 +43,28 @@ namespace internal {
 struct ParamSlot {
   std::string name;
   at::Tensor param;
-  int bucket = 0;
+  bool sparse = false;
+  // Dense: where its gradient lives in which bucket, and how it is viewed.
+  int bucket = -1;
   int64_t offset = 0;
+  std::vector<int64_t> sizes, strides;  // the parameter's own when dense, else contiguous
+  bool alias = true;                    // bucket dtype == parameter dtype: grad shares storage
+  // Per synchronisation.
   bool ready = false;
+  bool used = false;  // its accumulator ran since the last synchronisation
+  // After the last successful synchronisation (check_zero_grad).
+  int64_t version = -1;
+  const c10::TensorImpl* grad_impl = nullptr;
+  int64_t grad_version = -1;
   std::shared_ptr<torch::autograd::Node> accumulator;
   uintptr_t hook_key = 0;
 };
 
 struct Bucket {
   std::vector<int> params;
-  at::Tensor buffer;
+  std::vector<BucketParam> info;
+  at::Tensor buffer;        // gradients, then (last bucket) the control tail
+  int64_t grad_numel = 0;   // elements that are gradients
   int pending = 0;
   bool ready = false;
   bool launched = false;
@@ -55,26 +75,59 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   c10d::ProcessGroup* group = nullptr;
   int rank = 0;
   int world = 1;
+  at::Device device = at::kCPU;
   GradSyncOptions options;
   std::vector<ParamSlot> params;
+  std::vector<NamedTensor> frozen, buffers;
   std::vector<Bucket> buckets;
+  std::vector<int> sparse;  // indices into params, in order
 
   mutable std::mutex mu;
   bool sync_enabled = true;
-  bool step_open = false;  // a synchronised step began (hooks fired or SyncNow)
+  bool step_open = false;
+  bool prepared = false;             // PrepareForBackward ran for the coming backward
+  std::vector<char> reachable;       // from PrepareForBackward
+  bool versions_valid = false;       // check_zero_grad can compare
   int next_launch = 0;
   int params_ready = 0;
   int64_t collectives = 0;
-  int64_t arrival_seq = 0;  // this synchronisation's number (SyncDiagnosis)
-  absl::Status status;
+  int64_t seq = 0;            // synchronisations begun
+  int64_t completed = 0;      // synchronisations completed
+  int64_t arrival_seq = 0;    // SyncDiagnosis's number for this one
+  int rebuild_attempts = 0;
+  bool rebuilt = false;
+  std::vector<int> ready_order;  // hooks' order in this synchronisation
+  absl::Status local_failure;    // this rank's, carried as its failure flag
+  absl::Status fatal;
+  absl::Status last;
   SyncStats stats;
+  // In flight during one synchronisation.
+  std::vector<std::pair<std::vector<int>, at::Tensor>> buffer_flat;  // (buffer indices, flat)
+  std::vector<c10::intrusive_ptr<c10d::Work>> buffer_work;
+  std::vector<std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>>> sparse_work;
+  at::Tensor control;
+  c10::intrusive_ptr<c10d::Work> control_work;
 
-  void BeginStep();
+  int64_t control_numel() const { return world + static_cast<int64_t>(params.size()); }
+  bool control_in_bucket() const {
+    return !buckets.empty() && IsZeroPreservingHook(options.comm_hook);
+  }
+
+  void Layout(const std::vector<int>& order);
+  void BeginStep(int first);
   void OnGradReady(int index);
   void CopyIn(ParamSlot& p);
   void LaunchReady();
+  void Fail(absl::Status why);
   absl::Status Finish();
+  void Complete();
+  void ResetGradients();
+  void WriteBack(const std::vector<char>& used_anywhere);
+  void MaybeRebuild();
   std::string DescribeBucket(int b) const;
+  absl::Status Collective(const std::string& what, const std::function<void()>& fn);
+  absl::Status WaitFor(c10d::Work* work, const std::string& what, absl::Time since);
+  absl::Status WaitFailed(const std::string& what, absl::Time since, const std::string& error);
 };
 
 namespace {
@@ -98,12 +151,109 @@ std::chrono::milliseconds ToMillis(absl::Duration d) {
   return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
 }
 
+at::ScalarType ReduceType(at::ScalarType t, c10d::ProcessGroup& group) {
+  const bool low = t == at::kBFloat16 || t == at::kHalf;
+  return low && group.getBackendName() != "nccl" ? at::kFloat : t;
+}
+
+// Gloo moves no bf16: broadcasts carry its bit patterns as int16.
+at::Tensor Wire(const at::Tensor& flat) {
+  return flat.scalar_type() == at::kBFloat16 ? flat.view(at::kShort) : flat;
+}
+
+std::vector<int64_t> ContiguousStrides(at::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (int i = static_cast<int>(sizes.size()) - 2; i >= 0; --i) {
+    strides[i] = strides[i + 1] * std::max<int64_t>(sizes[i + 1], 1);
+  }
+  return strides;
+}
+
 }  // namespace
 
-void GradSyncState::BeginStep() {
+absl::Status GradSyncState::Collective(const std::string& what, const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    fatal = absl::UnavailableError(
+        absl::StrCat("rank ", rank, ": starting ", what, " failed: ", ErrorText(e)));
+    return fatal;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GradSyncState::WaitFailed(const std::string& what, absl::Time since,
+                                       const std::string& error) {
+  const absl::Duration waited = absl::Now() - since;
+  if (options.diagnosis.diagnose) {
+    fatal = options.diagnosis.diagnose(arrival_seq, what, waited, error);
+  } else {
+    std::string message = absl::StrCat(
+        "rank ", rank, ": ", what, " failed after ",
+        absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", error);
+    fatal = waited >= options.timeout ? absl::DeadlineExceededError(message)
+                                      : absl::UnavailableError(message);
+  }
+  return fatal;
+}
+
+absl::Status GradSyncState::WaitFor(c10d::Work* work, const std::string& what, absl::Time since) {
+  if (work == nullptr) return absl::OkStatus();
+  try {
+    work->wait(ToMillis(options.timeout));
+  } catch (const std::exception& e) {
+    return WaitFailed(what, since, ErrorText(e));
+  }
+  return absl::OkStatus();
+}
+
+// Buckets over the dense parameters in `order` (launch order), one open
+// bucket per reduce dtype and device; the last bucket gets the control tail.
+void GradSyncState::Layout(const std::vector<int>& order) {
+  buckets.clear();
+  std::map<std::pair<int, std::string>, int> open;
+  std::vector<int64_t> numel;
+  for (int i : order) {
+    ParamSlot& p = params[i];
+    const at::ScalarType type = ReduceType(p.param.scalar_type(), *group);
+    const auto key = std::make_pair(static_cast<int>(type), p.param.device().str());
+    const int64_t bytes = p.param.numel() * c10::elementSize(type);
+    auto it = open.find(key);
+    if (it != open.end()) {
+      const int64_t cap = it->second == 0 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
+      if ((numel[it->second] * c10::elementSize(type)) + bytes > cap) open.erase(it);
+    }
+    it = open.find(key);
+    if (it == open.end()) {
+      buckets.emplace_back();
+      numel.push_back(0);
+      it = open.emplace(key, static_cast<int>(buckets.size()) - 1).first;
+    }
+    Bucket& b = buckets[it->second];
+    p.bucket = it->second;
+    p.offset = numel[it->second];
+    p.alias = type == p.param.scalar_type();
+    numel[it->second] += p.param.numel();
+    b.params.push_back(i);
+    b.info.push_back({p.name, p.offset, p.param.numel(), p.param.sizes().vec()});
+  }
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const ParamSlot& first = params[buckets[b].params[0]];
+    const int64_t tail = b + 1 == buckets.size() ? control_numel() : 0;
+    buckets[b].grad_numel = numel[b];
+    buckets[b].buffer =
+        at::zeros({numel[b] + tail}, first.param.options()
+                                         .dtype(ReduceType(first.param.scalar_type(), *group))
+                                         .requires_grad(false));
+  }
+}
+
+void GradSyncState::BeginStep(int first) {
   step_open = true;
+  ++seq;
   next_launch = 0;
   params_ready = 0;
+  ready_order.clear();
   for (ParamSlot& p : params) p.ready = false;
   for (Bucket& b : buckets) {
     b.pending = static_cast<int>(b.params.size());
@@ -112,34 +262,144 @@ void GradSyncState::BeginStep() {
     b.result = ReducedBucket();
   }
   stats = SyncStats();
+  stats.seq = seq;
   stats.buckets = static_cast<int>(buckets.size());
+  stats.sparse = static_cast<int>(sparse.size());
   arrival_seq = options.diagnosis.arrive ? options.diagnosis.arrive() : 0;
+  buffer_flat.clear();
+  buffer_work.clear();
+  sparse_work.clear();
+  control = at::Tensor();
+  control_work.reset();
+
+  // What this rank can check before any collective; a failure rides along.
+  for (const ParamSlot& p : params) {
+    if (!p.param.requires_grad()) {
+      Fail(absl::FailedPreconditionError(absl::StrCat(
+          "parameter '", p.name, "' no longer requires grad (changed after GradSync::Attach): "
+          "attach again after changing requires_grad")));
+      break;
+    }
+  }
+  for (const NamedTensor& f : frozen) {
+    if (f.second.requires_grad()) {
+      Fail(absl::FailedPreconditionError(absl::StrCat(
+          "parameter '", f.first, "' was frozen at GradSync::Attach and requires grad now: "
+          "attach again after changing requires_grad")));
+      break;
+    }
+  }
+  if (options.check_zero_grad && versions_valid && local_failure.ok() &&
+      (first < 0 || params.size() > 1)) {
+    // zero_grad() zeroes (a new grad version) or resets every gradient; an
+    // optimizer step may bump the parameters' versions. Neither since the
+    // last synchronisation: the gradients still hold its reduced values. The
+    // gradient of `first` has already accumulated, so it cannot tell.
+    bool changed = false;
+    for (size_t i = 0; i < params.size() && !changed; ++i) {
+      const ParamSlot& p = params[i];
+      changed |= p.param._version() != p.version;
+      if (static_cast<int>(i) == first) continue;
+      const at::Tensor& grad = p.param.grad();
+      changed |= grad.unsafeGetTensorImpl() != p.grad_impl ||
+                 (grad.defined() && grad._version() != p.grad_version);
+    }
+    if (!changed) {
+      const std::string who =
+          first >= 0 ? absl::StrCat("the gradient of '", params[first].name, "' became ready")
+                     : std::string("SyncNow was called");
+      Fail(absl::FailedPreconditionError(absl::StrCat(
+          who, " for synchronisation #", seq, " but no gradient was zeroed since synchronisation #",
+          seq - 1, " (no zero_grad in between): a second backward() with sync enabled in "
+          "one step would reduce the reduced gradient again; call set_sync_enabled(false) "
+          "before every backward of a step but the last")));
+    }
+  }
+
+  // 1. The buffers, as they are now (after this step's forward), from root.
+  if (options.buffers_from_root_every_step && world > 1 && !buffers.empty()) {
+    std::map<std::pair<int, std::string>, std::vector<int>> groups;
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const at::Tensor& t = buffers[i].second;
+      groups[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(static_cast<int>(i));
+    }
+    at::NoGradGuard no_grad;
+    for (auto& [key, members] : groups) {
+      std::vector<at::Tensor> parts;
+      for (int i : members) parts.push_back(buffers[i].second.detach().reshape({-1}));
+      at::Tensor flat = at::cat(parts);
+      buffer_flat.emplace_back(members, flat);
+      std::vector<at::Tensor> v{Wire(flat)};
+      c10d::BroadcastOptions o;
+      o.rootRank = options.broadcast_root;
+      if (!Collective("the buffer broadcast", [&] { buffer_work.push_back(group->broadcast(v, o)); })
+               .ok()) {
+        return;
+      }
+      ++collectives;
+    }
+  }
+  // Parameters the loss's graph cannot reach are ready now.
+  if (prepared) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!reachable[i] && static_cast<int>(i) != first) CopyIn(params[i]);
+    }
+  }
+}
+
+void GradSyncState::Fail(absl::Status why) {
+  if (local_failure.ok()) {
+    local_failure = absl::Status(why.code(), absl::StrCat("rank ", rank, ": ", why.message()));
+  }
 }
 
 void GradSyncState::CopyIn(ParamSlot& p) {
-  Bucket& b = buckets[p.bucket];
-  at::Tensor slice = b.buffer.narrow(0, p.offset, p.param.numel());
-  const at::Tensor& grad = p.param.grad();
-  if (!grad.defined()) {
-    slice.zero_();
-  } else if (grad.data_ptr() != slice.data_ptr()) {
-    slice.copy_(grad.reshape({-1}));
-  }
+  if (p.ready) return;
   p.ready = true;
   ++params_ready;
+  if (p.sparse) return;  // reduced after the buckets
+  Bucket& b = buckets[p.bucket];
+  at::Tensor view = b.buffer.as_strided(p.sizes, p.strides, p.offset);
+  const at::Tensor& grad = p.param.grad();
+  if (!grad.defined() || !local_failure.ok()) {
+    view.zero_();
+  } else if (grad.is_sparse()) {
+    Fail(absl::InvalidArgumentError(absl::StrCat(
+        "parameter '", p.name, "' received a sparse gradient but is synchronised densely: name it "
+        "in GradSyncOptions::sparse_parameters (Embedding/EmbeddingBag with sparse(true) are "
+        "found by Attach(module))")));
+    view.zero_();
+  } else if (!(p.alias && grad.data_ptr() == view.data_ptr() && grad.strides() == view.strides())) {
+    view.copy_(grad);
+  }
   if (--b.pending == 0) b.ready = true;
 }
 
 void GradSyncState::LaunchReady() {
   while (next_launch < static_cast<int>(buckets.size()) && buckets[next_launch].ready) {
     Bucket& b = buckets[next_launch];
-    CommHookContext ctx{group, rank, world, next_launch};
-    if (status.ok()) {
+    const bool last = next_launch + 1 == static_cast<int>(buckets.size());
+    if (last && control_in_bucket()) {
+      // Every parameter is ready once the last bucket is: the bitmap is known.
+      at::Tensor tail = b.buffer.narrow(0, b.grad_numel, control_numel());
+      std::vector<float> values(control_numel(), 0.f);
+      if (!local_failure.ok()) values[rank] = 1;
+      for (size_t i = 0; i < params.size(); ++i) values[world + i] = params[i].used ? 1 : 0;
+      tail.copy_(at::tensor(values, at::kFloat));
+    }
+    CommHookContext ctx{group, rank, world, next_launch, static_cast<int>(buckets.size()),
+                        last, &b.info, seq};
+    if (fatal.ok()) {
       try {
-        b.result = options.comm_hook(ctx, b.buffer);
+        if (control_in_bucket()) {
+          b.result = options.comm_hook(ctx, b.buffer);
+        } else {
+          at::Tensor grads = b.buffer.narrow(0, 0, b.grad_numel);
+          b.result = options.comm_hook(ctx, grads);
+        }
       } catch (const std::exception& e) {
-        status = absl::InternalError(absl::StrCat("rank ", rank, ": comm hook failed on ",
-                                                  DescribeBucket(next_launch), ": ", ErrorText(e)));
+        fatal = absl::InternalError(absl::StrCat("rank ", rank, ": comm hook failed on ",
+                                                 DescribeBucket(next_launch), ": ", ErrorText(e)));
       }
     }
     b.launched = true;
@@ -151,10 +411,14 @@ void GradSyncState::LaunchReady() {
 }
 
 void GradSyncState::OnGradReady(int index) {
-  std::lock_guard<std::mutex> lock(mu);
+  std::unique_lock<std::mutex> lock(mu);
+  ParamSlot& p = params[index];
+  p.used = true;
   if (!sync_enabled) return;
+  // Never a silently unsynchronised gradient after a failed collective.
+  if (!fatal.ok()) throw std::runtime_error(fatal.ToString());
   if (!step_open) {
-    BeginStep();
+    BeginStep(index);
     std::weak_ptr<GradSyncState> weak = weak_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
       auto state = weak.lock();
@@ -162,15 +426,26 @@ void GradSyncState::OnGradReady(int index) {
       absl::Status s;
       {
         std::lock_guard<std::mutex> lock(state->mu);
+        if (!state->step_open) return;
         s = state->Finish();
       }
       if (!s.ok()) throw std::runtime_error(s.ToString());
     });
+  } else if (p.ready) {
+    // A second gradient in one synchronisation (or one PrepareForBackward
+    // called unreachable): complete it with a failure mark, so every rank
+    // learns, and stop this backward.
+    Fail(absl::FailedPreconditionError(absl::StrCat(
+        "the gradient of '", p.name, "' became ready twice in synchronisation #", seq,
+        prepared && !reachable[index] ? " (PrepareForBackward was given another loss)" : "",
+        ": reentrant activation checkpointing, or a backward() after one that threw without "
+        "GradSync::AbandonStep")));
+    absl::Status s = Finish();
+    throw std::runtime_error(s.ToString());
   }
-  ParamSlot& p = params[index];
-  if (p.ready) return;
+  ready_order.push_back(index);
   CopyIn(p);
-  if (buckets[p.bucket].ready) LaunchReady();
+  if (!p.sparse && buckets[p.bucket].ready) LaunchReady();
 }
 
 std::string GradSyncState::DescribeBucket(int b) const {
@@ -185,54 +460,228 @@ std::string GradSyncState::DescribeBucket(int b) const {
                          bucket.buffer.numel() * bucket.buffer.element_size() / 1048576.0);
 }
 
+void GradSyncState::ResetGradients() {
+  for (ParamSlot& p : params) {
+    if (p.param.grad().defined()) p.param.mutable_grad() = at::Tensor();
+  }
+}
+
 absl::Status GradSyncState::Finish() {
   step_open = false;
+  prepared = false;
   stats.arrived = absl::Now();
   if (options.on_arrival) options.on_arrival();
-  for (ParamSlot& p : params) {
-    if (!p.ready) CopyIn(p);
-  }
+  for (ParamSlot& p : params) CopyIn(p);
   LaunchReady();
+  // 3. Sparse gradients, coalesced; an empty one where this rank has none.
+  for (int i : sparse) {
+    ParamSlot& p = params[i];
+    at::Tensor grad = p.param.grad();
+    at::Tensor mine;
+    if (grad.defined() && local_failure.ok()) {
+      mine = (grad.is_sparse() ? grad : grad.to_sparse(1)).coalesce().clone();
+    } else {
+      std::vector<int64_t> values_shape = p.param.sizes().vec();
+      values_shape[0] = 0;
+      mine = at::sparse_coo_tensor(at::zeros({1, 0}, p.param.options().dtype(at::kLong)),
+                                   at::zeros(values_shape, p.param.options()), p.param.sizes())
+                 .coalesce();
+    }
+    if (fatal.ok() && world > 1) {
+      std::vector<at::Tensor> v{mine};
+      Collective(absl::StrCat("the sparse all_reduce of '", p.name, "'"),
+                 [&] { sparse_work.emplace_back(mine, group->allreduce(v)); })
+          .IgnoreError();
+      ++collectives;
+    } else {
+      sparse_work.emplace_back(mine, c10::intrusive_ptr<c10d::Work>());
+    }
+  }
+  // 4. The control bitmap on its own, unless it rode in the last bucket.
+  if (!control_in_bucket()) {
+    std::vector<int32_t> values(control_numel(), 0);
+    if (!local_failure.ok()) values[rank] = 1;
+    for (size_t i = 0; i < params.size(); ++i) values[world + i] = params[i].used ? 1 : 0;
+    control = at::tensor(values, at::kInt).to(device);
+    if (fatal.ok() && world > 1) {
+      std::vector<at::Tensor> v{control};
+      Collective("the gradient sync's control all_reduce",
+                 [&] { control_work = group->allreduce(v); })
+          .IgnoreError();
+      ++collectives;
+    }
+  }
   const absl::Time wait_start = absl::Now();
-  for (int b = 0; b < static_cast<int>(buckets.size()) && status.ok(); ++b) {
+  for (int b = 0; b < static_cast<int>(buckets.size()) && fatal.ok(); ++b) {
     Bucket& bucket = buckets[b];
     try {
-      at::Tensor reduced = bucket.result.Wait(ToMillis(options.timeout));
-      if (!reduced.is_same(bucket.buffer)) bucket.buffer.copy_(reduced);
+      at::Tensor reduced = bucket.result.valid() ? bucket.result.Wait(ToMillis(options.timeout))
+                                                 : bucket.buffer;
+      at::Tensor target = control_in_bucket() ? bucket.buffer
+                                              : bucket.buffer.narrow(0, 0, bucket.grad_numel);
+      if (!reduced.is_same(target)) target.copy_(reduced);
     } catch (const std::exception& e) {
-      const std::string error = ErrorText(e);
-      const absl::Duration waited = absl::Now() - wait_start;
-      if (options.diagnosis.diagnose) {
-        status = options.diagnosis.diagnose(
-            arrival_seq, absl::StrCat("all_reduce of ", DescribeBucket(b)), waited, error);
-      } else {
-        std::string message = absl::StrCat(
-            "rank ", rank, ": all_reduce of ", DescribeBucket(b), " failed after ",
-            absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", error);
-        status = waited >= options.timeout ? absl::DeadlineExceededError(message)
-                                           : absl::UnavailableError(message);
-      }
+      WaitFailed(absl::StrCat("all_reduce of ", DescribeBucket(b)), wait_start, ErrorText(e))
+          .IgnoreError();
     }
     bucket.result = ReducedBucket();
   }
-  stats.wait = absl::Now() - wait_start;
-  if (!status.ok()) return status;
-  for (ParamSlot& p : params) {
-    const at::Tensor& buffer = buckets[p.bucket].buffer;
-    const at::Tensor& grad = p.param.grad();
-    if (grad.defined() && grad.data_ptr() == static_cast<char*>(buffer.data_ptr()) +
-                                                 p.offset * buffer.element_size()) {
-      continue;  // already aliases its bucket slice
-    }
-    // A tensor that shares the bucket's storage without being an autograd
-    // view: optimizers' zero_grad() calls detach_(), which views refuse.
-    at::Tensor alias = at::empty({0}, buffer.options());
-    alias.set_(buffer.storage(), buffer.storage_offset() + p.offset, p.param.sizes(),
-               p.param.strides());
-    p.param.mutable_grad() = alias;
+  for (auto& [tensor, work] : sparse_work) {
+    if (fatal.ok()) WaitFor(work.get(), "a sparse gradient all_reduce", wait_start).IgnoreError();
   }
+  if (fatal.ok()) WaitFor(control_work.get(), "the control all_reduce", wait_start).IgnoreError();
+  for (auto& work : buffer_work) {
+    if (fatal.ok()) WaitFor(work.get(), "the buffer broadcast", wait_start).IgnoreError();
+  }
+  stats.wait = absl::Now() - wait_start;
+  ++completed;
+  if (!fatal.ok()) {
+    ResetGradients();
+    local_failure = absl::OkStatus();
+    versions_valid = false;
+    last = fatal;
+    return fatal;
+  }
+
+  // The agreement: who failed, which parameters were used anywhere.
+  at::Tensor agreed = control_in_bucket()
+                          ? buckets.back().buffer.narrow(0, buckets.back().grad_numel,
+                                                         control_numel())
+                          : control;
+  agreed = agreed.to(at::kCPU, at::kDouble);
+  const double* a = agreed.data_ptr<double>();
+  std::vector<int> failed;
+  for (int r = 0; r < world; ++r) {
+    if (a[r] != 0) failed.push_back(r);
+  }
+  std::vector<char> used_anywhere(params.size());
+  for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = a[world + i] != 0;
+
+  if (!failed.empty()) {
+    ResetGradients();
+    last = absl::AbortedError(absl::StrCat(
+        "rank ", rank, ": gradient synchronisation #", seq, " abandoned on every rank: rank(s) ",
+        absl::StrJoin(failed, ","), " failed",
+        local_failure.ok() ? std::string(" (see their output)")
+                           : absl::StrCat(" (here: ", local_failure.message(), ")"),
+        "; the step's gradients were reset"));
+    local_failure = absl::OkStatus();
+    versions_valid = false;
+    for (ParamSlot& p : params) p.used = false;
+    return last;
+  }
+  // Buffers from root.
+  if (rank != options.broadcast_root) {
+    at::NoGradGuard no_grad;
+    for (auto& [members, flat] : buffer_flat) {
+      int64_t offset = 0;
+      for (int i : members) {
+        at::Tensor t = buffers[i].second.detach();
+        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    }
+  }
+  MaybeRebuild();
+  if (!fatal.ok()) {
+    last = fatal;
+    return fatal;
+  }
+  WriteBack(used_anywhere);
   stats.done = absl::Now();
-  return absl::OkStatus();
+  last = absl::OkStatus();
+  return last;
+}
+
+void GradSyncState::WriteBack(const std::vector<char>& used_anywhere) {
+  bool any_used = false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    ParamSlot& p = params[i];
+    if (!p.used) ++stats.unused_here;
+    p.used = false;
+    if (!used_anywhere[i]) {
+      ++stats.unused_everywhere;  // untouched, as a single process would leave it
+      continue;
+    }
+    any_used = true;
+    if (p.sparse) continue;
+    const at::Tensor& buffer = buckets[p.bucket].buffer;
+    at::Tensor view = buffer.as_strided(p.sizes, p.strides, p.offset);
+    const at::Tensor& grad = p.param.grad();
+    if (!p.alias) {
+      p.param.mutable_grad() = view.to(p.param.scalar_type());
+    } else if (!(grad.defined() && grad.data_ptr() == view.data_ptr() &&
+                 grad.strides() == view.strides())) {
+      // A tensor that shares the bucket's storage without being an autograd
+      // view: optimizers' zero_grad() calls detach_(), which views refuse.
+      at::Tensor alias = at::empty({0}, buffer.options());
+      alias.set_(buffer.storage(), buffer.storage_offset() + p.offset, p.sizes, p.strides);
+      p.param.mutable_grad() = alias;
+    }
+  }
+  size_t s = 0;
+  for (auto& [tensor, work] : sparse_work) {
+    ParamSlot& p = params[sparse[s++]];
+    if (used_anywhere[&p - params.data()]) p.param.mutable_grad() = tensor.coalesce();
+  }
+  for (ParamSlot& p : params) {
+    p.version = p.param._version();
+    p.grad_impl = p.param.grad().unsafeGetTensorImpl();
+    p.grad_version = p.param.grad().defined() ? p.param.grad()._version() : -1;
+  }
+  versions_valid = any_used;
+}
+
+// Once: the buckets follow the order rank 0's gradients became ready.
+void GradSyncState::MaybeRebuild() {
+  if (!options.rebuild_buckets || rebuilt || world == 1 || rebuild_attempts >= 3) return;
+  ++rebuild_attempts;
+  std::vector<int64_t> mine(params.size() + 1, -1);
+  std::vector<int> dense_order;
+  for (int i : ready_order) {
+    if (!params[i].sparse) dense_order.push_back(i);
+  }
+  mine[0] = static_cast<int64_t>(dense_order.size());
+  for (size_t k = 0; k < dense_order.size(); ++k) mine[k + 1] = dense_order[k];
+  at::Tensor order = at::tensor(mine, at::kLong).to(device);
+  std::vector<at::Tensor> v{order};
+  c10d::BroadcastOptions o;
+  o.rootRank = 0;
+  c10::intrusive_ptr<c10d::Work> work;
+  if (!Collective("the bucket order broadcast", [&] { work = group->broadcast(v, o); }).ok()) return;
+  ++collectives;
+  if (!WaitFor(work.get(), "the bucket order broadcast", absl::Now()).ok()) return;
+  order = order.cpu();
+  const int64_t* ord = order.data_ptr<int64_t>();
+  if (ord[0] <= 0) return;  // rank 0 saw no gradient: try again next time
+  rebuilt = true;
+  std::vector<int> new_order;
+  std::vector<char> seen(params.size(), 0);
+  for (int64_t k = 0; k < ord[0]; ++k) {
+    const int64_t i = ord[k + 1];
+    if (i >= 0 && i < static_cast<int64_t>(params.size()) && !seen[i] && !params[i].sparse) {
+      new_order.push_back(static_cast<int>(i));
+      seen[i] = 1;
+    }
+  }
+  for (int i = static_cast<int>(params.size()) - 1; i >= 0; --i) {
+    if (!seen[i] && !params[i].sparse) new_order.push_back(i);
+  }
+  std::vector<int> current;
+  for (const Bucket& b : buckets) current.insert(current.end(), b.params.begin(), b.params.end());
+  if (new_order == current) return;
+  // Move the reduced gradients into the new layout before writing them back.
+  std::vector<at::Tensor> reduced;
+  for (const ParamSlot& p : params) {
+    reduced.push_back(p.sparse ? at::Tensor()
+                               : buckets[p.bucket].buffer.as_strided(p.sizes, p.strides, p.offset));
+  }
+  std::vector<Bucket> old = std::move(buckets);
+  Layout(new_order);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSlot& p = params[i];
+    if (!p.sparse) buckets[p.bucket].buffer.as_strided(p.sizes, p.strides, p.offset).copy_(reduced[i]);
+  }
 }
 
 }  // namespace internal
@@ -282,13 +731,14 @@ absl::StatusOr<std::vector<std::vector<int64_t>>> AllGatherInts(c10d::ProcessGro
 std::string DescribeParam(const NamedTensor& p) {
   return absl::StrCat("'", p.first, "' ", c10::toString(p.second.scalar_type()), "[",
                       absl::StrJoin(p.second.sizes(), ", "), "] ",
-                      c10::DeviceTypeName(p.second.device().type(), /*lower_case=*/true));
+                      c10::DeviceTypeName(p.second.device().type(), /*lower_case=*/true),
+                      p.second.requires_grad() ? "" : " frozen");
 }
 
 int64_t Hash(const std::string& s) { return static_cast<int64_t>(XXH64(s.data(), s.size(), 0)); }
 
-// Checks that every rank holds the same parameters; on mismatch, names the
-// first differing parameter and which ranks hold which variant.
+// Checks that every rank holds the same tensors; on mismatch, names the
+// first differing one and which ranks hold which variant.
 absl::Status CheckReplicasMatch(c10d::ProcessGroup& group, const std::vector<NamedTensor>& params,
                                 const at::Device& device, absl::Duration timeout) {
   const int world = group.getSize();
@@ -322,7 +772,7 @@ absl::Status CheckReplicasMatch(c10d::ProcessGroup& group, const std::vector<Nam
     for (int r = 0; r < world; ++r) differs |= first >= (*summary)[r][0];
     if (differs) break;
   }
-  // Gather the description of that parameter from every rank (fixed width).
+  // Gather the description of that tensor from every rank (fixed width).
   constexpr int kWidth = 160;
   std::string mine = first < static_cast<int64_t>(params.size())
                          ? DescribeParam(params[first])
@@ -362,7 +812,7 @@ absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<Named
     std::vector<at::Tensor> flat_parts;
     for (const at::Tensor& t : members) flat_parts.push_back(t.detach().reshape({-1}));
     at::Tensor flat = at::cat(flat_parts);
-    std::vector<at::Tensor> v{flat};
+    std::vector<at::Tensor> v{internal::Wire(flat)};
     c10d::BroadcastOptions options;
     options.rootRank = root;
     try {
@@ -382,6 +832,18 @@ absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<Named
   return absl::OkStatus();
 }
 
+// Keeps the first name of each tensor registered under several (tied).
+std::vector<NamedTensor> Unique(std::vector<NamedTensor> tensors) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<NamedTensor> out;
+  for (NamedTensor& t : tensors) {
+    if (t.second.defined() && seen.insert(t.second.unsafeGetTensorImpl()).second) {
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 GradSync::GradSync(std::shared_ptr<internal::GradSyncState> state) : state_(std::move(state)) {}
@@ -395,19 +857,25 @@ GradSync::~GradSync() {
 absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(torch::nn::Module& module,
                                                            c10d::ProcessGroup& group,
                                                            GradSyncOptions options) {
-  std::vector<NamedTensor> params;
-  // Frozen parameters are not synced, but every replica must start from the
-  // same values (as DDP broadcasts every parameter at construction): they
-  // are fingerprinted and broadcast with the buffers, whatever
-  // broadcast_buffers says.
-  std::vector<NamedTensor> buffers;
+  std::vector<NamedTensor> params, buffers;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    if (!item.value().defined()) continue;
-    (item.value().requires_grad() ? params : buffers).emplace_back(item.key(), item.value());
+    params.emplace_back(item.key(), item.value());
   }
-  if (options.broadcast_buffers) {
-    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
-      if (item.value().defined()) buffers.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    buffers.emplace_back(item.key(), item.value());
+  }
+  // Embedding layers that produce sparse gradients.
+  std::unordered_set<const c10::TensorImpl*> sparse;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto* e = dynamic_cast<torch::nn::EmbeddingImpl*>(m.get())) {
+      if (e->options.sparse()) sparse.insert(e->weight.unsafeGetTensorImpl());
+    } else if (auto* b = dynamic_cast<torch::nn::EmbeddingBagImpl*>(m.get())) {
+      if (b->options.sparse()) sparse.insert(b->weight.unsafeGetTensorImpl());
+    }
+  }
+  for (const NamedTensor& p : params) {
+    if (p.second.defined() && sparse.count(p.second.unsafeGetTensorImpl())) {
+      options.sparse_parameters.push_back(p.first);
     }
   }
   return Attach(std::move(params), std::move(buffers), group, std::move(options));
@@ -422,20 +890,33 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
     return absl::InvalidArgumentError("GradSync: bucket caps must be positive");
   }
   if (!options.comm_hook) return absl::InvalidArgumentError("GradSync: no comm hook");
-  if (parameters.empty()) {
+  parameters = Unique(std::move(parameters));
+  buffers = Unique(std::move(buffers));
+  std::vector<NamedTensor> trainable, frozen;
+  for (NamedTensor& p : parameters) (p.second.requires_grad() ? trainable : frozen).push_back(p);
+  if (trainable.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, ": GradSync::Attach got no parameters that require grad"));
   }
-  for (const NamedTensor& p : parameters) {
-    if (!p.second.defined() || !p.second.is_contiguous() || p.second.is_sparse()) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, ": parameter '", p.first,
-                                                     "' must be a dense, contiguous tensor"));
+  const std::set<std::string> sparse_names(options.sparse_parameters.begin(),
+                                           options.sparse_parameters.end());
+  for (const NamedTensor& p : trainable) {
+    if (p.second.is_sparse() || p.second.layout() != at::kStrided) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, ": parameter '", p.first, "' is a ", c10::str(p.second.layout()),
+          " tensor: GradSync synchronises strided (dense) parameters, with dense or sparse "
+          "gradients"));
+    }
+    if (sparse_names.count(p.first) && p.second.dim() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, ": parameter '", p.first, "' is a scalar and cannot have a sparse gradient"));
     }
   }
-  const at::Device device = parameters.front().second.device();
+  const at::Device device = trainable.front().second.device();
   // Names, dtypes, shapes and devices of everything that is broadcast must
-  // match across ranks (parameters first, so their indices are as before).
-  std::vector<NamedTensor> to_broadcast = parameters;
+  // match across ranks (trainable first, so their indices are as before).
+  std::vector<NamedTensor> to_broadcast = trainable;
+  to_broadcast.insert(to_broadcast.end(), frozen.begin(), frozen.end());
   to_broadcast.insert(to_broadcast.end(), buffers.begin(), buffers.end());
   absl::Status s = CheckReplicasMatch(group, to_broadcast, device, options.timeout);
   if (!s.ok()) return s;
@@ -446,40 +927,27 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
   state->group = &group;
   state->rank = rank;
   state->world = group.getSize();
+  state->device = device;
   state->options = std::move(options);
-  // Buckets in reverse registration order, one open bucket per dtype/device.
-  std::map<std::pair<int, std::string>, int> open;
-  std::vector<int64_t> bucket_bytes;
-  for (int i = static_cast<int>(parameters.size()) - 1; i >= 0; --i) {
-    const at::Tensor& t = parameters[i].second;
-    const auto key = std::make_pair(static_cast<int>(t.scalar_type()), t.device().str());
-    const int64_t bytes = t.numel() * t.element_size();
-    auto it = open.find(key);
-    if (it != open.end()) {
-      const int64_t cap =
-          it->second == 0 ? state->options.first_bucket_cap_bytes : state->options.bucket_cap_bytes;
-      if (bucket_bytes[it->second] + bytes > cap) open.erase(it);
-    }
-    it = open.find(key);
-    if (it == open.end()) {
-      state->buckets.emplace_back();
-      bucket_bytes.push_back(0);
-      it = open.emplace(key, static_cast<int>(state->buckets.size()) - 1).first;
-    }
+  state->frozen = std::move(frozen);
+  state->buffers = std::move(buffers);
+  for (const NamedTensor& p : trainable) {
     internal::ParamSlot slot;
-    slot.name = parameters[i].first;
-    slot.param = t;
-    slot.bucket = it->second;
-    slot.offset = bucket_bytes[it->second] / t.element_size();
-    bucket_bytes[it->second] += bytes;
-    state->buckets[it->second].params.push_back(static_cast<int>(state->params.size()));
+    slot.name = p.first;
+    slot.param = p.second;
+    slot.sparse = sparse_names.count(p.first) > 0;
+    slot.sizes = p.second.sizes().vec();
+    slot.strides = p.second.is_non_overlapping_and_dense() ? p.second.strides().vec()
+                                                           : internal::ContiguousStrides(p.second.sizes());
+    if (slot.sparse) state->sparse.push_back(static_cast<int>(state->params.size()));
     state->params.push_back(std::move(slot));
   }
-  for (size_t b = 0; b < state->buckets.size(); ++b) {
-    const at::Tensor& first = state->params[state->buckets[b].params[0]].param;
-    state->buckets[b].buffer =
-        at::zeros({bucket_bytes[b] / first.element_size()}, first.options().requires_grad(false));
+  std::vector<int> order;  // reverse registration order
+  for (int i = static_cast<int>(state->params.size()) - 1; i >= 0; --i) {
+    if (!state->params[i].sparse) order.push_back(i);
   }
+  state->Layout(order);
+  state->reachable.assign(state->params.size(), 1);
   std::unique_ptr<GradSync> sync(new GradSync(state));
   for (int i = 0; i < static_cast<int>(state->params.size()); ++i) {
     internal::ParamSlot& p = state->params[i];
@@ -505,9 +973,58 @@ bool GradSync::sync_enabled() const {
 
 absl::Status GradSync::SyncNow() {
   std::lock_guard<std::mutex> lock(state_->mu);
-  if (!state_->status.ok()) return state_->status;
-  state_->BeginStep();
+  if (!state_->fatal.ok()) return state_->fatal;
+  if (state_->step_open) {
+    // A synchronised backward that never reached its end (it threw).
+    state_->Fail(absl::FailedPreconditionError(absl::StrCat(
+        "synchronisation #", state_->seq, " never completed on this rank (an exception inside a "
+        "synchronised backward without GradSync::AbandonStep)")));
+    return state_->Finish();
+  }
+  state_->BeginStep(-1);
   return state_->Finish();
+}
+
+absl::Status GradSync::PrepareForBackward(const at::Tensor& loss) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (!state_->fatal.ok()) return state_->fatal;
+  if (state_->step_open) {
+    state_->Fail(absl::FailedPreconditionError(absl::StrCat(
+        "synchronisation #", state_->seq, " never completed on this rank (an exception inside a "
+        "synchronised backward without GradSync::AbandonStep)")));
+    return state_->Finish();
+  }
+  if (!state_->sync_enabled) return absl::OkStatus();
+  // DDP's find_unused_parameters: every node the loss's graph reaches.
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  if (loss.defined() && loss.grad_fn()) stack.push_back(loss.grad_fn().get());
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const torch::autograd::Edge& e : node->next_edges()) {
+      if (e.function && !seen.count(e.function.get())) stack.push_back(e.function.get());
+    }
+  }
+  for (size_t i = 0; i < state_->params.size(); ++i) {
+    state_->reachable[i] = seen.count(state_->params[i].accumulator.get()) > 0;
+  }
+  state_->prepared = true;
+  return absl::OkStatus();
+}
+
+absl::Status GradSync::AbandonStep(const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (!state_->fatal.ok()) return state_->fatal;
+  state_->Fail(why.ok() ? absl::AbortedError("abandoned") : why);
+  if (!state_->step_open) state_->BeginStep(-1);
+  return state_->Finish();
+}
+
+int64_t GradSync::syncs_completed() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->completed;
 }
 
 void GradSync::set_comm_hook(CommHook hook) {
@@ -517,7 +1034,12 @@ void GradSync::set_comm_hook(CommHook hook) {
 
 absl::Status GradSync::status() const {
   std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->status;
+  return state_->fatal.ok() ? state_->last : state_->fatal;
+}
+
+absl::Status GradSync::fatal_status() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->fatal;
 }
 
 SyncStats GradSync::last_stats() const {
@@ -530,14 +1052,19 @@ int64_t GradSync::collectives_started() const {
   return state_->collectives;
 }
 
-int GradSync::num_buckets() const { return static_cast<int>(state_->buckets.size()); }
+int GradSync::num_buckets() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return static_cast<int>(state_->buckets.size());
+}
 
 std::vector<std::vector<std::string>> GradSync::bucket_layout() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
   std::vector<std::vector<std::string>> layout;
   for (const internal::Bucket& b : state_->buckets) {
     layout.emplace_back();
     for (int i : b.params) layout.back().push_back(state_->params[i].name);
   }
+  for (int i : state_->sparse) layout.push_back({state_->params[i].name + " (sparse)"});
   return layout;
 }
 

@@ -98,9 +98,9 @@ BalancedStep::~BalancedStep() = default;
 
 absl::Status BalancedStep::BeginStep() {
   if (!abandoned_.ok()) {
-    // The peers are still in the abandoned step's collectives (or have
-    // failed in them): a new step here would pair this rank's collectives
-    // with theirs and mix two steps' gradients. Never run on.
+    // A collective failed: the peers may still be in the abandoned step's
+    // collectives. A new step here would pair this rank's collectives with
+    // theirs and mix two steps' gradients. Never run on.
     return absl::FailedPreconditionError(
         absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": no further step runs after step ",
                      steps_ + 1, " was abandoned (", abandoned_.message(),
@@ -127,6 +127,7 @@ absl::Status BalancedStep::BeginStep() {
   loss_on_device_ = at::Tensor();
   data_marked_ = false;
   in_step_ = true;
+  syncs_at_begin_ = sync_->syncs_completed();
   clock_->Begin();
   report_.epoch = batch_.epoch;
   report_.epoch_step = batch_.step;
@@ -163,7 +164,15 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
                                          "losses); got shape ",
                                          c10::str(loss_sum.sizes())));
     }
-    (loss_sum * scale_).backward();
+    at::Tensor scaled_loss = loss_sum * scale_;
+    if (last) {
+      // Parameters the loss cannot reach are ready at once (their buckets
+      // are not held back to the end of backward).
+      if (absl::Status s = sync_->PrepareForBackward(scaled_loss); !s.ok()) {
+        return Abandon(index, std::string(s.message()));
+      }
+    }
+    scaled_loss.backward();
     clock_->End();
     const at::Tensor scaled = loss_sum.detach().to(at::kDouble) * scale_;
     loss_on_device_ = loss_on_device_.defined() ? loss_on_device_ + scaled : scaled;
@@ -211,15 +220,28 @@ absl::Status BalancedStep::Account() {
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {
   in_step_ = false;
   sync_->set_sync_enabled(true);
+  const std::string where = absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
+                                         ", micro-batch ", micro_batch + 1, " of ", micro_.size());
+  absl::Status status;
+  if (sync_->syncs_completed() == syncs_at_begin_) {
+    // The peers are (or will be) in this step's synchronisation: join it
+    // with a failure mark, so every rank abandons this same step.
+    absl::Status joined = sync_->AbandonStep(absl::InternalError(absl::StrCat(where, ": ", what)));
+    status = absl::Status(joined.ok() ? absl::StatusCode::kAborted : joined.code(),
+                          absl::StrCat(where, ": ", what, "; ", joined.message()));
+  } else {
+    // The failure came from (or after) the synchronisation itself.
+    const absl::Status synced = sync_->status();
+    status = synced.ok() ? absl::InternalError(absl::StrCat(where, ": ", what))
+                         : absl::Status(synced.code(), absl::StrCat(where, ": ", synced.message()));
+  }
   // The abandoned step's gradients must never reach an optimizer step.
   try {
     optimizer_.zero_grad();
   } catch (const std::exception&) {
   }
-  abandoned_ = absl::InternalError(absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ",
-                                                steps_ + 1, ", micro-batch ", micro_batch + 1,
-                                                " of ", micro_.size(), ": ", what));
-  return abandoned_;
+  if (!sync_->fatal_status().ok()) abandoned_ = status;
+  return status;
 }
 
 absl::StatusOr<StepReport> BalancedStep::FinishStep() {

@@ -39,8 +39,10 @@ ABSL_FLAG(int, fail_micro_batch, 1,
           "With --fail_rank: the micro-batch of step 2 (1-based) whose callback throws (the "
           "last one when it has fewer).");
 ABSL_FLAG(bool, continue_after_failure, false,
-          "After a failed step: report whether the gradients were cleared and try the next "
-          "step (which must refuse to run).");
+          "After a failed step: report whether the gradients were cleared and go on with the "
+          "next step.");
+ABSL_FLAG(bool, fail_by_exit, false,
+          "With --fail_rank: the failing rank dies (_exit) instead of throwing.");
 ABSL_FLAG(int, samples, 300, "Samples in the synthetic dataset.");
 ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
 ABSL_FLAG(std::string, duty, "none",
@@ -192,6 +194,7 @@ int main(int argc, char** argv) {
           const int fail_at = std::min<int>(absl::GetFlag(FLAGS_fail_micro_batch),
                                             static_cast<int>((*step)->micro_batches().size()));
           if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
+            if (absl::GetFlag(FLAGS_fail_by_exit)) std::_Exit(5);
             throw std::runtime_error("injected failure in the loss callback");
           }
           if (sleep_ms > 0) {

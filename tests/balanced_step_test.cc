@@ -106,14 +106,29 @@ TEST(BalancedStepTest, LossTrajectoryIsTheSameForWorldSizes1To3) {
   }
 }
 
-TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatch) {
-  auto results = RunHelper(2, {"--fail_rank=1", "--steps=3", "--evenstep_timeout=10s",
-                               "--evenstep_micro_batch_samples=4"});
-  EXPECT_EQ(results[1].exit_code, 2) << Describe(results);
-  EXPECT_THAT(results[1].output, HasSubstr("rank 1, step 2, micro-batch 1 of"));
-  EXPECT_THAT(results[1].output, HasSubstr("injected failure in the loss callback"));
-  // The peer does not hang: it fails once rank 1 is gone, and its gradient
-  // sync names the rank that never arrived.
+TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatchOnEveryRank) {
+  // Rank 1's callback throws in step 2: it joins the step's gradient sync
+  // with a failure mark, so rank 0 learns it in the same step (no timeout).
+  for (int fail_micro : {1, 3}) {
+    auto results = RunHelper(2, {"--fail_rank=1", "--steps=3", "--evenstep_timeout=60s",
+                                 "--evenstep_micro_batch_samples=4",
+                                 absl::StrCat("--fail_micro_batch=", fail_micro)});
+    for (const auto& r : results) {
+      EXPECT_EQ(r.exit_code, 2) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("ABORTED")) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("step 2, micro-batch ")) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("abandoned on every rank: rank(s) 1 failed"))
+          << Describe(results);
+    }
+    EXPECT_THAT(results[1].output, HasSubstr("injected failure in the loss callback"));
+    EXPECT_THAT(results[1].output, HasSubstr("rank 1, step 2, micro-batch "));
+  }
+}
+
+TEST(BalancedStepTest, APeerThatDiesIsNamedAsNeverArrived) {
+  auto results = RunHelper(2, {"--fail_rank=1", "--fail_by_exit", "--steps=3",
+                               "--evenstep_timeout=10s", "--evenstep_micro_batch_samples=4"});
+  EXPECT_EQ(results[1].exit_code, 5) << Describe(results);
   EXPECT_NE(results[0].exit_code, 0) << Describe(results);
   EXPECT_FALSE(results[0].timed_out);
   EXPECT_THAT(results[0].output, HasSubstr("rank 0: all_reduce of gradient bucket"));
@@ -121,19 +136,20 @@ TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatch) {
               ::testing::ContainsRegex("rank\\(s\\) 1 \\(last at #[0-9]+\\) never arrived"));
 }
 
-TEST(BalancedStepTest, AnAbandonedStepClearsItsGradientsAndNoStepRunsAfterIt) {
-  // A trainer that catches the error and goes on: the abandoned step's
-  // gradients are gone, and the next step refuses to run instead of pairing
-  // its collectives with the peers' abandoned step.
-  auto results = RunHelper(1, {"--fail_rank=0", "--fail_micro_batch=3", "--steps=3",
+TEST(BalancedStepTest, EveryRankAbandonsTheSameStepAndGoesOn) {
+  // A trainer that catches the error and goes on: on both ranks step 2 is
+  // abandoned with its gradients cleared, and steps 3-4 run with the
+  // reference gradient (the helper checks every step's gradient against a
+  // single process: a leftover of step 2 would fail it).
+  auto results = RunHelper(2, {"--fail_rank=0", "--fail_micro_batch=3", "--steps=4",
                                "--continue_after_failure", "--evenstep_micro_batch_samples=4"});
-  const std::string& out = results[0].output;
-  EXPECT_THAT(out, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
-  EXPECT_THAT(out, HasSubstr("step 3 failed; gradients cleared")) << Describe(results);
-  EXPECT_THAT(out,
-              HasSubstr("rank 0: no further step runs after step 2 was abandoned (BalancedStep: "
-                        "rank 0, step 2, micro-batch 3 of"))
-      << Describe(results);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("rank(s) 0 failed")) << Describe(results);
+    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 3 rank [01] micro")) << Describe(results);
+    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 4 rank [01] micro")) << Describe(results);
+  }
 }
 
 TEST(BalancedStepTest, BadFlagsAreRejectedByName) {

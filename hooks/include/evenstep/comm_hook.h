@@ -22,6 +22,7 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <vector>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -52,15 +53,33 @@ class ReducedBucket {
   std::function<at::Tensor()> finish_;
 };
 
+// One gradient inside a bucket (what DDP's GradBucket gives a hook).
+struct BucketParam {
+  std::string name;
+  int64_t offset = 0;  // first element in the bucket
+  int64_t numel = 0;
+  std::vector<int64_t> sizes;
+};
+
 struct CommHookContext {
   c10d::ProcessGroup* group = nullptr;
   int rank = 0;
   int world_size = 1;
   int bucket_index = 0;
+  int num_buckets = 1;
+  bool is_last = false;  // the last bucket of this synchronisation
+  // The bucket's gradients in bucket order; valid during the call.
+  const std::vector<BucketParam>* params = nullptr;
+  // This synchronisation's number (from 1), e.g. for a hook's warm-up.
+  int64_t seq = 0;
 };
 
 // `bucket` is the flat, contiguous gradient buffer of one bucket; the hook
 // may modify it in place or return another tensor of the same shape and dtype.
+// Collectives started in the hook, and in the finish step of the
+// ReducedBucket it returns, must be the same on every rank: GradSync waits
+// for the buckets in index order, so a two-phase hook (PowerSGD) may start
+// its second collective from the finish step.
 using CommHook = std::function<ReducedBucket(const CommHookContext&, at::Tensor& bucket)>;
 
 CommHook SumHook();
@@ -68,8 +87,32 @@ CommHook AvgHook();
 CommHook Fp16CompressHook();
 CommHook Bf16CompressHook();
 
-// "sum", "avg", "fp16" or "bf16". InvalidArgument naming --evenstep_comm_hook
+// PowerSGD (Vogels et al. 2019) with error feedback and warm start, as in
+// PyTorch's powerSGD_hook: each gradient of a bucket with at least two
+// dimensions is viewed as a matrix M (sizes[0] x rest) and, when rank <
+// min(rows, cols), sent as the rank-`rank` factors P = M Q and Q = M^T P
+// (two all_reduces per bucket); the rest (biases, small matrices) and the
+// first `start_seq - 1` synchronisations are reduced exactly. The
+// approximation error stays on each rank and is added to its next gradient.
+// A SUM hook: the result approximates the exact SUM. Stateful: one hook per
+// GradSync.
+struct PowerSgdOptions {
+  int rank = 1;
+  int64_t start_seq = 1;
+  uint64_t seed = 0;
+};
+CommHook PowerSgdHook(PowerSgdOptions options = {});
+
+// "sum", "avg", "fp16", "bf16" or "powersgd" (rank 1). InvalidArgument naming --evenstep_comm_hook
 // otherwise.
 absl::StatusOr<CommHook> CommHookByName(absl::string_view name);
+
+namespace internal {
+// True for the built-in hooks whose result keeps zeros exactly zero and
+// non-negative values positive (sum, avg, fp16, bf16): GradSync then carries
+// its per-synchronisation bitmap in the last bucket instead of a separate
+// collective.
+bool IsZeroPreservingHook(const CommHook& hook);
+}  // namespace internal
 
 }  // namespace evenstep

@@ -4,26 +4,73 @@
 //   auto sync = evenstep::GradSync::Attach(model, ctx.data_group());  // checks + broadcast
 //   for (int m = 0; m < micro_steps; ++m) {
 //     (*sync)->set_sync_enabled(m == micro_steps - 1);   // local accumulation until the last
-//     loss_of(m).backward();                            // last one: buckets reduce while
-//   }                                                   // backward runs
+//     at::Tensor loss = loss_of(m);
+//     (*sync)->PrepareForBackward(loss);                 // optional: unused parameters early
+//     try { loss.backward(); }                           // last one: buckets reduce while
+//     catch (...) { (*sync)->AbandonStep(...); throw; }  // backward runs
+//   }
 //   if (micro_steps == 0) (*sync)->SyncNow();           // a rank without work joins with zeros
 //   optimizer.step();
 //
-// Parameters are grouped in reverse registration order into buckets of at
-// most `bucket_cap_bytes` (the first `first_bucket_cap_bytes`); one parameter
-// larger than the cap gets a bucket of its own. A post hook on each
-// parameter's gradient accumulator copies the gradient into its bucket; when
-// a bucket is complete and every earlier bucket was launched, the comm hook
-// starts its collective, while backward still runs. A callback queued on the
-// autograd engine waits for all buckets at the end of backward and writes the
-// results into param.grad(), which afterwards share the bucket buffers' storage
-// (no copy on the next step; not autograd views, so Optimizer::zero_grad works). Buckets always
-// launch in index order, and parameters without a gradient count as zeros, so
-// every rank issues the same collectives in the same order.
+// What is synchronised (PyTorch DDP's semantics unless said otherwise):
+// - Attach fingerprints (name, dtype, shape, device) and broadcasts from
+//   `broadcast_root` every parameter, trainable or frozen, and every buffer.
+//   A Parameter registered under two names (tied weights) is one parameter,
+//   reduced once, named by its first name.
+// - Dense gradients are reduced in buckets: parameters grouped in reverse
+//   registration order into buckets of at most `bucket_cap_bytes` (the first
+//   `first_bucket_cap_bytes`; a larger parameter gets a bucket of its own).
+//   After the first synchronisation the buckets are rebuilt once in the order
+//   rank 0's gradients became ready (`rebuild_buckets`), so a model whose
+//   layers run in another order than they were registered still overlaps.
+//   A post hook on each parameter's gradient accumulator copies the gradient
+//   into its bucket; a complete bucket starts its collective (in index order)
+//   while backward still runs. At the end of backward param.grad() of every
+//   used parameter shares its bucket's storage with the parameter's own
+//   strides (channels-last and other dense layouts included; a non-dense
+//   parameter gets a contiguous gradient), so the next step copies nothing.
+// - bf16 and fp16 parameters on a backend other than NCCL are reduced in an
+//   fp32 bucket (Gloo has no bf16 reduction); their param.grad() is a copy
+//   in the parameter's dtype.
+// - Sparse gradients (Embedding/EmbeddingBag with sparse(true), found
+//   automatically, or names in `sparse_parameters`) are all-reduced as sparse
+//   COO tensors after the dense buckets. A sparse gradient on a parameter not
+//   declared sparse is an error naming it.
+// - Unused parameters: a parameter counts as used on a rank when its
+//   gradient accumulator ran since the last synchronisation. Every
+//   synchronisation agrees, in a per-rank bitmap carried by the last bucket
+//   (a separate small all_reduce under a user comm hook), which parameters
+//   were used anywhere: a parameter unused on every rank keeps its gradient
+//   untouched (undefined stays undefined, so optimizers skip it exactly as a
+//   single process would); one used elsewhere counts as zeros here.
+//   PrepareForBackward(loss) walks the autograd graph from the loss (DDP's
+//   find_unused_parameters) so unreachable parameters are ready at once and
+//   do not hold their buckets back; without it they are found at the end of
+//   backward (same numbers, less overlap).
+// - Buffers (BatchNorm statistics): with `buffers_from_root_every_step`
+//   (default), every synchronisation also broadcasts rank 0's buffers (their
+//   values after the step's forward), so the replicas' buffers never drift.
 //
-// Failure: Attach returns a status; a failed collective during backward makes
-// backward() throw (std::runtime_error with the status text) and is kept in
-// status(); SyncNow returns it.
+// Refused, with an error naming the parameter: a requires_grad change after
+// Attach (attach again); a gradient that becomes ready twice in one
+// synchronisation (reentrant checkpointing, or a second backward() after one
+// that threw); a synchronised backward when no gradient was zeroed (zero_grad)
+// since the last synchronisation (a second backward() with sync enabled in one
+// step would reduce the reduced gradient again: disable sync on all but the
+// last backward; `check_zero_grad` turns this check off for code that
+// synchronises twice on purpose). Not seen: a backward with sync disabled
+// between the two (its accumulation looks like a new step), and a model of
+// one parameter.
+//
+// Failure. A local failure (one of the refusals above, an exception inside
+// backward reported with AbandonStep, or a stale step found later) is
+// carried to every rank as a failure mark in the same synchronisation: all
+// ranks' synchronisation then fails with ABORTED naming the failed ranks,
+// every gradient of the step is reset to undefined (never applied), and the
+// next synchronisation starts clean. A failed or timed-out collective is
+// fatal: fatal_status() keeps it and every later synchronisation returns it
+// without a collective. A failure inside a synchronised backward makes
+// backward() throw std::runtime_error with the status text.
 // Thread-safety: one training thread drives a GradSync; the hooks it installs
 // synchronise with it internally.
 #pragma once
@@ -71,7 +118,20 @@ struct GradSyncOptions {
   int64_t first_bucket_cap_bytes = 1 << 20;
   // Rank whose parameters and buffers every replica starts from.
   int broadcast_root = 0;
-  bool broadcast_buffers = true;
+  // Every synchronisation also broadcasts broadcast_root's buffers (DDP's
+  // broadcast_buffers=True). Off: buffers are only broadcast at Attach.
+  bool buffers_from_root_every_step = true;
+  // Rebuild the buckets once, after the first synchronisation, in the order
+  // rank 0's gradients became ready.
+  bool rebuild_buckets = true;
+  // Refuse a synchronisation when no gradient was zeroed or reset (and no
+  // parameter bumped its version) since the last one: its gradients still
+  // hold the reduced values, which would be reduced again.
+  bool check_zero_grad = true;
+  // Parameters (by name) whose gradients are sparse, beside the
+  // Embedding/EmbeddingBag modules with sparse(true) that Attach(module)
+  // finds itself.
+  std::vector<std::string> sparse_parameters;
   // Longest a bucket's reduction may take.
   absl::Duration timeout = absl::Minutes(10);
   CommHook comm_hook = SumHook();
@@ -80,7 +140,11 @@ struct GradSyncOptions {
 
 // What the last synchronisation did (for the timeline and the tests).
 struct SyncStats {
+  int64_t seq = 0;  // this synchronisation's number, from 1
   int buckets = 0;
+  int sparse = 0;             // sparse gradients all-reduced
+  int unused_everywhere = 0;  // parameters no rank used: gradient untouched
+  int unused_here = 0;        // parameters this rank did not use (zeros)
   // Buckets whose collective started from a gradient hook, i.e. before
   // backward had produced every gradient.
   int buckets_launched_during_backward = 0;
@@ -94,17 +158,19 @@ using NamedTensor = std::pair<std::string, at::Tensor>;
 
 class GradSync {
  public:
-  // Syncs the parameters of `module` (recursively) that require grad. Every
-  // rank starts from rank `broadcast_root`'s values of all of them, of the
-  // frozen parameters (requires_grad false: fingerprinted and broadcast,
-  // never synced) and, with broadcast_buffers, of its buffers. Collective
-  // over `group`: all ranks call it. FailedPrecondition naming the first
-  // differing tensor (name, dtype, shape, device) and the ranks when the
-  // replicas do not match. A requires_grad change after Attach is not seen:
-  // attach again.
+  // Syncs the gradients of the parameters of `module` (recursively) that
+  // require grad. Every rank starts from rank `broadcast_root`'s values of
+  // every parameter (frozen ones included: fingerprinted and broadcast,
+  // never synced) and every buffer. Collective over `group`: all ranks call
+  // it. FailedPrecondition naming the first differing tensor (name, dtype,
+  // shape, device) and the ranks when the replicas do not match.
+  // InvalidArgument naming the parameter for what cannot be synced (a
+  // trainable parameter that is not a leaf, a sparse parameter tensor).
   static absl::StatusOr<std::unique_ptr<GradSync>> Attach(torch::nn::Module& module,
                                                           c10d::ProcessGroup& group,
                                                           GradSyncOptions options = {});
+  // The same for explicit lists: `parameters` (trainable and frozen, by
+  // requires_grad) and `buffers`.
   static absl::StatusOr<std::unique_ptr<GradSync>> Attach(std::vector<NamedTensor> parameters,
                                                           std::vector<NamedTensor> buffers,
                                                           c10d::ProcessGroup& group,
@@ -122,15 +188,38 @@ class GradSync {
   // with sync disabled. Issues the same collectives as a synced backward.
   absl::Status SyncNow();
 
+  // Before a synchronised backward of `loss`: marks the parameters its
+  // autograd graph cannot reach as ready at once, so their buckets are not
+  // held back until the end of backward. No effect with sync disabled.
+  // Fails (and abandons it on every rank) when the previous synchronised
+  // backward never completed on this rank.
+  absl::Status PrepareForBackward(const at::Tensor& loss);
+
+  // This rank cannot complete the current synchronisation (an exception
+  // inside or before its synchronised backward): joins it with a failure
+  // mark, so every rank's synchronisation fails with ABORTED naming this
+  // rank and `why`, and resets this step's gradients. Call it only when this
+  // rank has not completed the synchronisation (syncs_completed() did not
+  // advance in this step). Returns the synchronisation's status.
+  absl::Status AbandonStep(const absl::Status& why);
+
+  // Synchronisations completed on this rank (successfully or not).
+  int64_t syncs_completed() const;
+
   void set_comm_hook(CommHook hook);
 
-  // The error of the last synchronisation, OK if none.
+  // fatal_status() if set, else the result of the last synchronisation (OK
+  // before the first).
   absl::Status status() const;
+  // A failed or timed-out collective: every later synchronisation fails
+  // with it. OK otherwise.
+  absl::Status fatal_status() const;
   SyncStats last_stats() const;
   // Total collectives started since Attach (one per bucket per sync).
   int64_t collectives_started() const;
   int num_buckets() const;
-  // Parameter names per bucket, in launch order.
+  // Parameter names per bucket, in launch order (after a rebuild, the new
+  // order).
   std::vector<std::vector<std::string>> bucket_layout() const;
 
  private:

@@ -23,12 +23,16 @@
 //     if (!report.ok()) { std::cerr << report.status() << "\n"; return 1; }
 //   }
 //
-// Failures (a collective that times out, a peer that died, an exception from
-// the user's callbacks) come back as a status naming the rank, the step and
-// the micro-batch; the step is then abandoned: its gradients are cleared
-// (never applied), and since the other ranks are still in that step's
-// collectives, every later BeginStep/Step on this rank fails with an error
-// saying so (restart from the last checkpoint) instead of mixing steps.
+// Failures come back as a status naming the rank, the step and the
+// micro-batch, and the step is abandoned: its gradients are cleared (never
+// applied). An exception from the user's callbacks (or a bad loss) on one
+// rank is carried to every rank in the step's gradient synchronisation (the
+// failing rank joins it with a failure mark): every rank abandons the same
+// step with ABORTED naming the failed rank, and the next step may run (the
+// abandoned global batch is skipped on every rank). A failed collective (a
+// timeout, a peer that died) leaves the ranks out of step: every later
+// BeginStep/Step on this rank fails saying so (restart from the last
+// checkpoint) instead of mixing steps.
 // Thread-safety: one training thread drives a BalancedStep.
 #pragma once
 
@@ -233,7 +237,10 @@ class BalancedStep {
   std::vector<CostFit> fits_;  // every rank's, from the last exchange
   int64_t steps_ = 0;
   StepReport report_;
-  absl::Status abandoned_;  // the error that abandoned a step; no step runs after it
+  int64_t syncs_at_begin_ = 0;  // GradSync::syncs_completed() when the step began
+  // A step abandoned without the peers knowing (a failed collective): no
+  // step runs after it on this rank.
+  absl::Status abandoned_;
   std::array<double, kAgreementSlots> shared_{};
 };
 
