@@ -156,9 +156,10 @@ at::ScalarType ReduceType(at::ScalarType t, c10d::ProcessGroup& group) {
   return low && group.getBackendName() != "nccl" ? at::kFloat : t;
 }
 
-// Gloo moves no bf16: broadcasts carry its bit patterns as int16.
+// Gloo moves no bf16 (nor int16): broadcasts carry its bit patterns as fp16,
+// which a broadcast copies without arithmetic.
 at::Tensor Wire(const at::Tensor& flat) {
-  return flat.scalar_type() == at::kBFloat16 ? flat.view(at::kShort) : flat;
+  return flat.scalar_type() == at::kBFloat16 ? flat.view(at::kHalf) : flat;
 }
 
 std::vector<int64_t> ContiguousStrides(at::IntArrayRef sizes) {

@@ -1,0 +1,188 @@
+// GradSync conformance: every case of tests/conformance_helper.cc on worlds 2
+// and 3 against a single-process run on the whole global batch (max relative
+// error <= 1e-5 per parameter; bf16 parameters 1e-2), the failure scenarios'
+// errors on every rank, and the same cases against PyTorch's
+// DistributedDataParallel itself (tests/ddp_peer.py; skipped with a message
+// when Debian's python3 has no torch).
+#include <fstream>
+#include <memory>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/subprocess.h"
+
+namespace evenstep {
+namespace {
+
+using ::evenstep::testing::Describe;
+using ::evenstep::testing::ProcessResult;
+using ::testing::HasSubstr;
+
+std::vector<ProcessResult> RunCase(int world, std::vector<std::string> args) {
+  std::vector<std::string> argv = {EVENSTEP_CONFORMANCE_HELPER, "--evenstep_timeout=60s",
+                                   "--evenstep_rendezvous_timeout=60s"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return evenstep::testing::RunRanks(world, argv);
+}
+
+struct Conf {
+  std::string name;
+  int world;
+};
+
+class ConformanceTest : public ::testing::TestWithParam<Conf> {};
+
+TEST_P(ConformanceTest, ParametersEqualSingleProcessAfterFiveSteps) {
+  const Conf c = GetParam();
+  auto results = RunCase(c.world, {"--case_name=" + c.name});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("conformance ok " + c.name)) << Describe(results);
+  }
+}
+
+std::vector<Conf> AllCases() {
+  std::vector<Conf> cases;
+  for (const char* name :
+       {"tied_adam", "tied_sgd", "sparse", "batchnorm", "mixed", "layout", "reverse"}) {
+    for (int world : {2, 3}) cases.push_back({name, world});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ConformanceTest, ::testing::ValuesIn(AllCases()),
+                         [](const auto& info) {
+                           return absl::StrCat(info.param.name, "_world", info.param.world);
+                         });
+
+TEST(ConformanceTest, AnIdleRankJoinsWithZeros) {
+  for (int world : {2, 3}) {
+    auto results = RunCase(world, {"--case_name=tied_adam", "--idle_rank=1"});
+    for (const ProcessResult& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("conformance ok")) << Describe(results);
+    }
+  }
+}
+
+TEST(ConformanceTest, ReverseOrderOverlapsAfterTheRebuild) {
+  auto results = RunCase(2, {"--case_name=reverse"});
+  ASSERT_EQ(results[0].exit_code, 0) << Describe(results);
+  // Step 1: registration order, the first bucket's gradients come last.
+  // Later steps: rank 0's ready order, buckets start during backward.
+  std::smatch m;
+  const std::regex pattern("launched during backward: step 1 ([0-9]+), last ([0-9]+) of ([0-9]+)");
+  ASSERT_TRUE(std::regex_search(results[0].output, m, pattern)) << Describe(results);
+  const int first = std::stoi(m[1]), last = std::stoi(m[2]), buckets = std::stoi(m[3]);
+  EXPECT_GE(buckets, 4);
+  EXPECT_LE(first, 1) << "only the first layer's bucket can start before the end";
+  EXPECT_GE(last, buckets - 1) << "every bucket but the last starts during backward";
+}
+
+TEST(ConformanceTest, TwoSynchronisedBackwardsFailOnEveryRankNamingAParameter) {
+  for (int world : {2, 3}) {
+    auto results = RunCase(world, {"--case_name=reverse", "--scenario=two_backward"});
+    for (const ProcessResult& r : results) {
+      EXPECT_EQ(r.exit_code, 4) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("ABORTED")) << Describe(results);
+      EXPECT_THAT(r.output, ::testing::ContainsRegex("the gradient of '[a-z0-9.]+' became ready"))
+          << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("set_sync_enabled(false)")) << Describe(results);
+    }
+  }
+}
+
+TEST(ConformanceTest, AnExceptionInsideBackwardAbandonsTheStepOnEveryRank) {
+  // Rank 1's backward throws in step 3 after some buckets started: every
+  // rank abandons step 3 (no gradient left, no timeout) and the run goes on,
+  // matching a reference that skips step 3.
+  for (int world : {2, 3}) {
+    auto results = RunCase(world, {"--case_name=reverse", "--scenario=exception"});
+    for (const ProcessResult& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("step 3 abandoned")) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("abandoned on every rank: rank(s) 1 failed"))
+          << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("conformance ok")) << Describe(results);
+    }
+    EXPECT_THAT(results[1].output, HasSubstr("injected failure inside backward"));
+  }
+}
+
+TEST(ConformanceTest, RequiresGradChangedAfterAttachIsRefusedByName) {
+  auto results = RunCase(2, {"--case_name=reverse", "--scenario=unfreeze"});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 4) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("parameter 'l2.weight' no longer requires grad"))
+        << Describe(results);
+  }
+}
+
+// ---- against PyTorch DDP ----
+
+bool PythonHasTorch() {
+  return evenstep::testing::RunShell("/usr/bin/python3 -c 'import torch.distributed'").first == 0;
+}
+
+nlohmann::json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  nlohmann::json j;
+  if (in) in >> j;
+  return j;
+}
+
+class DdpTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
+  if (!PythonHasTorch()) {
+    GTEST_SKIP() << "no torch in /usr/bin/python3 (apt install python3-torch): the comparison "
+                    "with PyTorch DDP did not run";
+  }
+  const std::string name = GetParam();
+  char dir_template[] = "/tmp/evenstep-ddp-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  auto results = RunCase(2, {"--case_name=" + name, "--out=" + dir + "/evenstep.json"});
+  for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
+  auto [code, output] = evenstep::testing::RunShell(
+      absl::StrCat("/usr/bin/python3 ", EVENSTEP_SOURCE_DIR, "/tests/ddp_peer.py --case ", name,
+                   " --out ", dir, "/ddp.json 2>&1"),
+      absl::Seconds(240));
+  ASSERT_EQ(code, 0) << output;
+  const nlohmann::json ours = ReadJson(dir + "/evenstep.json");
+  const nlohmann::json ddp = ReadJson(dir + "/ddp.json");
+  ASSERT_FALSE(ours.is_null());
+  ASSERT_FALSE(ddp.is_null()) << output;
+  for (const char* kind : {"params", "buffers"}) {
+    if (!ours.contains(kind)) continue;
+    ASSERT_TRUE(ddp.contains(kind)) << kind;
+    ASSERT_EQ(ours[kind].size(), ddp[kind].size()) << kind << ": " << ddp[kind].dump().substr(0, 200);
+    for (const auto& [key, values] : ours[kind].items()) {
+      ASSERT_TRUE(ddp[kind].contains(key)) << "DDP has no " << key;
+      const auto a = values.get<std::vector<double>>();
+      const auto b = ddp[kind][key].get<std::vector<double>>();
+      ASSERT_EQ(a.size(), b.size()) << key;
+      double scale = 1e-12, diff = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        scale = std::max(scale, std::abs(b[i]));
+        diff = std::max(diff, std::abs(a[i] - b[i]));
+      }
+      EXPECT_LE(diff / scale, 1e-5) << name << " " << key;
+    }
+  }
+  evenstep::testing::RunShell("rm -rf " + dir);
+}
+
+// mixed is not here: Gloo in torch 1.13 reduces no bf16 (DDP fails on it).
+INSTANTIATE_TEST_SUITE_P(Cases, DdpTest,
+                         ::testing::Values("tied_adam", "tied_sgd", "sparse", "batchnorm", "layout",
+                                           "reverse"));
+
+}  // namespace
+}  // namespace evenstep
