@@ -1,16 +1,22 @@
 // Gradient sync benchmark: step time of (a) compute only, (b) the usual C++
 // practice — all-reduce every parameter's gradient one by one after backward
-// returns — and (c) evenstep's GradSync (bucketed, launched from gradient
-// hooks while backward runs), side by side in one run on 2 ranks over Gloo,
-// for two model shapes: "blocks" (transformer-layer-shaped parameters: many
-// tensors of mixed sizes) and "mlp" (few large tensors, bandwidth-bound).
+// returns — (c) evenstep's GradSync (bucketed, launched from gradient hooks
+// while backward runs) and (d) the same with PrepareForBackward's graph walk
+// (what BalancedStep does every step), side by side in one run on 2 ranks
+// over Gloo, for three model shapes: "blocks" (transformer-layer-shaped
+// parameters: many tensors of mixed sizes), "mlp" (few large tensors,
+// bandwidth-bound) and "branch" (the mlp with one more layer used on even
+// steps only). Then PyTorch's DistributedDataParallel on the same shapes,
+// batch, loss, optimizer and bucket cap (bench/ddp_grad_sync_peer.py, when
+// /usr/bin/python3 has torch), timed the same way.
 //
 //   evenstep_bench_grad_sync [--quick] [--steps N] [--hidden H] [--layers L]
 //
 // Started without a launcher it re-runs itself under evenstep-run -n 2. The
 // last line is SUMMARY {json} with overhead_ratio = (c - a) / (b - a), the
-// share of the usual practice's communication overhead that remains, for the
-// worse of the two models and for each.
+// share of the usual practice's communication overhead that remains, and
+// overhead_vs_ddp = (d - a) / (DDP - DDP's compute), evenstep's exposed
+// synchronisation cost over DDP's, for the worst shape and for each.
 #include "evenstep/grad_sync.h"
 
 #include <torch/torch.h>
@@ -24,7 +30,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
 #include "absl/time/clock.h"
 #include "bench/relaunch.h"
 #include "evenstep/dist_context.h"
@@ -69,22 +77,45 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// The bench's model: a body, and for "branch" one more layer used on even
+// steps only (the same in bench/ddp_grad_sync_peer.py).
+struct NetImpl : torch::nn::Module {
+  NetImpl(torch::nn::Sequential body, int width, bool with_branch)
+      : body(register_module("body", body)) {
+    if (with_branch) branch = register_module("branch", torch::nn::Linear(width, width));
+  }
+  torch::Tensor forward(torch::Tensor x, int step) {
+    torch::Tensor h = body->forward(x);
+    if (branch && step % 2 == 0) h = h + branch(h);
+    return h;
+  }
+  torch::nn::Sequential body;
+  torch::nn::Linear branch{nullptr};
+};
+TORCH_MODULE(Net);
+
 struct Result {
   std::string model;
   int64_t params = 0;
   int tensors = 0;
   int buckets = 0;
   int width = 0;
-  double a = 0, b = 0, c = 0;  // median ms, max over ranks
+  int64_t bucket_cap = 0;
+  double a = 0, b = 0, c = 0, d = 0;  // median ms, max over ranks
+  double walk_ms = 0;                 // PrepareForBackward alone, median
+  double ddp_compute = -1, ddp = -1;  // the DDP peer's, when it ran
   evenstep::SyncStats stats;
   double ratio() const { return b > a ? (c - a) / (b - a) : 0; }
+  // Negative when DDP did not run or showed no overhead to compare with.
+  double vs_ddp() const { return ddp > ddp_compute && ddp_compute >= 0 ? (d - a) / (ddp - ddp_compute) : -1; }
 };
 
-// Times (a) compute only, (b) per-parameter all_reduce after backward and
-// (c) GradSync on one model; modes interleaved step by step so drift
-// (frequency, caches, neighbours) hits all three alike; 2 warm-up rounds.
-absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& name,
-                               torch::nn::Sequential model, int width, int steps, int batch) {
+// Times (a) compute only, (b) per-parameter all_reduce after backward,
+// (c) GradSync and (d) GradSync with PrepareForBackward on one model; modes
+// interleaved step by step so drift (frequency, caches, neighbours) hits all
+// alike; 2 warm-up rounds.
+absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& name, Net model,
+                               int width, int steps, int batch) {
   Result r;
   r.model = name;
   r.width = width;
@@ -99,24 +130,33 @@ absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& n
   evenstep::GradSyncOptions sync_options;
   sync_options.bucket_cap_bytes = std::max<int64_t>(r.params * 4 / 8, 1);
   sync_options.first_bucket_cap_bytes = sync_options.bucket_cap_bytes / 4;
+  r.bucket_cap = sync_options.bucket_cap_bytes;
   EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<evenstep::GradSync> sync,
                             evenstep::GradSync::Attach(*model, dist.data_group(), sync_options));
   r.buckets = sync->num_buckets();
   torch::manual_seed(1 + dist.rank());
   const torch::Tensor x = torch::randn({batch, width});
 
-  enum Mode { kCompute, kPerParam, kEvenstep };
-  auto step = [&](Mode mode) -> double {
-    sync->set_sync_enabled(mode == kEvenstep);
+  enum Mode { kCompute, kPerParam, kEvenstep, kPrepared, kModes };
+  std::vector<double> walk;
+  auto step = [&](Mode mode, int s) -> double {
+    sync->set_sync_enabled(mode == kEvenstep || mode == kPrepared);
     at::Tensor flag = at::zeros({1});
     dist.AllReduce(flag).IgnoreError();  // start every step together
     const absl::Time start = absl::Now();
     optimizer.zero_grad();
-    model->forward(x).pow(2).mean().backward();
+    torch::Tensor loss = model->forward(x, s).pow(2).mean();
+    if (mode == kPrepared) {
+      const absl::Time w = absl::Now();
+      sync->PrepareForBackward(loss).IgnoreError();  // a failure shows in status()
+      walk.push_back(absl::ToDoubleMilliseconds(absl::Now() - w));
+    }
+    loss.backward();
     if (mode == kPerParam) {
       // The usual pattern of C++ distributed examples: one blocking
       // all_reduce per parameter on the process group, after backward.
       for (auto& p : model->parameters()) {
+        if (!p.grad().defined()) continue;  // unused on every rank alike
         std::vector<at::Tensor> grads{p.grad()};
         dist.data_group().allreduce(grads)->wait();
       }
@@ -124,24 +164,65 @@ absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& n
     optimizer.step();
     return absl::ToDoubleMilliseconds(absl::Now() - start);
   };
-  std::vector<double> times[3];
+  std::vector<double> times[kModes];
   for (int s = 0; s < steps + 2; ++s) {
-    for (Mode mode : {kCompute, kPerParam, kEvenstep}) {
-      const double ms = step(mode);
+    for (Mode mode : {kCompute, kPerParam, kEvenstep, kPrepared}) {
+      const double ms = step(mode, s);
       if (s >= 2) times[mode].push_back(ms);
     }
   }
   r.stats = sync->last_stats();
   EVENSTEP_RETURN_IF_ERROR(sync->status());
   // The slowest rank sets the pace: reduce the medians with MAX.
-  at::Tensor t = at::tensor(
-      {MedianMs(times[kCompute]), MedianMs(times[kPerParam]), MedianMs(times[kEvenstep])},
-      at::kDouble);
+  at::Tensor t = at::tensor({MedianMs(times[kCompute]), MedianMs(times[kPerParam]),
+                             MedianMs(times[kEvenstep]), MedianMs(times[kPrepared]),
+                             MedianMs(walk)},
+                            at::kDouble);
   EVENSTEP_RETURN_IF_ERROR(dist.AllReduce(t, evenstep::ReduceOp::kMax));
   r.a = t[0].item<double>();
   r.b = t[1].item<double>();
   r.c = t[2].item<double>();
+  r.d = t[3].item<double>();
+  r.walk_ms = t[4].item<double>();
   return r;
+}
+
+// Rank 0 runs the DDP peer on the same shapes (the other rank waits);
+// fills ddp_compute / ddp, or leaves them at -1 with a line saying why.
+void RunDdpPeer(std::vector<Result>& results, int layers, int batch, int steps) {
+  if (evenstep::bench::RunLines("/usr/bin/python3 -c 'import torch.distributed' 2>&1",
+                                [](const std::string&) {}) != 0) {
+    std::cout << "DDP peer skipped: /usr/bin/python3 has no torch (apt install python3-torch)\n";
+    return;
+  }
+  std::string shapes, caps;
+  for (const Result& r : results) {
+    absl::StrAppend(&shapes, shapes.empty() ? "" : ",", r.model, ":", r.width);
+    absl::StrAppend(&caps, caps.empty() ? "" : ",", r.model, "=", r.bucket_cap);
+  }
+  std::string json;
+  const int rc = evenstep::bench::RunLines(
+      absl::StrCat("/usr/bin/python3 ", EVENSTEP_DDP_PEER, " --shapes ", shapes, " --layers ",
+                   layers, " --batch ", batch, " --steps ", steps, " --bucket_bytes ", caps),
+      [&](const std::string& line) {
+        if (line.rfind("DDP_PEER ", 0) == 0) json = line.substr(9);
+      });
+  if (rc != 0 || json.empty()) {
+    std::cout << "DDP peer failed (exit " << rc << "): no comparison with DDP\n";
+    return;
+  }
+  const nlohmann::json peer = nlohmann::json::parse(json, nullptr, false);
+  if (peer.is_discarded()) return;
+  std::cout << "PyTorch " << peer.value("torch", "?") << " DDP, same shapes:\n";
+  for (Result& r : results) {
+    if (!peer["shapes"].contains(r.model)) continue;
+    r.ddp_compute = peer["shapes"][r.model].value("compute_ms", -1.0);
+    r.ddp = peer["shapes"][r.model].value("ddp_ms", -1.0);
+    std::cout << absl::StrFormat(
+        "  %-6s compute %8.2f ms, DDP %8.2f ms (+%.2f); evenstep (d) +%.2f: overhead_vs_ddp "
+        "%.3f\n",
+        r.model, r.ddp_compute, r.ddp, r.ddp - r.ddp_compute, r.d - r.a, r.vs_ddp());
+  }
 }
 
 void Print(const Result& r, int batch, int steps) {
@@ -155,6 +236,9 @@ void Print(const Result& r, int batch, int steps) {
                                r.b - r.a);
   std::cout << absl::StrFormat("  (c) evenstep GradSync                  %8.2f ms  (+%.2f)\n", r.c,
                                r.c - r.a);
+  std::cout << absl::StrFormat(
+      "  (d) evenstep + PrepareForBackward      %8.2f ms  (+%.2f; the graph walk %.3f ms)\n", r.d,
+      r.d - r.a, r.walk_ms);
   std::cout << absl::StrFormat(
       "  buckets launched during backward: %d of %d; sync wait %.2f ms; overhead_ratio %.3f; "
       "speedup b/c %.3f\n",
@@ -188,14 +272,19 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   torch::nn::Sequential blocks;
   for (int l = 0; l < layers; ++l) blocks->push_back(Block(d_blocks));
-  torch::nn::Sequential mlp;
-  for (int l = 0; l < layers; ++l) {
-    mlp->push_back(torch::nn::Linear(d_mlp, d_mlp));
-    mlp->push_back(torch::nn::ReLU());
-  }
+  auto mlp_body = [&] {
+    torch::nn::Sequential mlp;
+    for (int l = 0; l < layers; ++l) {
+      mlp->push_back(torch::nn::Linear(d_mlp, d_mlp));
+      mlp->push_back(torch::nn::ReLU());
+    }
+    return mlp;
+  };
   std::vector<Result> results;
   for (auto [name, model, width] :
-       {std::make_tuple("blocks", blocks, d_blocks), std::make_tuple("mlp", mlp, d_mlp)}) {
+       {std::make_tuple("blocks", Net(blocks, d_blocks, false), d_blocks),
+        std::make_tuple("mlp", Net(mlp_body(), d_mlp, false), d_mlp),
+        std::make_tuple("branch", Net(mlp_body(), d_mlp, true), d_mlp)}) {
     absl::StatusOr<Result> r = Measure(dist, name, model, width, steps, batch);
     if (!r.ok()) {
       std::cerr << "rank " << dist.rank() << ": " << name << ": " << r.status() << "\n";
@@ -204,22 +293,38 @@ int main(int argc, char** argv) {
     if (print) Print(*r, batch, steps);
     results.push_back(*r);
   }
+  if (print) RunDdpPeer(results, layers, batch, steps);
+  at::Tensor done = at::zeros({1});
+  if (absl::Status s = dist.AllReduce(done); !s.ok()) {
+    std::cerr << s << "\n";
+    return 1;
+  }
   if (print) {
-    // The headline is the worst of the two shapes, so a good figure on one
-    // cannot hide a bad one on the other.
-    const Result& worst = results[0].ratio() >= results[1].ratio() ? results[0] : results[1];
+    // The headline is the worst shape, so a good figure on one cannot hide a
+    // bad one on another.
+    const Result* worst = &results[0];
+    const Result* worst_ddp = &results[0];
+    for (const Result& r : results) {
+      if (r.ratio() > worst->ratio()) worst = &r;
+      if (r.vs_ddp() > worst_ddp->vs_ddp()) worst_ddp = &r;
+    }
+    auto num = [](double v) { return v < 0 ? std::string("null") : absl::StrFormat("%.4f", v); };
     std::string per_model;
     for (const Result& r : results) {
       per_model += absl::StrFormat(
-          ", \"%s\": {\"overhead_ratio\": %.4f, \"speedup_vs_per_param\": %.4f, "
-          "\"compute_ms\": %.3f, \"per_param_ms\": %.3f, \"evenstep_ms\": %.3f, "
-          "\"tensors\": %d, \"buckets\": %d, \"params\": %d}",
-          r.model, r.ratio(), r.b / r.c, r.a, r.b, r.c, r.tensors, r.buckets, r.params);
+          ", \"%s\": {\"overhead_ratio\": %.4f, \"overhead_vs_ddp\": %s, "
+          "\"speedup_vs_per_param\": %.4f, \"compute_ms\": %.3f, \"per_param_ms\": %.3f, "
+          "\"evenstep_ms\": %.3f, \"evenstep_prepared_ms\": %.3f, \"graph_walk_ms\": %.4f, "
+          "\"ddp_compute_ms\": %s, \"ddp_ms\": %s, \"tensors\": %d, \"buckets\": %d, "
+          "\"params\": %d}",
+          r.model, r.ratio(), num(r.vs_ddp()), r.b / r.c, r.a, r.b, r.c, r.d, r.walk_ms,
+          num(r.ddp_compute), num(r.ddp), r.tensors, r.buckets, r.params);
     }
     std::cout << absl::StrFormat(
         "SUMMARY {\"bench\": \"grad_sync\", \"overhead_ratio\": %.4f, \"worst_model\": "
-        "\"%s\"%s, \"quick\": %s}\n",
-        worst.ratio(), worst.model, per_model, quick ? "true" : "false");
+        "\"%s\", \"overhead_vs_ddp\": %s, \"worst_vs_ddp_model\": \"%s\"%s, \"quick\": %s}\n",
+        worst->ratio(), worst->model, num(worst_ddp->vs_ddp()), worst_ddp->model, per_model,
+        quick ? "true" : "false");
   }
   return 0;
 }
