@@ -10,10 +10,18 @@
 //                   l1: after Attach every parameter, frozen ones included,
 //                   equals rank 0's
 //   hook NAME       sum | avg | fp16 | bf16 | user, compared with SUM
+//   hookinfo        a user hook sees every gradient once, with its offset and
+//                   shape, and is_last on the last bucket only
+//   powersgd        rank-1 PowerSGD: exact for a rank-1 summed gradient; with
+//                   error feedback the mean of many approximations of one
+//                   rank-3 gradient converges to it
+//   sparse_undeclared  an Embedding(sparse) weight attached from a list
+//                   without sparse_parameters: every rank's sync fails naming it
 // Exit codes: 0 passed, 1 check failed (printed), 3 init failed, 4 expected error.
 #include <torch/torch.h>
 
 #include <iostream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -334,6 +342,128 @@ int Hook(evenstep::DistContext& dist, const std::string& name) {
 
 }  // namespace
 
+int HookInfo(evenstep::DistContext& dist) {
+  const Batch batch = GlobalBatch();
+  auto net = MakeNet(9);
+  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+  if (!sync.ok()) {
+    std::cout << sync.status() << std::endl;
+    return 1;
+  }
+  std::map<std::string, int> seen;
+  int failures = 0, lasts = 0;
+  evenstep::CommHook base = evenstep::SumHook();
+  (*sync)->set_comm_hook([&](const evenstep::CommHookContext& ctx, at::Tensor& bucket) {
+    int64_t offset = 0;
+    for (const evenstep::BucketParam& p : *ctx.params) {
+      ++seen[p.name];
+      int64_t numel = 1;
+      for (int64_t d : p.sizes) numel *= d;
+      if (p.offset != offset || p.numel != numel) ++failures;
+      offset += p.numel;
+    }
+    if (offset != bucket.numel()) ++failures;  // a user hook sees only gradients
+    if (ctx.is_last) {
+      ++lasts;
+      if (ctx.bucket_index != ctx.num_buckets - 1) ++failures;
+    }
+    return base(ctx, bucket);
+  });
+  ScaledLoss(*net, batch, torch::arange(dist.rank(), kBatch, dist.world_size())).backward();
+  for (const auto& item : net->named_parameters()) {
+    if (seen[item.key()] != 1) {
+      std::cout << "MISMATCH " << item.key() << " seen " << seen[item.key()] << " times" << std::endl;
+      ++failures;
+    }
+  }
+  if (lasts != 1 || failures > 0 || !(*sync)->status().ok()) {
+    std::cout << "MISMATCH lasts " << lasts << " failures " << failures << " "
+              << (*sync)->status() << std::endl;
+    return 1;
+  }
+  std::cout << "hookinfo ok" << std::endl;
+  return 0;
+}
+
+int PowerSgd(evenstep::DistContext& dist) {
+  const int world = dist.world_size();
+  torch::manual_seed(3);
+  auto lin = torch::nn::Linear(torch::nn::LinearOptions(8, 6).bias(false));
+  evenstep::GradSyncOptions options = TinyBuckets();
+  options.check_zero_grad = false;  // one model, many synchronisations
+  options.comm_hook = evenstep::PowerSgdHook({});
+  auto sync = evenstep::GradSync::Attach(*lin, dist.data_group(), options);
+  if (!sync.ok()) {
+    std::cout << sync.status() << std::endl;
+    return 1;
+  }
+  // 1. The same single sample on every rank: a rank-1 gradient; its SUM is
+  // rank 1 and PowerSGD reproduces it.
+  torch::manual_seed(4);
+  const torch::Tensor x1 = torch::randn({1, 8});
+  auto grad_of = [&](const torch::Tensor& x) {
+    lin->zero_grad();
+    lin(x).pow(2).sum().backward();
+    return lin->weight.grad().clone();
+  };
+  torch::Tensor got = grad_of(x1);
+  torch::Tensor exact = [&] {
+    torch::NoGradGuard no_grad;
+    torch::Tensor w = lin->weight.detach();
+    return (2 * world) * w.matmul(x1.t()).matmul(x1);  // d/dW sum((Wx)^2) = 2 (Wx) x^T, per rank
+  }();
+  const double err1 = MaxRelError(got, exact);
+  if (!(err1 <= 1e-4)) {
+    std::cout << "MISMATCH powersgd rank-1 gradient error " << err1 << std::endl;
+    return 1;
+  }
+  // 2. A rank-3 gradient (three samples, different per rank), the same every
+  // step: one approximation misses by about its 2nd singular value; with
+  // error feedback, the mean of T approximations misses by O(1/T).
+  torch::manual_seed(10 + dist.rank());
+  const torch::Tensor x3 = torch::randn({3, 8});
+  (*sync)->set_sync_enabled(false);
+  torch::Tensor local = grad_of(x3);
+  (*sync)->set_sync_enabled(true);
+  torch::Tensor sum = local.clone();
+  if (!dist.AllReduce(sum).ok()) return 3;
+  torch::Tensor total = torch::zeros_like(sum);
+  double first = 0;
+  constexpr int kSteps = 40;
+  for (int t = 1; t <= kSteps; ++t) {
+    torch::Tensor g = grad_of(x3);
+    total += g;
+    if (t == 1) first = MaxRelError(g, sum);
+  }
+  const double mean_err = MaxRelError(total / kSteps, sum);
+  std::cout << "powersgd one step error " << first << ", mean of " << kSteps << " steps error "
+            << mean_err << std::endl;
+  if (!(first > 1e-3) || !(mean_err < first / 5)) {
+    std::cout << "MISMATCH error feedback does not converge" << std::endl;
+    return 1;
+  }
+  std::cout << "powersgd ok" << std::endl;
+  return 0;
+}
+
+int SparseUndeclared(evenstep::DistContext& dist) {
+  auto embed = torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
+  std::vector<evenstep::NamedTensor> params = {{"embed.weight", embed->weight}};
+  auto sync = evenstep::GradSync::Attach(params, {}, dist.data_group(), TinyBuckets());
+  if (!sync.ok()) {
+    std::cout << sync.status() << std::endl;
+    return 1;
+  }
+  try {
+    embed(torch::tensor({1, 2, 3}, torch::kLong)).sum().backward();
+  } catch (const std::exception& e) {
+    std::cout << "backward failed: " << e.what() << std::endl;
+    return 4;
+  }
+  std::cout << "UNEXPECTED: backward succeeded" << std::endl;
+  return 1;
+}
+
 int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   std::cout.setf(std::ios::unitbuf);
@@ -360,6 +490,9 @@ int main(int argc, char** argv) {
   if (scenario == "mismatch") return Mismatch(dist);
   if (scenario == "frozen") return Frozen(dist);
   if (scenario == "hook") return Hook(dist, arg);
+  if (scenario == "hookinfo") return HookInfo(dist);
+  if (scenario == "powersgd") return PowerSgd(dist);
+  if (scenario == "sparse_undeclared") return SparseUndeclared(dist);
   std::cerr << "unknown scenario " << scenario << std::endl;
   return 2;
 }

@@ -116,6 +116,33 @@ TEST_P(CommHookTest, MatchesSum) {
   }
 }
 
+TEST(GradSyncTest, AUserHookSeesEveryGradientWithItsPlace) {
+  auto results = RunRanks(2, {"hookinfo"});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("hookinfo ok"));
+  }
+}
+
+TEST(GradSyncTest, PowerSgdIsExactOnRankOneAndErrorFeedbackConverges) {
+  for (int world : {2, 3}) {
+    auto results = RunRanks(world, {"powersgd"});
+    for (const ProcessResult& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("powersgd ok"));
+    }
+  }
+}
+
+TEST(GradSyncTest, AnUndeclaredSparseGradientFailsOnEveryRankNamingIt) {
+  auto results = RunRanks(2, {"sparse_undeclared"});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 4) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("ABORTED"));
+    EXPECT_THAT(r.output, HasSubstr("parameter 'embed.weight' received a sparse gradient"));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Hooks, CommHookTest,
                          ::testing::Values("sum", "avg", "fp16", "bf16", "user"));
 
