@@ -2,8 +2,9 @@
 // and 3 against a single-process run on the whole global batch (max relative
 // error <= 1e-5 per parameter; bf16 parameters 1e-2), the failure scenarios'
 // errors on every rank, and the same cases against PyTorch's
-// DistributedDataParallel itself (tests/ddp_peer.py; skipped with a message
-// when Debian's python3 has no torch).
+// DistributedDataParallel itself (tests/ddp_peer.py under the Python whose
+// torch matches this build: EVENSTEP_PEER_PYTHON; skipped with a message when
+// it has no torch).
 #include <fstream>
 #include <memory>
 #include <regex>
@@ -16,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
+#include "torch/version.h"
 
 namespace evenstep {
 namespace {
@@ -127,7 +129,9 @@ TEST(ConformanceTest, RequiresGradChangedAfterAttachIsRefusedByName) {
 // ---- against PyTorch DDP ----
 
 bool PythonHasTorch() {
-  return evenstep::testing::RunShell("/usr/bin/python3 -c 'import torch.distributed'").first == 0;
+  return evenstep::testing::RunShell(absl::StrCat(EVENSTEP_PEER_PYTHON,
+                                                  " -c 'import torch.distributed'"))
+             .first == 0;
 }
 
 nlohmann::json ReadJson(const std::string& path) {
@@ -141,8 +145,8 @@ class DdpTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
   if (!PythonHasTorch()) {
-    GTEST_SKIP() << "no torch in /usr/bin/python3 (apt install python3-torch): the comparison "
-                    "with PyTorch DDP did not run";
+    GTEST_SKIP() << "no torch in " << EVENSTEP_PEER_PYTHON
+                 << " (apt install python3-torch): the comparison with PyTorch DDP did not run";
   }
   const std::string name = GetParam();
   char dir_template[] = "/tmp/evenstep-ddp-XXXXXX";
@@ -151,8 +155,11 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
   auto results = RunCase(2, {"--case_name=" + name, "--out=" + dir + "/evenstep.json"});
   for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
   auto [code, output] = evenstep::testing::RunShell(
-      absl::StrCat("/usr/bin/python3 ", EVENSTEP_SOURCE_DIR, "/tests/ddp_peer.py --case ", name,
-                   " --out ", dir, "/ddp.json 2>&1"),
+      absl::StrCat(EVENSTEP_PEER_PYTHON, " ", EVENSTEP_SOURCE_DIR, "/tests/ddp_peer.py --case ", name,
+                   " --out ", dir, "/ddp.json",
+                   // The peer zeroes gradients the way this build's libtorch
+                   // does (2.x: zero_grad() resets them to undefined).
+                   TORCH_VERSION_MAJOR >= 2 ? " --zero_grad_to_none" : "", " 2>&1"),
       absl::Seconds(240));
   ASSERT_EQ(code, 0) << output;
   const nlohmann::json ours = ReadJson(dir + "/evenstep.json");
@@ -176,13 +183,27 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
       EXPECT_LE(diff / scale, 1e-5) << name << " " << key;
     }
   }
-  evenstep::testing::RunShell("rm -rf " + dir);
+  if (HasFailure()) {
+    std::cout << "kept " << dir << " (evenstep.json, ddp.json) for a look" << std::endl;
+  } else {
+    evenstep::testing::RunShell("rm -rf " + dir);
+  }
 }
 
 // mixed is not here: Gloo in torch 1.13 reduces no bf16 (DDP fails on it).
-INSTANTIATE_TEST_SUITE_P(Cases, DdpTest,
-                         ::testing::Values("tied_adam", "tied_sgd", "sparse", "batchnorm", "layout",
-                                           "reverse"));
+// tied_sgd only against 1.13: with torch 2.8, libtorch's C++ SGD and
+// Python's SGD disagree on it even in one process without any sync (Python
+// single process = DDP to 8e-8; libtorch single process = evenstep; the two
+// 0.05 apart), so the comparison would test the optimizers, not the sync;
+// the single-process conformance case still covers it there.
+std::vector<std::string> DdpCases() {
+  std::vector<std::string> cases = {"tied_adam", "sparse", "batchnorm", "layout", "reverse"};
+  if (TORCH_VERSION_MAJOR < 2) cases.push_back("tied_sgd");
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DdpTest, ::testing::ValuesIn(DdpCases()),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace evenstep

@@ -198,7 +198,7 @@ def run(rank, args, store_path):
                 with ddp.no_sync():
                     (ddp(samples, step, rank) * scale).backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=args.zero_grad_to_none)
     if rank == 0:
         out = {"params": {}, "buffers": {}}
         for name, p in model.named_parameters():
@@ -220,6 +220,9 @@ def main():
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro", type=int, default=3)
+    parser.add_argument("--zero_grad_to_none", action="store_true",
+                        help="zero_grad resets gradients (libtorch 2.x's default) instead of "
+                             "zeroing them (1.13's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(run, args=(args, os.path.join(d, "store")), nprocs=args.world, join=True)
