@@ -32,11 +32,11 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "nlohmann/json.hpp"
 #include "absl/time/clock.h"
 #include "bench/relaunch.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/status_macros.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(bool, quick, false, "Small models and few steps (seconds; the smoke test uses it).");
 ABSL_FLAG(int, steps, 0, "Measured steps per mode (default 20, quick 5).");
@@ -107,7 +107,9 @@ struct Result {
   evenstep::SyncStats stats;
   double ratio() const { return b > a ? (c - a) / (b - a) : 0; }
   // Negative when DDP did not run or showed no overhead to compare with.
-  double vs_ddp() const { return ddp > ddp_compute && ddp_compute >= 0 ? (d - a) / (ddp - ddp_compute) : -1; }
+  double vs_ddp() const {
+    return ddp > ddp_compute && ddp_compute >= 0 ? (d - a) / (ddp - ddp_compute) : -1;
+  }
 };
 
 // Times (a) compute only, (b) per-parameter all_reduce after backward,
@@ -174,10 +176,10 @@ absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& n
   r.stats = sync->last_stats();
   EVENSTEP_RETURN_IF_ERROR(sync->status());
   // The slowest rank sets the pace: reduce the medians with MAX.
-  at::Tensor t = at::tensor({MedianMs(times[kCompute]), MedianMs(times[kPerParam]),
-                             MedianMs(times[kEvenstep]), MedianMs(times[kPrepared]),
-                             MedianMs(walk)},
-                            at::kDouble);
+  at::Tensor t =
+      at::tensor({MedianMs(times[kCompute]), MedianMs(times[kPerParam]), MedianMs(times[kEvenstep]),
+                  MedianMs(times[kPrepared]), MedianMs(walk)},
+                 at::kDouble);
   EVENSTEP_RETURN_IF_ERROR(dist.AllReduce(t, evenstep::ReduceOp::kMax));
   r.a = t[0].item<double>();
   r.b = t[1].item<double>();

@@ -153,9 +153,10 @@ ReducedBucket PowerSgd(const std::shared_ptr<PowerSgdState>& state, const CommHo
     at::Tensor& q = b.q[part.q];
     if (!q.defined()) {
       // The same start on every rank: seeded by (seed, bucket, gradient).
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 + ctx.bucket_index * 1009 +
-                                                          part.q);
-      q = at::randn({part.cols, o.rank}, gen, bucket.options().device(at::kCPU)).to(bucket.device());
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003 +
+                                                          ctx.bucket_index * 1009 + part.q);
+      q = at::randn({part.cols, o.rank}, gen, bucket.options().device(at::kCPU))
+              .to(bucket.device());
     }
     ms[part.q] = bucket.narrow(0, part.offset, part.rows * part.cols).view({part.rows, part.cols});
     first.push_back(ms[part.q].mm(q).reshape({-1}));
@@ -167,7 +168,8 @@ ReducedBucket PowerSgd(const std::shared_ptr<PowerSgdState>& state, const CommHo
     int64_t at_ = 0;
     for (const Part& part : parts) {
       if (part.q >= 0) continue;
-      bucket.narrow(0, part.offset, part.rows * part.cols).copy_(sent.narrow(0, at_, part.rows * part.cols));
+      bucket.narrow(0, part.offset, part.rows * part.cols)
+          .copy_(sent.narrow(0, at_, part.rows * part.cols));
       at_ += part.rows * part.cols;
     }
     // P: orthonormalise, then Q = M^T P summed over ranks.
@@ -233,8 +235,8 @@ absl::StatusOr<CommHook> CommHookByName(absl::string_view name) {
   if (name == "fp16") return Fp16CompressHook();
   if (name == "bf16") return Bf16CompressHook();
   if (name == "powersgd") return PowerSgdHook();
-  return absl::InvalidArgumentError(absl::StrCat("--evenstep_comm_hook=", name,
-                                                 ": expected sum, avg, bf16, fp16 or powersgd"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--evenstep_comm_hook=", name, ": expected sum, avg, bf16, fp16 or powersgd"));
 }
 
 }  // namespace evenstep

@@ -63,8 +63,8 @@ struct ParamSlot {
 struct Bucket {
   std::vector<int> params;
   std::vector<BucketParam> info;
-  at::Tensor buffer;        // gradients, then (last bucket) the control tail
-  int64_t grad_numel = 0;   // elements that are gradients
+  at::Tensor buffer;       // gradients, then (last bucket) the control tail
+  int64_t grad_numel = 0;  // elements that are gradients
   int pending = 0;
   bool ready = false;
   bool launched = false;
@@ -85,15 +85,15 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   mutable std::mutex mu;
   bool sync_enabled = true;
   bool step_open = false;
-  bool prepared = false;             // PrepareForBackward ran for the coming backward
-  std::vector<char> reachable;       // from PrepareForBackward
-  bool versions_valid = false;       // check_zero_grad can compare
+  bool prepared = false;        // PrepareForBackward ran for the coming backward
+  std::vector<char> reachable;  // from PrepareForBackward
+  bool versions_valid = false;  // check_zero_grad can compare
   int next_launch = 0;
   int params_ready = 0;
   int64_t collectives = 0;
-  int64_t seq = 0;            // synchronisations begun
-  int64_t completed = 0;      // synchronisations completed
-  int64_t arrival_seq = 0;    // SyncDiagnosis's number for this one
+  int64_t seq = 0;          // synchronisations begun
+  int64_t completed = 0;    // synchronisations completed
+  int64_t arrival_seq = 0;  // SyncDiagnosis's number for this one
   int rebuild_attempts = 0;
   bool rebuilt = false;
   std::vector<int> ready_order;  // hooks' order in this synchronisation
@@ -189,9 +189,9 @@ absl::Status GradSyncState::WaitFailed(const std::string& what, absl::Time since
   if (options.diagnosis.diagnose) {
     fatal = options.diagnosis.diagnose(arrival_seq, what, waited, error);
   } else {
-    std::string message = absl::StrCat(
-        "rank ", rank, ": ", what, " failed after ",
-        absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", error);
+    std::string message =
+        absl::StrCat("rank ", rank, ": ", what, " failed after ",
+                     absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", error);
     fatal = waited >= options.timeout ? absl::DeadlineExceededError(message)
                                       : absl::UnavailableError(message);
   }
@@ -221,7 +221,8 @@ void GradSyncState::Layout(const std::vector<int>& order) {
     const int64_t bytes = p.param.numel() * c10::elementSize(type);
     auto it = open.find(key);
     if (it != open.end()) {
-      const int64_t cap = it->second == 0 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
+      const int64_t cap =
+          it->second == 0 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
       if ((numel[it->second] * c10::elementSize(type)) + bytes > cap) open.erase(it);
     }
     it = open.find(key);
@@ -276,17 +277,19 @@ void GradSyncState::BeginStep(int first) {
   // What this rank can check before any collective; a failure rides along.
   for (const ParamSlot& p : params) {
     if (!p.param.requires_grad()) {
-      Fail(absl::FailedPreconditionError(absl::StrCat(
-          "parameter '", p.name, "' no longer requires grad (changed after GradSync::Attach): "
-          "attach again after changing requires_grad")));
+      Fail(absl::FailedPreconditionError(
+          absl::StrCat("parameter '", p.name,
+                       "' no longer requires grad (changed after GradSync::Attach): "
+                       "attach again after changing requires_grad")));
       break;
     }
   }
   for (const NamedTensor& f : frozen) {
     if (f.second.requires_grad()) {
-      Fail(absl::FailedPreconditionError(absl::StrCat(
-          "parameter '", f.first, "' was frozen at GradSync::Attach and requires grad now: "
-          "attach again after changing requires_grad")));
+      Fail(absl::FailedPreconditionError(
+          absl::StrCat("parameter '", f.first,
+                       "' was frozen at GradSync::Attach and requires grad now: "
+                       "attach again after changing requires_grad")));
       break;
     }
   }
@@ -311,7 +314,8 @@ void GradSyncState::BeginStep(int first) {
                      : std::string("SyncNow was called");
       Fail(absl::FailedPreconditionError(absl::StrCat(
           who, " for synchronisation #", seq, " but no gradient was zeroed since synchronisation #",
-          seq - 1, " (no zero_grad in between): a second backward() with sync enabled in "
+          seq - 1,
+          " (no zero_grad in between): a second backward() with sync enabled in "
           "one step would reduce the reduced gradient again; call set_sync_enabled(false) "
           "before every backward of a step but the last")));
     }
@@ -333,8 +337,9 @@ void GradSyncState::BeginStep(int first) {
       std::vector<at::Tensor> v{Wire(flat)};
       c10d::BroadcastOptions o;
       o.rootRank = options.broadcast_root;
-      if (!Collective("the buffer broadcast", [&] { buffer_work.push_back(group->broadcast(v, o)); })
-               .ok()) {
+      if (!Collective("the buffer broadcast", [&] {
+             buffer_work.push_back(group->broadcast(v, o));
+           }).ok()) {
         return;
       }
       ++collectives;
@@ -366,7 +371,8 @@ void GradSyncState::CopyIn(ParamSlot& p) {
     view.zero_();
   } else if (grad.is_sparse()) {
     Fail(absl::InvalidArgumentError(absl::StrCat(
-        "parameter '", p.name, "' received a sparse gradient but is synchronised densely: name it "
+        "parameter '", p.name,
+        "' received a sparse gradient but is synchronised densely: name it "
         "in GradSyncOptions::sparse_parameters (Embedding/EmbeddingBag with sparse(true) are "
         "found by Attach(module))")));
     view.zero_();
@@ -388,8 +394,8 @@ void GradSyncState::LaunchReady() {
       for (size_t i = 0; i < params.size(); ++i) values[world + i] = params[i].used ? 1 : 0;
       tail.copy_(at::tensor(values, at::kFloat));
     }
-    CommHookContext ctx{group, rank, world, next_launch, static_cast<int>(buckets.size()),
-                        last, &b.info, seq};
+    CommHookContext ctx{group, rank,    world, next_launch, static_cast<int>(buckets.size()),
+                        last,  &b.info, seq};
     if (fatal.ok()) {
       try {
         if (control_in_bucket()) {
@@ -490,9 +496,9 @@ absl::Status GradSyncState::Finish() {
     }
     if (fatal.ok() && world > 1) {
       std::vector<at::Tensor> v{mine};
-      Collective(absl::StrCat("the sparse all_reduce of '", p.name, "'"),
-                 [&] { sparse_work.emplace_back(mine, group->allreduce(v)); })
-          .IgnoreError();
+      Collective(absl::StrCat("the sparse all_reduce of '", p.name, "'"), [&] {
+        sparse_work.emplace_back(mine, group->allreduce(v));
+      }).IgnoreError();
       ++collectives;
     } else {
       sparse_work.emplace_back(mine, c10::intrusive_ptr<c10d::Work>());
@@ -506,9 +512,9 @@ absl::Status GradSyncState::Finish() {
     control = at::tensor(values, at::kInt).to(device);
     if (fatal.ok() && world > 1) {
       std::vector<at::Tensor> v{control};
-      Collective("the gradient sync's control all_reduce",
-                 [&] { control_work = group->allreduce(v); })
-          .IgnoreError();
+      Collective("the gradient sync's control all_reduce", [&] {
+        control_work = group->allreduce(v);
+      }).IgnoreError();
       ++collectives;
     }
   }
@@ -516,10 +522,10 @@ absl::Status GradSyncState::Finish() {
   for (int b = 0; b < static_cast<int>(buckets.size()) && fatal.ok(); ++b) {
     Bucket& bucket = buckets[b];
     try {
-      at::Tensor reduced = bucket.result.valid() ? bucket.result.Wait(ToMillis(options.timeout))
-                                                 : bucket.buffer;
-      at::Tensor target = control_in_bucket() ? bucket.buffer
-                                              : bucket.buffer.narrow(0, 0, bucket.grad_numel);
+      at::Tensor reduced =
+          bucket.result.valid() ? bucket.result.Wait(ToMillis(options.timeout)) : bucket.buffer;
+      at::Tensor target =
+          control_in_bucket() ? bucket.buffer : bucket.buffer.narrow(0, 0, bucket.grad_numel);
       if (!reduced.is_same(target)) target.copy_(reduced);
     } catch (const std::exception& e) {
       WaitFailed(absl::StrCat("all_reduce of ", DescribeBucket(b)), wait_start, ErrorText(e))
@@ -545,10 +551,9 @@ absl::Status GradSyncState::Finish() {
   }
 
   // The agreement: who failed, which parameters were used anywhere.
-  at::Tensor agreed = control_in_bucket()
-                          ? buckets.back().buffer.narrow(0, buckets.back().grad_numel,
-                                                         control_numel())
-                          : control;
+  at::Tensor agreed = control_in_bucket() ? buckets.back().buffer.narrow(
+                                                0, buckets.back().grad_numel, control_numel())
+                                          : control;
   agreed = agreed.to(at::kCPU, at::kDouble);
   const double* a = agreed.data_ptr<double>();
   std::vector<int> failed;
@@ -560,12 +565,12 @@ absl::Status GradSyncState::Finish() {
 
   if (!failed.empty()) {
     ResetGradients();
-    last = absl::AbortedError(absl::StrCat(
-        "rank ", rank, ": gradient synchronisation #", seq, " abandoned on every rank: rank(s) ",
-        absl::StrJoin(failed, ","), " failed",
-        local_failure.ok() ? std::string(" (see their output)")
-                           : absl::StrCat(" (here: ", local_failure.message(), ")"),
-        "; the step's gradients were reset"));
+    last = absl::AbortedError(
+        absl::StrCat("rank ", rank, ": gradient synchronisation #", seq,
+                     " abandoned on every rank: rank(s) ", absl::StrJoin(failed, ","), " failed",
+                     local_failure.ok() ? std::string(" (see their output)")
+                                        : absl::StrCat(" (here: ", local_failure.message(), ")"),
+                     "; the step's gradients were reset"));
     local_failure = absl::OkStatus();
     versions_valid = false;
     for (ParamSlot& p : params) p.used = false;
@@ -649,7 +654,8 @@ void GradSyncState::MaybeRebuild() {
   c10d::BroadcastOptions o;
   o.rootRank = 0;
   c10::intrusive_ptr<c10d::Work> work;
-  if (!Collective("the bucket order broadcast", [&] { work = group->broadcast(v, o); }).ok()) return;
+  if (!Collective("the bucket order broadcast", [&] { work = group->broadcast(v, o); }).ok())
+    return;
   ++collectives;
   if (!WaitFor(work.get(), "the bucket order broadcast", absl::Now()).ok()) return;
   order = order.cpu();
@@ -681,7 +687,8 @@ void GradSyncState::MaybeRebuild() {
   Layout(new_order);
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSlot& p = params[i];
-    if (!p.sparse) buckets[p.bucket].buffer.as_strided(p.sizes, p.strides, p.offset).copy_(reduced[i]);
+    if (!p.sparse)
+      buckets[p.bucket].buffer.as_strided(p.sizes, p.strides, p.offset).copy_(reduced[i]);
   }
 }
 
@@ -909,8 +916,9 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
           "gradients"));
     }
     if (sparse_names.count(p.first) && p.second.dim() < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", rank, ": parameter '", p.first, "' is a scalar and cannot have a sparse gradient"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, ": parameter '", p.first,
+                       "' is a scalar and cannot have a sparse gradient"));
     }
   }
   const at::Device device = trainable.front().second.device();
@@ -938,8 +946,9 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
     slot.param = p.second;
     slot.sparse = sparse_names.count(p.first) > 0;
     slot.sizes = p.second.sizes().vec();
-    slot.strides = p.second.is_non_overlapping_and_dense() ? p.second.strides().vec()
-                                                           : internal::ContiguousStrides(p.second.sizes());
+    slot.strides = p.second.is_non_overlapping_and_dense()
+                       ? p.second.strides().vec()
+                       : internal::ContiguousStrides(p.second.sizes());
     if (slot.sparse) state->sparse.push_back(static_cast<int>(state->params.size()));
     state->params.push_back(std::move(slot));
   }
@@ -977,9 +986,10 @@ absl::Status GradSync::SyncNow() {
   if (!state_->fatal.ok()) return state_->fatal;
   if (state_->step_open) {
     // A synchronised backward that never reached its end (it threw).
-    state_->Fail(absl::FailedPreconditionError(absl::StrCat(
-        "synchronisation #", state_->seq, " never completed on this rank (an exception inside a "
-        "synchronised backward without GradSync::AbandonStep)")));
+    state_->Fail(absl::FailedPreconditionError(
+        absl::StrCat("synchronisation #", state_->seq,
+                     " never completed on this rank (an exception inside a "
+                     "synchronised backward without GradSync::AbandonStep)")));
     return state_->Finish();
   }
   state_->BeginStep(-1);
@@ -990,9 +1000,10 @@ absl::Status GradSync::PrepareForBackward(const at::Tensor& loss) {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!state_->fatal.ok()) return state_->fatal;
   if (state_->step_open) {
-    state_->Fail(absl::FailedPreconditionError(absl::StrCat(
-        "synchronisation #", state_->seq, " never completed on this rank (an exception inside a "
-        "synchronised backward without GradSync::AbandonStep)")));
+    state_->Fail(absl::FailedPreconditionError(
+        absl::StrCat("synchronisation #", state_->seq,
+                     " never completed on this rank (an exception inside a "
+                     "synchronised backward without GradSync::AbandonStep)")));
     return state_->Finish();
   }
   if (!state_->sync_enabled) return absl::OkStatus();

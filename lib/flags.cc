@@ -30,10 +30,11 @@ ABSL_FLAG(absl::Duration, evenstep_timeout, absl::Minutes(10),
 ABSL_FLAG(absl::Duration, evenstep_rendezvous_timeout, absl::Minutes(5),
           "Longest the start-up rendezvous may take: connecting to MASTER_ADDR:MASTER_PORT and "
           "waiting for every rank to join.");
-ABSL_FLAG(std::string, evenstep_comm_hook, "sum",
-          "How gradient buckets are reduced: sum (exact; weighting comes from loss scaling), avg, "
-          "fp16 or bf16 (compressed: scaled by 1/world before the cast, cast back after), or powersgd "
-          "(rank-1 PowerSGD with error feedback: approximate, far fewer bytes).");
+ABSL_FLAG(
+    std::string, evenstep_comm_hook, "sum",
+    "How gradient buckets are reduced: sum (exact; weighting comes from loss scaling), avg, "
+    "fp16 or bf16 (compressed: scaled by 1/world before the cast, cast back after), or powersgd "
+    "(rank-1 PowerSGD with error feedback: approximate, far fewer bytes).");
 ABSL_FLAG(double, evenstep_bucket_cap_mb, 25,
           "Gradient bucket size cap in MiB; a bucket's all-reduce starts as soon as all its "
           "gradients are ready.");

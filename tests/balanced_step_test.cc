@@ -110,9 +110,9 @@ TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatchOnEveryRank) {
   // Rank 1's callback throws in step 2: it joins the step's gradient sync
   // with a failure mark, so rank 0 learns it in the same step (no timeout).
   for (int fail_micro : {1, 3}) {
-    auto results = RunHelper(2, {"--fail_rank=1", "--steps=3", "--evenstep_timeout=60s",
-                                 "--evenstep_micro_batch_samples=4",
-                                 absl::StrCat("--fail_micro_batch=", fail_micro)});
+    auto results = RunHelper(
+        2, {"--fail_rank=1", "--steps=3", "--evenstep_timeout=60s",
+            "--evenstep_micro_batch_samples=4", absl::StrCat("--fail_micro_batch=", fail_micro)});
     for (const auto& r : results) {
       EXPECT_EQ(r.exit_code, 2) << Describe(results);
       EXPECT_THAT(r.output, HasSubstr("ABORTED")) << Describe(results);

@@ -200,7 +200,7 @@ struct Mixed : Case {
 struct Layout : Case {
   Layout() {
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)));
-    t = register_parameter("t", torch::zeros({6, 4}).t().detach());        // dense, transposed
+    t = register_parameter("t", torch::zeros({6, 4}).t().detach());  // dense, transposed
     u = register_parameter("u", torch::zeros({3, 8}).slice(1, 0, 8, 2).detach());  // not dense
     head = register_module("head", torch::nn::Linear(6, 3));
     conv->weight.set_data(conv->weight.contiguous(at::MemoryFormat::ChannelsLast));
@@ -268,7 +268,8 @@ std::vector<std::vector<std::vector<int64_t>>> Split(int world, int idle, int mi
   for (int r = 0; r < world; ++r) {
     if (r != idle) working.push_back(r);
   }
-  std::vector<std::vector<std::vector<int64_t>>> out(world, std::vector<std::vector<int64_t>>(micro));
+  std::vector<std::vector<std::vector<int64_t>>> out(world,
+                                                     std::vector<std::vector<int64_t>>(micro));
   std::vector<int> count(world, 0);
   for (int64_t s = 0; s < kN; ++s) {
     const int r = working[s % working.size()];
@@ -443,20 +444,20 @@ int Run(evenstep::DistContext& dist) {
     nlohmann::json out;
     for (const auto& [n, p] : mine) {
       Tensor flat = p.detach().to(torch::kDouble).contiguous().view({-1});
-      out["params"][n] = std::vector<double>(flat.data_ptr<double>(),
-                                             flat.data_ptr<double>() + flat.numel());
+      out["params"][n] =
+          std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel());
     }
     for (const auto& item : buffers) {
       Tensor flat = item.value().detach().to(torch::kDouble).contiguous().view({-1});
-      out["buffers"][item.key()] = std::vector<double>(flat.data_ptr<double>(),
-                                                       flat.data_ptr<double>() + flat.numel());
+      out["buffers"][item.key()] =
+          std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel());
     }
     std::ofstream(absl::GetFlag(FLAGS_out)) << out.dump();
   }
   if (failures > 0) return 1;
   std::cout << "conformance ok " << name << " world " << world << " max relative error " << worst
-            << " launched during backward: step 1 " << launched_first << ", last "
-            << launched_last << " of " << (*sync)->num_buckets() << std::endl;
+            << " launched during backward: step 1 " << launched_first << ", last " << launched_last
+            << " of " << (*sync)->num_buckets() << std::endl;
   return 0;
 }
 

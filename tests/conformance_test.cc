@@ -129,8 +129,8 @@ TEST(ConformanceTest, RequiresGradChangedAfterAttachIsRefusedByName) {
 // ---- against PyTorch DDP ----
 
 bool PythonHasTorch() {
-  return evenstep::testing::RunShell(absl::StrCat(EVENSTEP_PEER_PYTHON,
-                                                  " -c 'import torch.distributed'"))
+  return evenstep::testing::RunShell(
+             absl::StrCat(EVENSTEP_PEER_PYTHON, " -c 'import torch.distributed'"))
              .first == 0;
 }
 
@@ -155,8 +155,8 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
   auto results = RunCase(2, {"--case_name=" + name, "--out=" + dir + "/evenstep.json"});
   for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
   auto [code, output] = evenstep::testing::RunShell(
-      absl::StrCat(EVENSTEP_PEER_PYTHON, " ", EVENSTEP_SOURCE_DIR, "/tests/ddp_peer.py --case ", name,
-                   " --out ", dir, "/ddp.json",
+      absl::StrCat(EVENSTEP_PEER_PYTHON, " ", EVENSTEP_SOURCE_DIR, "/tests/ddp_peer.py --case ",
+                   name, " --out ", dir, "/ddp.json",
                    // The peer zeroes gradients the way this build's libtorch
                    // does (2.x: zero_grad() resets them to undefined).
                    TORCH_VERSION_MAJOR >= 2 ? " --zero_grad_to_none" : "", " 2>&1"),
@@ -169,7 +169,8 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
   for (const char* kind : {"params", "buffers"}) {
     if (!ours.contains(kind)) continue;
     ASSERT_TRUE(ddp.contains(kind)) << kind;
-    ASSERT_EQ(ours[kind].size(), ddp[kind].size()) << kind << ": " << ddp[kind].dump().substr(0, 200);
+    ASSERT_EQ(ours[kind].size(), ddp[kind].size())
+        << kind << ": " << ddp[kind].dump().substr(0, 200);
     for (const auto& [key, values] : ours[kind].items()) {
       ASSERT_TRUE(ddp[kind].contains(key)) << "DDP has no " << key;
       const auto a = values.get<std::vector<double>>();

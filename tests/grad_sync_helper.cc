@@ -372,13 +372,14 @@ int HookInfo(evenstep::DistContext& dist) {
   ScaledLoss(*net, batch, torch::arange(dist.rank(), kBatch, dist.world_size())).backward();
   for (const auto& item : net->named_parameters()) {
     if (seen[item.key()] != 1) {
-      std::cout << "MISMATCH " << item.key() << " seen " << seen[item.key()] << " times" << std::endl;
+      std::cout << "MISMATCH " << item.key() << " seen " << seen[item.key()] << " times"
+                << std::endl;
       ++failures;
     }
   }
   if (lasts != 1 || failures > 0 || !(*sync)->status().ok()) {
-    std::cout << "MISMATCH lasts " << lasts << " failures " << failures << " "
-              << (*sync)->status() << std::endl;
+    std::cout << "MISMATCH lasts " << lasts << " failures " << failures << " " << (*sync)->status()
+              << std::endl;
     return 1;
   }
   std::cout << "hookinfo ok" << std::endl;

@@ -22,9 +22,9 @@
 #include <chrono>
 #include <functional>
 #include <string>
-#include <vector>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
