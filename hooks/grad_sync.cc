@@ -471,6 +471,10 @@ void GradSyncState::ResetGradients() {
   for (ParamSlot& p : params) {
     if (p.param.grad().defined()) p.param.mutable_grad() = at::Tensor();
   }
+  // A parameter frozen at Attach that requires grad now got a local one.
+  for (NamedTensor& f : frozen) {
+    if (f.second.grad().defined()) f.second.mutable_grad() = at::Tensor();
+  }
 }
 
 absl::Status GradSyncState::Finish() {

@@ -14,8 +14,9 @@
 // Scenarios (--scenario): train (default), two_backward (sync enabled on two
 // backwards of step 1: every rank must fail naming a parameter), exception
 // (rank 1's backward throws inside step 3: every rank abandons step 3 and
-// goes on; the reference skips it), unfreeze (l2.weight frozen after step 2:
-// every rank's step 3 fails naming it).
+// goes on; the reference skips it), unfreeze (reverse's l2.weight frozen
+// after step 2: every rank's step 3 fails naming it), thaw (tied's frozen
+// proj.weight made trainable after step 2: the same).
 // Output: "conformance ok ..." or MISMATCH lines. Exit codes: 0 passed,
 // 1 mismatch, 3 init failed, 4 the expected error.
 #include <torch/torch.h>
@@ -357,6 +358,9 @@ int Run(evenstep::DistContext& dist) {
     if (scenario == "unfreeze" && step == 3) {
       static_cast<Reverse&>(*model).l[1]->weight.set_requires_grad(false);
     }
+    if (scenario == "thaw" && step == 3) {
+      static_cast<Tied&>(*model).proj->weight.set_requires_grad(true);
+    }
     bool abandoned = false;
     const int64_t syncs_before = (*sync)->syncs_completed();
     if (rank == idle) {
@@ -395,7 +399,7 @@ int Run(evenstep::DistContext& dist) {
           return 1;
         }
       }
-      if (scenario == "two_backward" || scenario == "unfreeze") return 4;
+      if (scenario == "two_backward" || scenario == "unfreeze" || scenario == "thaw") return 4;
       ZeroGrad(*opt);
       continue;  // the reference skips the step too
     }
@@ -416,7 +420,7 @@ int Run(evenstep::DistContext& dist) {
       }
     }
   }
-  if (scenario == "two_backward" || scenario == "unfreeze") {
+  if (scenario == "two_backward" || scenario == "unfreeze" || scenario == "thaw") {
     std::cout << "UNEXPECTED: no error" << std::endl;
     return 1;
   }

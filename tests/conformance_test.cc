@@ -124,6 +124,13 @@ TEST(ConformanceTest, RequiresGradChangedAfterAttachIsRefusedByName) {
     EXPECT_THAT(r.output, HasSubstr("parameter 'l2.weight' no longer requires grad"))
         << Describe(results);
   }
+  results = RunCase(2, {"--case_name=tied_sgd", "--scenario=thaw"});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 4) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("parameter 'proj.weight' was frozen at GradSync::Attach and "
+                                    "requires grad now"))
+        << Describe(results);
+  }
 }
 
 // ---- against PyTorch DDP ----
