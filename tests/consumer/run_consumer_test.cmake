@@ -30,3 +30,14 @@ if(NOT last_output MATCHES "consumer: rank 0/1 \\(local 0/1\\) via single proces
   message(FATAL_ERROR "unexpected consumer output: ${last_output}")
 endif()
 message(STATUS "${last_output}")
+# The installed tools start from the prefix as they are, without
+# LD_LIBRARY_PATH (their RUNPATH finds libevenstep.so and libtorch).
+run(${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH
+    "${WORK_DIR}/prefix/bin/evenstep-run" -n 1 -- /bin/true)
+file(MAKE_DIRECTORY "${WORK_DIR}/no-checkpoints")
+run(${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH
+    "${WORK_DIR}/prefix/bin/evenstep-ckpt" ls "${WORK_DIR}/no-checkpoints")
+if(NOT last_output MATCHES "committed")
+  message(FATAL_ERROR "unexpected evenstep-ckpt output: ${last_output}")
+endif()
+message(STATUS "installed evenstep-run and evenstep-ckpt start")
