@@ -14,6 +14,8 @@
 #include "evenstep/dist_context.h"
 
 #include <ATen/ATen.h>
+#include <netdb.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <chrono>
@@ -40,7 +42,8 @@ namespace evenstep {
 namespace compat = internal::c10d_compat;
 
 struct DistContext::Groups {
-  compat::StorePtr store;      // the job's store (TCPStore, or HashStore for world 1)
+  compat::StorePtr raw_store;  // the job's store (TCPStore, or HashStore for world 1)
+  compat::StorePtr store;      // this launch's namespace of it (LaunchEnv::run_namespace)
   compat::StorePtr ctx_store;  // "evenstep/ctx/" view of it
   compat::ProcessGroupPtr control;
   compat::ProcessGroupPtr data;
@@ -102,10 +105,38 @@ absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv
   return ctx;
 }
 
+namespace {
+
+// A host name that does not resolve fails in seconds naming it and where it
+// came from, instead of after the rendezvous timeout.
+absl::Status CheckResolves(const LaunchEnv& env) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* result = nullptr;
+  const int rc = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &result);
+  if (result != nullptr) freeaddrinfo(result);
+  if (rc == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "rank ", env.rank, ": the store host '", env.master_addr, "' (", env.master_addr_source,
+      ") does not resolve: ", gai_strerror(rc), " (", LauncherName(env.launcher), " launch)"));
+}
+
+// The job's keys live under this launch's namespace (a torchrun restart
+// meets in fresh keys).
+compat::StorePtr Namespaced(const LaunchEnv& env, compat::StorePtr store) {
+  if (env.run_namespace.empty()) return store;
+  return compat::MakePrefixStore(absl::StrCat("evenstep/run/", env.run_namespace),
+                                 std::move(store));
+}
+
+}  // namespace
+
 absl::Status DistContext::Connect() {
   if (env_.world_size == 1) {
     groups_->store = compat::MakeHashStore();
   } else {
+    EVENSTEP_RETURN_IF_ERROR(CheckResolves(env_));
     const bool is_server = env_.rank == 0 && !env_.agent_store;
     try {
       groups_->store = compat::MakeTcpStore(env_.master_addr, env_.master_port, is_server,
@@ -123,6 +154,8 @@ absl::Status DistContext::Connect() {
     }
     groups_->store->setTimeout(ToMillis(options_.rendezvous_timeout));
   }
+  groups_->raw_store = groups_->store;
+  groups_->store = Namespaced(env_, groups_->store);
   groups_->ctx_store = compat::MakePrefixStore("evenstep/ctx", groups_->store);
   return absl::OkStatus();
 }
@@ -227,7 +260,7 @@ absl::Status DistContext::CreateGroups() {
         "--evenstep_backend=gloo or auto");
   }
 #endif
-  groups_->store->setTimeout(timeout);
+  groups_->raw_store->setTimeout(timeout);
   return absl::OkStatus();
 }
 
@@ -278,6 +311,7 @@ absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
       base = compat::MakeTcpStore(env_.master_addr, env_.master_port, /*is_server=*/false,
                                   ToMillis(options_.rendezvous_timeout));
       base->setTimeout(ToMillis(options_.collective_timeout));
+      base = Namespaced(env_, std::move(base));
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat(
           "rank ", env_.rank, ": second store connection for I/O: ", internal::ErrorText(e)));

@@ -87,8 +87,32 @@ absl::StatusOr<LaunchEnv> FromTorchrun(const EnvLookup& lookup) {
                             ReadInt(lookup, "MASTER_PORT", false, kDefaultMasterPort, kConv));
   std::string agent = ReadString(lookup, "TORCHELASTIC_USE_AGENT_STORE");
   env.agent_store = agent == "True" || agent == "true" || agent == "1";
+  const std::string run_id = ReadString(lookup, "TORCHELASTIC_RUN_ID");
+  const std::string restart = ReadString(lookup, "TORCHELASTIC_RESTART_COUNT");
+  if (!run_id.empty() || !restart.empty()) {
+    env.run_namespace = absl::StrCat(run_id.empty() ? "none" : run_id, "/restart-",
+                                     restart.empty() ? "0" : restart);
+  }
   EVENSTEP_RETURN_IF_ERROR(Validate(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"));
   return env;
+}
+
+// MASTER_ADDR, else the first host of the Slurm allocation's node list.
+absl::Status MasterFromSlurmNodelist(const EnvLookup& lookup, LaunchEnv& env) {
+  env.master_addr = ReadString(lookup, "MASTER_ADDR");
+  if (!env.master_addr.empty()) return absl::OkStatus();
+  for (const char* var : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+    std::string nodelist = ReadString(lookup, var);
+    if (nodelist.empty()) continue;
+    absl::StatusOr<std::string> first = FirstHostOfSlurmNodelist(nodelist);
+    if (!first.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(var, ": ", first.status().message()));
+    }
+    env.master_addr = *first;
+    env.master_addr_source = absl::StrCat("the first host of ", var);
+    break;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& lookup) {
@@ -121,19 +145,7 @@ absl::StatusOr<LaunchEnv> FromSlurm(const EnvLookup& lookup) {
                               ReadInt(lookup, local_world_var, false, env.world_size, kConv));
   }
 
-  env.master_addr = ReadString(lookup, "MASTER_ADDR");
-  if (env.master_addr.empty()) {
-    for (const char* var : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
-      std::string nodelist = ReadString(lookup, var);
-      if (nodelist.empty()) continue;
-      absl::StatusOr<std::string> first = FirstHostOfSlurmNodelist(nodelist);
-      if (!first.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat(var, ": ", first.status().message()));
-      }
-      env.master_addr = *first;
-      break;
-    }
-  }
+  EVENSTEP_RETURN_IF_ERROR(MasterFromSlurmNodelist(lookup, env));
   // Every rank of a job derives the same port from the job id, so two jobs
   // sharing a node do not collide; MASTER_PORT overrides it.
   EVENSTEP_ASSIGN_OR_RETURN(const int job_id, ReadInt(lookup, "SLURM_JOB_ID", false, -1, kConv));
@@ -156,9 +168,13 @@ absl::StatusOr<LaunchEnv> FromOpenMpi(const EnvLookup& lookup) {
                             ReadInt(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", false, 0, kConv));
   EVENSTEP_ASSIGN_OR_RETURN(env.local_world_size, ReadInt(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE",
                                                           false, env.world_size, kConv));
-  env.master_addr = ReadString(lookup, "MASTER_ADDR");
-  EVENSTEP_ASSIGN_OR_RETURN(env.master_port,
-                            ReadInt(lookup, "MASTER_PORT", false, kDefaultMasterPort, kConv));
+  // Inside a Slurm allocation (mpirun under sbatch/salloc) rank 0 runs on
+  // the allocation's first host, and the job id gives the port.
+  EVENSTEP_RETURN_IF_ERROR(MasterFromSlurmNodelist(lookup, env));
+  EVENSTEP_ASSIGN_OR_RETURN(const int job_id, ReadInt(lookup, "SLURM_JOB_ID", false, -1, kConv));
+  EVENSTEP_ASSIGN_OR_RETURN(
+      env.master_port, ReadInt(lookup, "MASTER_PORT", false,
+                               job_id >= 0 ? 15000 + job_id % 20000 : kDefaultMasterPort, kConv));
   absl::Status s = Validate(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                             "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE");
   if (!s.ok() && env.master_addr.empty() && env.world_size > 1) {
@@ -202,8 +218,8 @@ std::string LaunchEnv::Describe() const {
 
 absl::StatusOr<LaunchEnv> DetectLaunchEnv(const EnvLookup& lookup) {
   if (IsSet(lookup, "RANK") || IsSet(lookup, "WORLD_SIZE")) return FromTorchrun(lookup);
-  if (IsSet(lookup, "SLURM_PROCID")) return FromSlurm(lookup);
   if (IsSet(lookup, "OMPI_COMM_WORLD_RANK")) return FromOpenMpi(lookup);
+  if (IsSet(lookup, "SLURM_PROCID")) return FromSlurm(lookup);
   return LaunchEnv{};
 }
 

@@ -165,6 +165,58 @@ TEST(DistContextTest, DuplicateRankIsReported) {
   EXPECT_EQ(reported, 2) << Describe(results);
 }
 
+TEST(DistContextTest, TorchrunRestartsMeetInFreshKeysOfTheSameStore) {
+  // torchrun's agent keeps its store across restarts: the restarted group
+  // (TORCHELASTIC_RESTART_COUNT=1) must not find the first group's keys.
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  for (const char* restart : {"0", "1"}) {
+    auto specs = TorchrunRanks(2, store->port(), HelperArgs({"init"}, kShortTimeouts));
+    for (ProcessSpec& spec : specs) {
+      spec.env.push_back({"TORCHELASTIC_RUN_ID", "job-7"});
+      spec.env.push_back({"TORCHELASTIC_RESTART_COUNT", restart});
+    }
+    auto results = RunAll(specs, kHangBound);
+    for (const ProcessResult& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << "restart " << restart << "\n" << Describe(results);
+    }
+  }
+  // The same restart count again is the same group twice: refused by name.
+  auto specs = TorchrunRanks(2, store->port(), HelperArgs({"init"}, kShortTimeouts));
+  for (ProcessSpec& spec : specs) {
+    spec.env.push_back({"TORCHELASTIC_RUN_ID", "job-7"});
+    spec.env.push_back({"TORCHELASTIC_RESTART_COUNT", "1"});
+  }
+  auto results = RunAll(specs, kHangBound);
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 3) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("two processes claim rank")) << Describe(results);
+  }
+}
+
+TEST(DistContextTest, UnresolvableMasterHostIsNamedAtOnce) {
+  // Both ranks, the would-be host of the store included, name the host and
+  // the variable it came from. The rendezvous timeout (10 min) is far beyond
+  // the hang bound: waiting for it would time the test out.
+  evenstep::testing::RefusingPort port;  // a port the OS picked; never reached
+  auto specs =
+      TorchrunRanks(2, port.port(), HelperArgs({"init"}, {"--evenstep_rendezvous_timeout=10m"}));
+  for (ProcessSpec& spec : specs) {
+    for (auto& [name, value] : spec.env) {
+      if (name == "MASTER_ADDR") value = "no-such-host.invalid";
+      if (name == "TORCHELASTIC_USE_AGENT_STORE") value = "False";
+    }
+  }
+  auto results = RunAll(specs, kHangBound);
+  for (const ProcessResult& r : results) {
+    EXPECT_FALSE(r.timed_out) << Describe(results);
+    EXPECT_EQ(r.exit_code, 3) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("the store host 'no-such-host.invalid' (MASTER_ADDR) does "
+                                    "not resolve"))
+        << Describe(results);
+  }
+}
+
 TEST(DistContextTest, UnreachableMasterFailsWithinTheTimeout) {
   evenstep::testing::RefusingPort refusing;
   auto specs =

@@ -168,6 +168,41 @@ TEST(LaunchEnvTest, TorchrunTakesPrecedenceOverSlurm) {
   EXPECT_EQ(env->rank, 1);
 }
 
+TEST(LaunchEnvTest, MpirunInsideASlurmAllocationIsOneOpenMpiWorld) {
+  // sbatch -n 1 ... mpirun -np 4: Slurm describes the allocation (one task,
+  // SLURM_PROCID 0 in every process), Open MPI the processes it started.
+  for (const char* rank : {"0", "3"}) {
+    auto env = Detect({{"OMPI_COMM_WORLD_RANK", rank},
+                       {"OMPI_COMM_WORLD_SIZE", "4"},
+                       {"OMPI_COMM_WORLD_LOCAL_RANK", rank},
+                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+                       {"SLURM_PROCID", "0"},
+                       {"SLURM_NTASKS", "1"},
+                       {"SLURM_JOB_ID", "4242"},
+                       {"SLURM_JOB_NODELIST", "gpu[07-08]"}});
+    ASSERT_TRUE(env.ok()) << env.status();
+    EXPECT_EQ(env->launcher, Launcher::kOpenMpi);
+    EXPECT_EQ(env->world_size, 4);
+    EXPECT_EQ(env->rank, std::stoi(rank));
+    EXPECT_EQ(env->master_addr, "gpu07");
+    EXPECT_EQ(env->master_addr_source, "the first host of SLURM_JOB_NODELIST");
+    EXPECT_EQ(env->master_port, 15000 + 4242);
+  }
+}
+
+TEST(LaunchEnvTest, TorchrunRunIdAndRestartNamespaceTheStore) {
+  auto env = Detect({{"RANK", "0"},
+                     {"WORLD_SIZE", "2"},
+                     {"MASTER_ADDR", "h"},
+                     {"TORCHELASTIC_RUN_ID", "abc"},
+                     {"TORCHELASTIC_RESTART_COUNT", "2"}});
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->run_namespace, "abc/restart-2");
+  auto plain = Detect({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->run_namespace, "");
+}
+
 TEST(SlurmNodelistTest, FirstHost) {
   EXPECT_EQ(*FirstHostOfSlurmNodelist("node1"), "node1");
   EXPECT_EQ(*FirstHostOfSlurmNodelist("node[03-05,9],gpu1"), "node03");

@@ -39,6 +39,13 @@ struct LaunchEnv {
   // True when the launcher hosts the store itself (torchrun's and evenstep-run's
   // TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included, is a client.
   bool agent_store = false;
+  // Where master_addr came from, for errors ("MASTER_ADDR", "the first host
+  // of SLURM_JOB_NODELIST").
+  std::string master_addr_source = "MASTER_ADDR";
+  // This launch's namespace in the store: torchrun's
+  // TORCHELASTIC_RUN_ID/TORCHELASTIC_RESTART_COUNT (a restarted group meets
+  // in fresh keys of the agent's long-lived store), empty otherwise.
+  std::string run_namespace;
 
   // One line for logs: "rank 1/4 (local 1/2) via torchrun, store 10.0.0.1:29500".
   std::string Describe() const;
@@ -49,7 +56,10 @@ using EnvLookup = std::function<std::optional<std::string>(absl::string_view nam
 
 // Detects the launcher convention from `lookup` (the process environment by
 // default). Precedence: torchrun (RANK set), Slurm (SLURM_PROCID set), Open MPI
-// (OMPI_COMM_WORLD_RANK set), else a world of size 1. Fails with
+// (OMPI_COMM_WORLD_RANK set), else a world of size 1. Open MPI goes before
+// Slurm: mpirun inside a Slurm allocation sets both, and its OMPI_COMM_WORLD_*
+// describe the processes it started (the Slurm ones describe the
+// allocation); MASTER_ADDR then defaults to the allocation's first host. Fails with
 // InvalidArgument naming the variable when a value is malformed or
 // inconsistent (rank >= world size, local rank >= local world size, missing
 // WORLD_SIZE or MASTER_ADDR where the convention needs it).
