@@ -105,6 +105,24 @@ TEST(LauncherTest, KilledRankMakesTheLauncherFailWithNoOrphans) {
   for (int r = 0; r < 3; ++r) EXPECT_FALSE(ProcessAlive(pids.Pid(r))) << "rank " << r;
 }
 
+TEST(LauncherTest, KilledLauncherLeavesNoProcessOfTheJob) {
+  // The rank starts a child of its own (it writes the child's pid); SIGKILL
+  // to the launcher must take the rank and that child with it.
+  PidDir pids;
+  Subprocess run(ProcessSpec{
+      Launch(1, {"/bin/sh", "-c", "sleep 1000 & echo $! > $EVENSTEP_TEST_PID_DIR/rank0.pid; wait"}),
+      {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+  ASSERT_TRUE(pids.WaitForAll(1, kHangBound));
+  const pid_t child = pids.Pid(0);
+  ASSERT_TRUE(ProcessAlive(child));
+  ASSERT_EQ(kill(run.pid(), SIGKILL), 0);
+  run.Wait(kHangBound);
+  // Bounded wait for the kernel to deliver the kills (not a timing check).
+  const absl::Time deadline = absl::Now() + kHangBound;
+  while (ProcessAlive(child) && absl::Now() < deadline) usleep(10000);
+  EXPECT_FALSE(ProcessAlive(child)) << "the rank's child " << child << " survived the launcher";
+}
+
 TEST(LauncherTest, ForwardsSigtermToEveryRank) {
   PidDir pids;
   Subprocess run(ProcessSpec{Launch(2, {EVENSTEP_RANK_HELPER, "wait_for_sigterm"}),

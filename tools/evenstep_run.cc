@@ -12,7 +12,10 @@
 // - When a rank fails (non-zero exit or a signal), sends SIGTERM to the others,
 //   SIGKILL after the grace period, and exits with the failed rank's status
 //   (128 + signal number for a signal). Each rank runs in its own process
-//   group (killed as a group) and dies with the launcher (PR_SET_PDEATHSIG).
+//   group (killed as a group) and dies with the launcher (PR_SET_PDEATHSIG);
+//   a watchdog in that group kills the whole group, the rank's own children
+//   included, once the launcher is gone, even after a SIGKILL (it reads EOF
+//   on a pipe only the launcher holds).
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -198,6 +201,14 @@ int main(int argc, char** argv) {
       std::to_string(std::max(1u, cores / static_cast<unsigned>(options.nproc)));
 
   const pid_t launcher = getpid();
+  // Its write end lives only in this process: when the launcher ends, even
+  // by SIGKILL, every rank's watchdog reads EOF and kills the rank's whole
+  // process group (a rank's children do not die with it by PR_SET_PDEATHSIG).
+  int life[2];
+  if (pipe2(life, O_CLOEXEC) != 0) {
+    perror("evenstep-run: pipe");
+    return 1;
+  }
   std::vector<Rank> ranks(options.nproc);
   std::vector<Stream> streams;
   for (int r = 0; r < options.nproc; ++r) {
@@ -241,6 +252,21 @@ int main(int argc, char** argv) {
       _exit(127);
     }
     setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
+    // The rank's watchdog, a member of its process group.
+    pid_t watchdog = fork();
+    if (watchdog == 0) {
+      setpgid(0, pid);
+      signal(SIGINT, SIG_IGN);  // forwarded signals are for the rank
+      signal(SIGTERM, SIG_IGN);
+      for (int fd = 3; fd < 1024; ++fd) {
+        if (fd != life[0]) close(fd);
+      }
+      char c;
+      while (read(life[0], &c, 1) < 0 && errno == EINTR) {
+      }
+      kill(-pid, SIGKILL);  // the rank's tree, this watchdog included
+      _exit(0);
+    }
     close(out_pipe[1]);
     close(err_pipe[1]);
     ranks[r].pid = pid;
