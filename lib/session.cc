@@ -3,9 +3,15 @@
 
 #include <ATen/ATen.h>
 
+#include <signal.h>
+
+#include <csignal>
 #include <iostream>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "evenstep/checkpointer.h"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
@@ -29,6 +35,11 @@ ABSL_FLAG(std::string, evenstep_ckpt_on_error, "warn",
 ABSL_FLAG(int, evenstep_ckpt_max_failures, 3,
           "Session, with --evenstep_ckpt_on_error=warn: consecutive failed saves after which "
           "training stops with an error (0 = never stop).");
+ABSL_FLAG(std::string, evenstep_preempt_signals, "TERM,USR1",
+          "Session: signals that ask for a preemption stop (comma-separated names, empty = "
+          "none): at the next step boundary every rank agrees, saves that step, waits for its "
+          "commit and Step returns CANCELLED (exit with evenstep::kPreemptedExitCode); a signal "
+          "reaching one rank suffices. Give the launcher a grace long enough for the save.");
 ABSL_FLAG(bool, evenstep_timeline, true,
           "Session: write this rank's timeline (RUN_DIR/trace-RRRRR.json) for evenstep-report.");
 ABSL_FLAG(int, evenstep_log_every, 10,
@@ -37,6 +48,33 @@ ABSL_FLAG(int, evenstep_log_every, 10,
 
 namespace evenstep {
 namespace {
+
+// The last preemption signal received (0 = none), set by the handler.
+volatile std::sig_atomic_t g_preempt_signal = 0;
+extern "C" void OnPreemptSignal(int sig) { g_preempt_signal = sig; }
+
+absl::StatusOr<std::vector<int>> PreemptSignalsFromFlag() {
+  const std::string value = absl::GetFlag(FLAGS_evenstep_preempt_signals);
+  std::vector<int> signals;
+  for (absl::string_view name : absl::StrSplit(value, ',', absl::SkipWhitespace())) {
+    name = absl::StripAsciiWhitespace(name);
+    if (absl::StartsWithIgnoreCase(name, "SIG")) name.remove_prefix(3);
+    int sig = 0;
+    if (name == "TERM") sig = SIGTERM;
+    else if (name == "USR1") sig = SIGUSR1;
+    else if (name == "USR2") sig = SIGUSR2;
+    else if (name == "INT") sig = SIGINT;
+    else if (name == "HUP") sig = SIGHUP;
+    else if (name == "CONT") sig = SIGCONT;
+    if (sig == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--evenstep_preempt_signals=", value, ": unknown signal '", name,
+          "' (expected names from TERM, USR1, USR2, INT, HUP, CONT, comma-separated)"));
+    }
+    signals.push_back(sig);
+  }
+  return signals;
+}
 
 enum class ResumeMode { kNewest, kNewestValid, kOff };
 
@@ -72,6 +110,7 @@ absl::Status ValidateEvenstepFlags() {
       internal::NotBelow("evenstep_log_every", absl::GetFlag(FLAGS_evenstep_log_every), 1));
   EVENSTEP_RETURN_IF_ERROR(ResumeModeFromFlag().status());
   EVENSTEP_RETURN_IF_ERROR(StopAfterFailedSaves().status());
+  EVENSTEP_RETURN_IF_ERROR(PreemptSignalsFromFlag().status());
   return absl::OkStatus();
 }
 
@@ -79,6 +118,7 @@ Session::Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optim
     : ctx_(ctx), model_(model), optimizer_(optimizer) {}
 
 Session::~Session() {
+  for (const auto& [sig, old] : old_handlers_) sigaction(sig, &old, nullptr);
   // A Session that was never finished (an error path) starts no new save;
   // it waits for the saves in flight and reports how they ended.
   if (created_ && !finished_) {
@@ -98,6 +138,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
   std::unique_ptr<Session> s(new Session(ctx, model, optimizer));
   EVENSTEP_ASSIGN_OR_RETURN(const ResumeMode resume, ResumeModeFromFlag());
   EVENSTEP_ASSIGN_OR_RETURN(s->stop_after_failures_, StopAfterFailedSaves());
+  EVENSTEP_ASSIGN_OR_RETURN(const std::vector<int> preempt_signals, PreemptSignalsFromFlag());
   EVENSTEP_ASSIGN_OR_RETURN(BalanceConfig config, BalanceConfig::FromFlags());
   EVENSTEP_ASSIGN_OR_RETURN(
       s->step_, BalancedStep::Create(ctx, model, optimizer, std::move(lengths), std::move(config),
@@ -138,8 +179,51 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
                 << "; saves of those steps will fail rather than overwrite them" << std::endl;
     }
   }
+  for (int sig : preempt_signals) {
+    struct sigaction action {};
+    action.sa_handler = OnPreemptSignal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    struct sigaction old {};
+    sigaction(sig, &action, &old);
+    s->old_handlers_.emplace_back(sig, old);
+  }
+  g_preempt_signal = 0;
   s->created_ = true;
   return s;
+}
+
+void Session::BeforeStep() {
+  // Shared in this step's exchange: after it, every rank knows.
+  step_->ShareAtNextExchange(kPreemptSignal, static_cast<double>(g_preempt_signal));
+}
+
+absl::Status Session::StopForPreemption(int signal, int64_t step) {
+  if (ctx_.rank() == 0) {
+    std::cout << "[evenstep] preemption (signal " << signal << ") at step " << step
+              << ": saving step " << step << " and stopping" << std::endl;
+  }
+  absl::Status s;
+  if (last_step_ > last_saved_) s = Checkpoint();
+  absl::Status outcome;
+  int64_t final_step = -1;
+  while (!pending_.empty()) {
+    final_step = pending_.front().step;
+    outcome = pending_.front().done.get();
+    Observe(final_step, outcome);
+    pending_.pop_front();
+  }
+  if (s.ok()) s = outcome;
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("rank ", ctx_.rank(), ": preemption at step ", step,
+                                               ": the checkpoint of step ", final_step,
+                                               " failed: ", s.message()));
+  }
+  preempted_ = true;
+  return absl::CancelledError(absl::StrCat(
+      "rank ", ctx_.rank(), ": preempted by signal ", signal, " at step ", step,
+      "; the checkpoint of step ", step, " is committed: the next run resumes at step ",
+      step + 1));
 }
 
 void Session::Observe(int64_t step, const absl::Status& outcome) {
@@ -184,6 +268,9 @@ absl::Status Session::AfterStep(StepReport* report) {
         "); training stops rather than run on without checkpoints. Last failure",
         last_save_error_.ok() ? " (seen first by another rank)" : ": ",
         last_save_error_.message()));
+  }
+  if (const double signal = report->agreed[kPreemptSignal]; signal > 0) {
+    return StopForPreemption(static_cast<int>(signal), report->step);
   }
   const int every = absl::GetFlag(FLAGS_evenstep_ckpt_every);
   if (every > 0 && report->step % every == 0) return Checkpoint();

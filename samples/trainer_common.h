@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "evenstep/balanced_step.h"
+#include "evenstep/session.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/timeline.h"
 #include "samples/byte_lm.h"
@@ -140,9 +141,11 @@ class PlainTrace {
 };
 
 // Prints the error; main's exit status.
+// The exit status for `status`: kPreemptedExitCode for a preemption stop
+// (Session saved the step; CANCELLED comes from nothing else here), else 1.
 inline int Fail(const absl::Status& status) {
   std::cerr << status << "\n";
-  return 1;
+  return absl::IsCancelled(status) ? evenstep::kPreemptedExitCode : 1;
 }
 
 // The progress line (rank 0) and the test hooks, after every step.

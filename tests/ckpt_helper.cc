@@ -15,6 +15,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
@@ -32,6 +33,10 @@
 
 ABSL_FLAG(std::string, mode, "save", "save, load or session");
 ABSL_FLAG(std::string, run_dir, "", "--mode=session: the run directory.");
+ABSL_FLAG(int, signal_at_step, 0,
+          "--mode=session: after this step, --signal_rank raises SIGTERM at itself (a "
+          "preemption notice reaching one rank).");
+ABSL_FLAG(int, signal_rank, 1, "The rank that raises the signal.");
 ABSL_FLAG(std::string, optimizer, "adam", "sgd, adam, adamw, rmsprop or adagrad");
 ABSL_FLAG(int, steps, 3, "Steps before the save.");
 ABSL_FLAG(int64_t, width, 300, "Hidden width (>= 262144: tensors of over 1 MiB, loaded in place).");
@@ -109,10 +114,14 @@ int RunSession(evenstep::DistContext& ctx) {
         [&](const std::vector<int64_t>& samples) { return LossSum(*model, samples); });
     if (!report.ok()) {
       std::cerr << "step " << s << ": " << report.status() << std::endl;
+      if ((*session)->preempted()) return evenstep::kPreemptedExitCode;
       return 2;
     }
     std::cout << "step " << s << " loss " << report->loss << " checkpoint_failures "
               << report->checkpoint_failures << std::endl;
+    if (s == absl::GetFlag(FLAGS_signal_at_step) && ctx.rank() == absl::GetFlag(FLAGS_signal_rank)) {
+      raise(SIGTERM);
+    }
   }
   if (absl::Status done = (*session)->Finish(); !done.ok()) {
     std::cerr << "finish: " << done << std::endl;

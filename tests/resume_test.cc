@@ -16,7 +16,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <cstdio>
 #include <functional>
+#include <map>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -24,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "evenstep/checkpoint.h"
+#include "evenstep/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
@@ -455,6 +459,67 @@ TEST_F(MountedTest, ReadOnlyDirectoryStopsTheRunAtTheFirstFailedSaveWithFail) {
     EXPECT_THAT(p.output, HasSubstr("Read-only file system")) << Describe(r);
     EXPECT_THAT(p.output, HasSubstr("1 checkpoint saves failed in a row")) << Describe(r);
     EXPECT_THAT(p.output, Not(HasSubstr("step 40 loss"))) << Describe(r);
+  }
+}
+
+// A fresh directory, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/evenstep-preempt-XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() { evenstep::testing::RunShell("rm -rf " + path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// "step N loss X" lines of one rank's output.
+std::map<int, double> Losses(const std::string& output) {
+  std::map<int, double> losses;
+  std::istringstream in(output);
+  std::string line;
+  while (std::getline(in, line)) {
+    int step = 0;
+    double loss = 0;
+    if (std::sscanf(line.c_str(), "step %d loss %lf", &step, &loss) == 2) losses[step] = loss;
+  }
+  return losses;
+}
+
+TEST(PreemptionTest, ASignalToOneRankSavesTheNextStepOnEveryRankAndResumeContinues) {
+  // Rank 1 alone gets SIGTERM after step 4; step 5 (not a --evenstep_ckpt_every
+  // step) is saved by every rank, both exit with kPreemptedExitCode, and the
+  // resumed run's steps 6-8 have the losses of an uninterrupted run.
+  TempDir preempted, plain;
+  const std::vector<std::string> static_balance = {"--evenstep_balance=static"};
+  std::vector<std::string> signal = static_balance;
+  signal.push_back("--signal_at_step=4");
+  auto first = Train(preempted.path(), 8, signal);
+  for (const ProcessResult& r : first) {
+    EXPECT_EQ(r.exit_code, kPreemptedExitCode) << Describe(first);
+    EXPECT_THAT(r.output, HasSubstr("preempted by signal 15 at step 5; the checkpoint of step 5 "
+                                    "is committed"))
+        << Describe(first);
+    EXPECT_THAT(r.output, Not(HasSubstr("step 6 loss"))) << Describe(first);
+  }
+  auto listing = ListCheckpoints(*Env::Default(), preempted.path() + "/ckpt");
+  ASSERT_TRUE(listing.ok()) << listing.status();
+  ASSERT_FALSE(listing->committed.empty());
+  EXPECT_EQ(listing->committed.back(), 5);
+
+  auto resumed = Train(preempted.path(), 8, static_balance);
+  for (const ProcessResult& r : resumed) ASSERT_EQ(r.exit_code, 0) << Describe(resumed);
+  EXPECT_THAT(resumed[0].output, HasSubstr("first step 6"));
+  auto uninterrupted = Train(plain.path(), 8, static_balance);
+  for (const ProcessResult& r : uninterrupted) ASSERT_EQ(r.exit_code, 0) << Describe(uninterrupted);
+  const auto want = Losses(uninterrupted[0].output);
+  const auto got = Losses(resumed[0].output);
+  for (int step = 6; step <= 8; ++step) {
+    ASSERT_TRUE(got.count(step) && want.count(step)) << step;
+    EXPECT_NEAR(got.at(step), want.at(step), 1e-9 * std::abs(want.at(step))) << "step " << step;
   }
 }
 

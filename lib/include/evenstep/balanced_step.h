@@ -105,6 +105,7 @@ struct MicroTiming {
 // Slots of the per-step agreement (BalancedStep::ShareAtNextExchange).
 enum AgreementSlot : int {
   kSaveFailureRun,  // Session: the longest run of consecutive failed saves seen
+  kPreemptSignal,   // Session: a preemption signal this rank received (0 = none)
   kAgreementSlots
 };
 

@@ -14,6 +14,8 @@
 // collective.
 #pragma once
 
+#include <signal.h>
+
 #include <deque>
 #include <functional>
 #include <future>
@@ -26,6 +28,10 @@
 #include "evenstep/balanced_step.h"
 
 namespace evenstep {
+
+// The exit status of a trainer stopped by a preemption signal after saving
+// (distinct from failures, so a job script can tell and requeue).
+inline constexpr int kPreemptedExitCode = 83;
 
 class Checkpointer;
 class MetricsLogger;
@@ -51,8 +57,15 @@ class Session {
 
   // One step (see BalancedStep::Step), then: timeline, log of loss and
   // balance efficiency, and every --evenstep_ckpt_every steps a checkpoint.
+  //
+  // Preemption: a --evenstep_preempt_signals signal (SIGTERM, SIGUSR1 by
+  // default) on any rank is shared in the next step's exchange; at the end
+  // of that step every rank saves it, waits for the commit and returns
+  // CANCELLED (preempted() is then true): exit with kPreemptedExitCode, and
+  // the next run resumes at the following step.
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
+    BeforeStep();
     absl::StatusOr<StepReport> report =
         step_->Step(std::forward<Load>(load), std::forward<LossSum>(loss_sum));
     if (!report.ok()) return report;
@@ -82,6 +95,8 @@ class Session {
   // failed. A Session destroyed without Finish (an error path) starts no
   // save: it only waits for those in flight and reports their outcome.
   absl::Status Finish();
+  // The last Step returned CANCELLED for a preemption (its step is saved).
+  bool preempted() const { return preempted_; }
 
  private:
   struct PendingSave {
@@ -90,6 +105,8 @@ class Session {
   };
   Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   absl::Status AfterStep(StepReport* report);
+  void BeforeStep();
+  absl::Status StopForPreemption(int signal, int64_t step);
   // Reports the outcome of the save of `step` (a line when it failed).
   void Observe(int64_t step, const absl::Status& outcome);
   // Observes the saves that have finished, oldest first.
@@ -107,6 +124,8 @@ class Session {
   int64_t last_saved_ = 0;
   bool created_ = false;  // Create finished: every part exists
   bool finished_ = false;
+  bool preempted_ = false;
+  std::vector<std::pair<int, struct sigaction>> old_handlers_;
   std::deque<PendingSave> pending_;  // saves in flight, oldest first
   int64_t save_failures_ = 0;        // failed saves this rank has seen
   int failure_run_ = 0;              // consecutive failed saves, the latest ones
