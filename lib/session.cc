@@ -2,7 +2,6 @@
 #include "evenstep/session.h"
 
 #include <ATen/ATen.h>
-
 #include <signal.h>
 
 #include <csignal>
@@ -60,12 +59,18 @@ absl::StatusOr<std::vector<int>> PreemptSignalsFromFlag() {
     name = absl::StripAsciiWhitespace(name);
     if (absl::StartsWithIgnoreCase(name, "SIG")) name.remove_prefix(3);
     int sig = 0;
-    if (name == "TERM") sig = SIGTERM;
-    else if (name == "USR1") sig = SIGUSR1;
-    else if (name == "USR2") sig = SIGUSR2;
-    else if (name == "INT") sig = SIGINT;
-    else if (name == "HUP") sig = SIGHUP;
-    else if (name == "CONT") sig = SIGCONT;
+    if (name == "TERM")
+      sig = SIGTERM;
+    else if (name == "USR1")
+      sig = SIGUSR1;
+    else if (name == "USR2")
+      sig = SIGUSR2;
+    else if (name == "INT")
+      sig = SIGINT;
+    else if (name == "HUP")
+      sig = SIGHUP;
+    else if (name == "CONT")
+      sig = SIGCONT;
     if (sig == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--evenstep_preempt_signals=", value, ": unknown signal '", name,
@@ -215,15 +220,14 @@ absl::Status Session::StopForPreemption(int signal, int64_t step) {
   }
   if (s.ok()) s = outcome;
   if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("rank ", ctx_.rank(), ": preemption at step ", step,
-                                               ": the checkpoint of step ", final_step,
-                                               " failed: ", s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat("rank ", ctx_.rank(), ": preemption at step ", step,
+                               ": the checkpoint of step ", final_step, " failed: ", s.message()));
   }
   preempted_ = true;
   return absl::CancelledError(absl::StrCat(
       "rank ", ctx_.rank(), ": preempted by signal ", signal, " at step ", step,
-      "; the checkpoint of step ", step, " is committed: the next run resumes at step ",
-      step + 1));
+      "; the checkpoint of step ", step, " is committed: the next run resumes at step ", step + 1));
 }
 
 void Session::Observe(int64_t step, const absl::Status& outcome) {

@@ -119,7 +119,8 @@ int RunSession(evenstep::DistContext& ctx) {
     }
     std::cout << "step " << s << " loss " << report->loss << " checkpoint_failures "
               << report->checkpoint_failures << std::endl;
-    if (s == absl::GetFlag(FLAGS_signal_at_step) && ctx.rank() == absl::GetFlag(FLAGS_signal_rank)) {
+    if (s == absl::GetFlag(FLAGS_signal_at_step) &&
+        ctx.rank() == absl::GetFlag(FLAGS_signal_rank)) {
       raise(SIGTERM);
     }
   }
