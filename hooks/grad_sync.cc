@@ -119,6 +119,8 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   void CopyIn(ParamSlot& p);
   void LaunchReady();
   void Fail(absl::Status why);
+  absl::Status AbandonStale();
+  std::vector<int32_t> ControlValues() const;
   absl::Status Finish();
   void Complete();
   void ResetGradients();
@@ -353,6 +355,25 @@ void GradSyncState::BeginStep(int first) {
   }
 }
 
+// A synchronised backward that never reached its end (it threw): complete
+// its synchronisation with a failure mark, so every rank learns.
+absl::Status GradSyncState::AbandonStale() {
+  Fail(absl::FailedPreconditionError(absl::StrCat(
+      "synchronisation #", seq,
+      " never completed on this rank (an exception inside a synchronised backward without "
+      "GradSync::AbandonStep)")));
+  return Finish();
+}
+
+// This rank's control vector: its failure flag, then a used flag per
+// parameter.
+std::vector<int32_t> GradSyncState::ControlValues() const {
+  std::vector<int32_t> values(control_numel(), 0);
+  if (!local_failure.ok()) values[rank] = 1;
+  for (size_t i = 0; i < params.size(); ++i) values[world + i] = params[i].used ? 1 : 0;
+  return values;
+}
+
 void GradSyncState::Fail(absl::Status why) {
   if (local_failure.ok()) {
     local_failure = absl::Status(why.code(), absl::StrCat("rank ", rank, ": ", why.message()));
@@ -389,10 +410,7 @@ void GradSyncState::LaunchReady() {
     if (last && control_in_bucket()) {
       // Every parameter is ready once the last bucket is: the bitmap is known.
       at::Tensor tail = b.buffer.narrow(0, b.grad_numel, control_numel());
-      std::vector<float> values(control_numel(), 0.f);
-      if (!local_failure.ok()) values[rank] = 1;
-      for (size_t i = 0; i < params.size(); ++i) values[world + i] = params[i].used ? 1 : 0;
-      tail.copy_(at::tensor(values, at::kFloat));
+      tail.copy_(at::tensor(ControlValues(), at::kInt));  // cast to the bucket's dtype
     }
     CommHookContext ctx{group, rank,    world, next_launch, static_cast<int>(buckets.size()),
                         last,  &b.info, seq};
@@ -510,10 +528,7 @@ absl::Status GradSyncState::Finish() {
   }
   // 4. The control bitmap on its own, unless it rode in the last bucket.
   if (!control_in_bucket()) {
-    std::vector<int32_t> values(control_numel(), 0);
-    if (!local_failure.ok()) values[rank] = 1;
-    for (size_t i = 0; i < params.size(); ++i) values[world + i] = params[i].used ? 1 : 0;
-    control = at::tensor(values, at::kInt).to(device);
+    control = at::tensor(ControlValues(), at::kInt).to(device);
     if (fatal.ok() && world > 1) {
       std::vector<at::Tensor> v{control};
       Collective("the gradient sync's control all_reduce", [&] {
@@ -988,14 +1003,7 @@ bool GradSync::sync_enabled() const {
 absl::Status GradSync::SyncNow() {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!state_->fatal.ok()) return state_->fatal;
-  if (state_->step_open) {
-    // A synchronised backward that never reached its end (it threw).
-    state_->Fail(absl::FailedPreconditionError(
-        absl::StrCat("synchronisation #", state_->seq,
-                     " never completed on this rank (an exception inside a "
-                     "synchronised backward without GradSync::AbandonStep)")));
-    return state_->Finish();
-  }
+  if (state_->step_open) return state_->AbandonStale();
   state_->BeginStep(-1);
   return state_->Finish();
 }
@@ -1003,13 +1011,7 @@ absl::Status GradSync::SyncNow() {
 absl::Status GradSync::PrepareForBackward(const at::Tensor& loss) {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!state_->fatal.ok()) return state_->fatal;
-  if (state_->step_open) {
-    state_->Fail(absl::FailedPreconditionError(
-        absl::StrCat("synchronisation #", state_->seq,
-                     " never completed on this rank (an exception inside a "
-                     "synchronised backward without GradSync::AbandonStep)")));
-    return state_->Finish();
-  }
+  if (state_->step_open) return state_->AbandonStale();
   if (!state_->sync_enabled) return absl::OkStatus();
   // DDP's find_unused_parameters: every node the loss's graph reaches.
   std::unordered_set<const torch::autograd::Node*> seen;

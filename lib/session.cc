@@ -126,12 +126,7 @@ Session::~Session() {
   for (const auto& [sig, old] : old_handlers_) sigaction(sig, &old, nullptr);
   // A Session that was never finished (an error path) starts no new save;
   // it waits for the saves in flight and reports how they ended.
-  if (created_ && !finished_) {
-    while (!pending_.empty()) {
-      Observe(pending_.front().step, pending_.front().done.get());
-      pending_.pop_front();
-    }
-  }
+  if (created_ && !finished_) DrainSaves(nullptr).IgnoreError();  // each was reported
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch::nn::Module& model,
@@ -210,14 +205,8 @@ absl::Status Session::StopForPreemption(int signal, int64_t step) {
   }
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();
-  absl::Status outcome;
   int64_t final_step = -1;
-  while (!pending_.empty()) {
-    final_step = pending_.front().step;
-    outcome = pending_.front().done.get();
-    Observe(final_step, outcome);
-    pending_.pop_front();
-  }
+  const absl::Status outcome = DrainSaves(&final_step);
   if (s.ok()) s = outcome;
   if (!s.ok()) {
     return absl::Status(
@@ -241,6 +230,17 @@ void Session::Observe(int64_t step, const absl::Status& outcome) {
   std::cerr << "[evenstep] rank " << ctx_.rank() << ": the checkpoint of step " << step
             << " FAILED (" << save_failures_ << " failed saves so far): " << outcome.message()
             << std::endl;
+}
+
+absl::Status Session::DrainSaves(int64_t* last_step) {
+  absl::Status outcome;
+  while (!pending_.empty()) {
+    if (last_step != nullptr) *last_step = pending_.front().step;
+    outcome = pending_.front().done.get();
+    Observe(pending_.front().step, outcome);
+    pending_.pop_front();
+  }
+  return outcome;
 }
 
 void Session::PollSaves() {
@@ -319,13 +319,8 @@ absl::Status Session::Finish() {
   finished_ = true;
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();
-  const int64_t final_step = pending_.empty() ? -1 : pending_.back().step;
-  absl::Status final_outcome;
-  while (!pending_.empty()) {
-    final_outcome = pending_.front().done.get();
-    Observe(pending_.front().step, final_outcome);
-    pending_.pop_front();
-  }
+  int64_t final_step = -1;
+  const absl::Status final_outcome = DrainSaves(&final_step);
   // Every outcome was read through its ticket above.
   checkpointer_->WaitAll().IgnoreError();
   if (s.ok() && !final_outcome.ok()) {

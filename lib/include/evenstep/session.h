@@ -111,6 +111,9 @@ class Session {
   void Observe(int64_t step, const absl::Status& outcome);
   // Observes the saves that have finished, oldest first.
   void PollSaves();
+  // Waits for every save in flight and observes it, oldest first; the last
+  // one's outcome (OK if none) and, in `last_step` when given, its step.
+  absl::Status DrainSaves(int64_t* last_step);
 
   DistContext& ctx_;
   torch::nn::Module& model_;
