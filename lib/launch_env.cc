@@ -70,6 +70,16 @@ absl::Status Validate(const LaunchEnv& env, absl::string_view rank_var, absl::st
     return absl::InvalidArgumentError(
         absl::StrCat("MASTER_PORT=", env.master_port, " is not a TCP port"));
   }
+  if (env.world_size > 1 && env.master_port == 0) {
+    // torchrun 1.13's static rendezvous passes its --master_port 0 on to the
+    // workers: rank 0 would host the store on a port only it knows, and the
+    // others would wait for the rendezvous timeout.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MASTER_PORT=0 under ", convention, ": the ", env.world_size,
+        " ranks cannot meet on a port the OS picks for one of them; give the store's real port "
+        "(torchrun: --master_port P with static rendezvous, or --standalone / "
+        "--rdzv_backend c10d)"));
+  }
   return absl::OkStatus();
 }
 

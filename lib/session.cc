@@ -200,8 +200,14 @@ void Session::BeforeStep() {
 
 absl::Status Session::StopForPreemption(int signal, int64_t step) {
   if (ctx_.rank() == 0) {
-    std::cout << "[evenstep] preemption (signal " << signal << ") at step " << step
-              << ": saving step " << step << " and stopping" << std::endl;
+    std::cout << "[evenstep] preemption (signal " << signal << ") at step " << step << ": "
+              << (last_step_ > last_saved_ ? "saving" : "already saving") << " step " << step;
+    if (!pending_.empty()) {
+      // Saves in flight complete (and commit) first; none is abandoned.
+      std::cout << " after " << pending_.size() << " save(s) in flight (from step "
+                << pending_.front().step << ")";
+    }
+    std::cout << ", then stopping" << std::endl;
   }
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();

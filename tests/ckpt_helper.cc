@@ -34,12 +34,16 @@
 ABSL_FLAG(std::string, mode, "save", "save, load or session");
 ABSL_FLAG(std::string, run_dir, "", "--mode=session: the run directory.");
 ABSL_FLAG(int, signal_at_step, 0,
-          "--mode=session: after this step, --signal_rank raises SIGTERM at itself (a "
-          "preemption notice reaching one rank).");
+          "--mode=session: after this step, --signal_rank raises --signal at itself.");
 ABSL_FLAG(int, signal_rank, 1, "The rank that raises the signal.");
+ABSL_FLAG(std::string, signal, "TERM",
+          "TERM (a preemption notice) or KILL (the rank dies; a launcher restarts the group).");
 ABSL_FLAG(std::string, optimizer, "adam", "sgd, adam, adamw, rmsprop or adagrad");
 ABSL_FLAG(int, steps, 3, "Steps before the save.");
 ABSL_FLAG(int64_t, width, 300, "Hidden width (>= 262144: tensors of over 1 MiB, loaded in place).");
+ABSL_FLAG(int64_t, frozen_mb, 0,
+          "--mode=session: a frozen parameter of this many MiB (like frozen embeddings): "
+          "checkpointed, but neither synced nor stepped, so saves outlast steps.");
 
 namespace {
 
@@ -99,6 +103,9 @@ int RunSession(evenstep::DistContext& ctx) {
   const int64_t width = absl::GetFlag(FLAGS_width);
   torch::nn::Sequential model(torch::nn::Linear(4, width), torch::nn::Tanh(), Scale(width),
                               torch::nn::Linear(width, 1));
+  if (const int64_t mb = absl::GetFlag(FLAGS_frozen_mb); mb > 0) {
+    model->register_parameter("frozen", torch::rand({mb << 18}), /*requires_grad=*/false);
+  }
   auto optimizer = MakeOptimizer(*model, absl::GetFlag(FLAGS_optimizer));
   std::vector<int64_t> lengths(200);
   for (size_t i = 0; i < lengths.size(); ++i) lengths[i] = 1 + static_cast<int64_t>(i % 13);
@@ -121,7 +128,7 @@ int RunSession(evenstep::DistContext& ctx) {
               << report->checkpoint_failures << std::endl;
     if (s == absl::GetFlag(FLAGS_signal_at_step) &&
         ctx.rank() == absl::GetFlag(FLAGS_signal_rank)) {
-      raise(SIGTERM);
+      raise(absl::GetFlag(FLAGS_signal) == "KILL" ? SIGKILL : SIGTERM);
     }
   }
   if (absl::Status done = (*session)->Finish(); !done.ok()) {

@@ -85,6 +85,16 @@ TEST(LaunchEnvTest, MissingMasterAddrForSeveralRanks) {
   EXPECT_THAT(env.status().message(), HasSubstr("MASTER_ADDR is not set"));
 }
 
+TEST(LaunchEnvTest, MasterPortZeroForSeveralRanksIsRefusedNamingIt) {
+  // What torchrun 1.13 gives workers under static rendezvous with
+  // --master_port 0: without this check every rank waits out the timeout.
+  auto env =
+      Detect({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "0"}});
+  ASSERT_EQ(env.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(env.status().message(), HasSubstr("MASTER_PORT=0 under torchrun: the 2 ranks"));
+  EXPECT_TRUE(Detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}}).ok());
+}
+
 TEST(LaunchEnvTest, LocalRankBeyondLocalWorld) {
   auto env = Detect({{"RANK", "3"},
                      {"WORLD_SIZE", "4"},

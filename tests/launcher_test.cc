@@ -136,6 +136,64 @@ TEST(LauncherTest, ForwardsSigtermToEveryRank) {
   EXPECT_THAT(result.output, HasSubstr("[1] got SIGTERM"));
 }
 
+TEST(LauncherTest, ForwardedSignalGivesTheRanksTheGraceToSaveThenExits83) {
+  // Each rank takes 4 s to "save" after SIGTERM (beyond the old fixed 3 s)
+  // and exits with kPreemptedExitCode; the launcher waits (--grace 60s) and
+  // exits 83 itself, which a job script can requeue on.
+  PidDir pids;
+  Subprocess run(ProcessSpec{
+      {EVENSTEP_RUN, "-n", "2", "--grace", "60s", "--", "/bin/sh", "-c",
+       "trap 'sleep 4; echo saved; exit 83' TERM; echo $$ > $EVENSTEP_TEST_PID_DIR/rank$RANK.pid;"
+       " while :; do sleep 0.05; done"},
+      {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+  ASSERT_TRUE(pids.WaitForAll(2, kHangBound));
+  ASSERT_EQ(kill(run.pid(), SIGTERM), 0);
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 83) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("[0] saved"));
+  EXPECT_THAT(result.output, HasSubstr("[1] saved"));
+  EXPECT_THAT(result.output, Not(HasSubstr("after the grace period")));
+}
+
+TEST(LauncherTest, ASecondSignalKillsAtOnce) {
+  PidDir pids;
+  Subprocess run(
+      ProcessSpec{{EVENSTEP_RUN, "-n", "2", "--grace", "600s", "--", "/bin/sh", "-c",
+                   "trap 'echo stopping' TERM; echo $$ > $EVENSTEP_TEST_PID_DIR/rank$RANK.pid;"
+                   " while :; do sleep 0.05; done"},
+                  {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+  ASSERT_TRUE(pids.WaitForAll(2, kHangBound));
+  ASSERT_EQ(kill(run.pid(), SIGTERM), 0);
+  ASSERT_TRUE(run.WaitForOutput("[1] stopping", kHangBound)) << run.OutputSoFar();
+  ASSERT_TRUE(run.WaitForOutput("[0] stopping", kHangBound)) << run.OutputSoFar();
+  ASSERT_EQ(kill(run.pid(), SIGTERM), 0);
+  // Far within the 600 s grace: a launcher that waited for it times out here.
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 128 + SIGTERM) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("second signal"));
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(ProcessAlive(pids.Pid(r))) << "rank " << r;
+}
+
+TEST(LauncherTest, ARanksPreemptionExitIsNotAFailure) {
+  // Rank 0 exits 83 first (it got the preemption notice straight from the
+  // scheduler, as Slurm signals every task); rank 1 is still saving. The
+  // launcher must not SIGTERM it as the survivor of a failure.
+  Subprocess run(ProcessSpec{
+      Launch(2, {"/bin/sh", "-c",
+                 "trap 'echo got TERM' TERM; if [ $RANK = 0 ]; then exit 83; fi; sleep 2;"
+                 " echo saved; exit 83"}),
+      {}});
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 83) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("rank 0 stopped for preemption"));
+  EXPECT_THAT(result.output, HasSubstr("[1] saved"));
+  EXPECT_THAT(result.output, Not(HasSubstr("got TERM")));
+  EXPECT_THAT(result.output, Not(HasSubstr("stopping the other")));
+}
+
 TEST(LauncherTest, PartialLinesArePrefixed) {
   Subprocess run(ProcessSpec{Launch(2, {"/bin/sh", "-c", "printf 'a\\nb'; printf 'c' >&2"}), {}});
   ProcessResult result = run.Wait(kHangBound);

@@ -2,16 +2,21 @@
 // environment convention, the way torchrun --standalone does, but in C++ and
 // with no Python.
 //
-//   evenstep-run -n 4 [--master-port P] [--grace 3s] -- ./trainer --flags...
+//   evenstep-run -n 4 [--master-port P] [--grace 120s] [--stop-grace 3s] -- ./trainer ...
 //
 // - Hosts the c10d TCPStore itself (port from the OS unless --master-port)
 //   and sets TORCHELASTIC_USE_AGENT_STORE=True, so every rank is a client.
 // - Prefixes each output line of rank r with "[r] " (stdout to stdout,
 //   stderr to stderr).
-// - Forwards SIGINT / SIGTERM to every rank.
-// - When a rank fails (non-zero exit or a signal), sends SIGTERM to the others,
-//   SIGKILL after the grace period, and exits with the failed rank's status
-//   (128 + signal number for a signal). Each rank runs in its own process
+// - Forwards SIGINT / SIGTERM / SIGUSR1 to every rank and gives them --grace
+//   (120 s) to stop before SIGKILL: a Session trainer saves the step it is
+//   in and exits with kPreemptedExitCode (83). A second signal kills at once.
+// - A rank that exits with 83 (preempted: a signal reached the ranks
+//   directly) is not a failure: the others are stopping too and get --grace.
+//   When every rank exits with 83, so does the launcher.
+// - When a rank fails (another non-zero exit or a signal), sends SIGTERM to
+//   the others, SIGKILL after --stop-grace (3 s), and exits with the failed
+//   rank's status (128 + signal number for a signal). Each rank runs in its own process
 //   group (killed as a group) and dies with the launcher (PR_SET_PDEATHSIG);
 //   a watchdog in that group kills the whole group, the rank's own children
 //   included, once the launcher is gone, even after a SIGKILL (it reads EOF
@@ -39,6 +44,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "evenstep/internal/store_server.h"
+#include "evenstep/launch_env.h"  // kPreemptedExitCode
 
 namespace {
 
@@ -48,17 +54,25 @@ void OnSignal(int sig) { g_signal = sig; }
 struct Options {
   int nproc = 0;
   int master_port = 0;
-  absl::Duration grace = absl::Seconds(3);
+  absl::Duration grace = absl::Seconds(120);     // after a forwarded signal or a preemption
+  absl::Duration stop_grace = absl::Seconds(3);  // survivors of a failed rank
   std::vector<std::string> command;
 };
 
 int Usage(const std::string& error) {
   if (!error.empty()) std::cerr << "evenstep-run: " << error << "\n";
   std::cerr
-      << "usage: evenstep-run -n N [--master-port P] [--grace DURATION] -- PROGRAM [ARGS...]\n"
+      << "usage: evenstep-run -n N [--master-port P] [--grace DURATION] [--stop-grace DURATION]"
+         " -- PROGRAM [ARGS...]\n"
          "  -n, --nproc-per-node N  number of local ranks to start (>= 1)\n"
          "  --master-port P         port of the c10d store (default: chosen by the OS)\n"
-         "  --grace DURATION        SIGTERM-to-SIGKILL grace when stopping ranks (3s)\n";
+         "  --grace DURATION        after SIGTERM/SIGINT/SIGUSR1 (forwarded to every rank) or a\n"
+         "                          rank's preemption exit (83): time the ranks get to save and\n"
+         "                          stop before SIGKILL (120s; keep it below the scheduler's\n"
+         "                          notice, e.g. sbatch --signal=TERM@180). A second signal\n"
+         "                          kills at once\n"
+         "  --stop-grace DURATION   after a rank fails: SIGTERM-to-SIGKILL time for the others "
+         "(3s)\n";
   return 2;
 }
 
@@ -97,9 +111,11 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
         *error = "--master-port " + value + ": expected a port number";
         return false;
       }
-    } else if (take("--grace")) {
-      if (!absl::ParseDuration(value, &options->grace) || options->grace < absl::ZeroDuration()) {
-        *error = "--grace " + value + ": expected a duration such as 3s";
+    } else if (take("--grace") || take("--stop-grace") || take("--stop_grace")) {
+      absl::Duration* target =
+          arg.find("stop") != std::string::npos ? &options->stop_grace : &options->grace;
+      if (!absl::ParseDuration(value, target) || *target < absl::ZeroDuration()) {
+        *error = arg.substr(0, arg.find('=')) + " " + value + ": expected a duration such as 120s";
         return false;
       }
     } else if (!error->empty()) {
@@ -192,6 +208,7 @@ int main(int argc, char** argv) {
   sa.sa_handler = OnSignal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGUSR1, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   // Threads per rank: torchrun's practice is OMP_NUM_THREADS=1 for several
@@ -230,6 +247,7 @@ int main(int argc, char** argv) {
       if (getppid() != launcher) _exit(1);  // the launcher died before prctl
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);
+      signal(SIGUSR1, SIG_DFL);
       signal(SIGPIPE, SIG_DFL);
       dup2(out_pipe[1], STDOUT_FILENO);
       dup2(err_pipe[1], STDERR_FILENO);
@@ -258,6 +276,7 @@ int main(int argc, char** argv) {
       setpgid(0, pid);
       signal(SIGINT, SIG_IGN);  // forwarded signals are for the rank
       signal(SIGTERM, SIG_IGN);
+      signal(SIGUSR1, SIG_IGN);
       for (int fd = 3; fd < 1024; ++fd) {
         if (fd != life[0]) close(fd);
       }
@@ -281,21 +300,36 @@ int main(int argc, char** argv) {
   bool shutting_down = false;
   bool killed = false;
   absl::Time kill_deadline = absl::InfiniteFuture();
-  auto begin_shutdown = [&](int sig) {
+  // Stops the ranks: `sig` to each (0: none, they are stopping already),
+  // SIGKILL once `grace` has passed. A later, shorter deadline never
+  // replaces an earlier one's start (the first reason to stop sets it).
+  auto begin_shutdown = [&](int sig, absl::Duration grace) {
     if (shutting_down) return;
     shutting_down = true;
-    SignalAll(ranks, sig);
-    kill_deadline = absl::Now() + options.grace;
+    if (sig != 0) SignalAll(ranks, sig);
+    kill_deadline = absl::Now() + grace;
   };
-
   size_t open_streams = streams.size();
   int running = options.nproc;
   while (running > 0 || open_streams > 0) {
-    if (g_signal != 0 && forwarded_signal == 0) {
-      forwarded_signal = g_signal;
-      fprintf(stderr, "evenstep-run: got signal %d, forwarding it to %d rank(s)\n",
-              forwarded_signal, running);
-      begin_shutdown(forwarded_signal);
+    if (g_signal != 0) {
+      const int sig = g_signal;
+      g_signal = 0;
+      if (forwarded_signal == 0) {
+        forwarded_signal = sig;
+        fprintf(stderr,
+                "evenstep-run: got signal %d (%s), forwarding it to %d rank(s); they have %s to "
+                "save and stop (--grace), a second signal kills them at once\n",
+                sig, strsignal(sig), running, absl::FormatDuration(options.grace).c_str());
+        if (shutting_down) {
+          SignalAll(ranks, sig);  // ranks stopping after a preemption exit get it too
+        } else {
+          begin_shutdown(sig, options.grace);
+        }
+      } else if (!killed) {
+        fprintf(stderr, "evenstep-run: second signal %d: killing %d rank(s) now\n", sig, running);
+        kill_deadline = absl::Now();
+      }
     }
     if (running > 0 && !killed && absl::Now() >= kill_deadline) {
       fprintf(stderr, "evenstep-run: %d rank(s) still running after the grace period; killing\n",
@@ -345,19 +379,42 @@ int main(int argc, char** argv) {
         --running;
         // A rank's grandchildren die with its process group.
         kill(-pid, SIGKILL);
-        const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        const bool preempted =
+            WIFEXITED(status) && WEXITSTATUS(status) == evenstep::kPreemptedExitCode;
+        const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0) && !preempted;
+        if (preempted && running > 0 && !shutting_down) {
+          // The others saw the same agreed stop and are saving too; a
+          // SIGTERM now could end one whose handler is already gone.
+          fprintf(stderr,
+                  "evenstep-run: rank %d stopped for preemption (exit %d); the other %d rank(s) "
+                  "have %s to finish (--grace)\n",
+                  r, evenstep::kPreemptedExitCode, running,
+                  absl::FormatDuration(options.grace).c_str());
+          begin_shutdown(0, options.grace);
+        }
         if (failed && failed_rank < 0 && forwarded_signal == 0) {
           failed_rank = r;
           failed_status = status;
           fprintf(stderr, "evenstep-run: rank %d %s; stopping the other %d rank(s)\n", r,
                   DescribeStatus(status).c_str(), running);
-          begin_shutdown(SIGTERM);
+          if (shutting_down) {
+            SignalAll(ranks, SIGTERM);
+            kill_deadline = std::min(kill_deadline, absl::Now() + options.stop_grace);
+          } else {
+            begin_shutdown(SIGTERM, options.stop_grace);
+          }
         }
       }
     }
   }
 
   if (failed_rank >= 0) return ExitCodeOf(failed_status);
+  // Every rank saved and stopped for preemption: say so to the scheduler
+  // (e.g. to requeue), whether the signal came through here or not.
+  const bool all_preempted = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) {
+    return WIFEXITED(r.status) && WEXITSTATUS(r.status) == evenstep::kPreemptedExitCode;
+  });
+  if (all_preempted) return evenstep::kPreemptedExitCode;
   if (forwarded_signal != 0) return 128 + forwarded_signal;
   return 0;
 }

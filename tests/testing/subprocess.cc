@@ -96,6 +96,18 @@ bool Subprocess::Exited() {
   return reaped_;
 }
 
+std::string Subprocess::OutputSoFar() const { return ReadFile(output_path_); }
+
+bool Subprocess::WaitForOutput(const std::string& text, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (absl::StrContains(OutputSoFar(), text)) return true;
+    if (Exited()) return absl::StrContains(OutputSoFar(), text);
+    usleep(2000);
+  }
+  return false;
+}
+
 ProcessResult Subprocess::Finish(int status, bool timed_out) {
   ProcessResult result;
   result.timed_out = timed_out;

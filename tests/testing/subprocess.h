@@ -43,6 +43,11 @@ class Subprocess {
   ProcessResult Wait(absl::Duration timeout);
   // True once the process has exited (non-blocking).
   bool Exited();
+  // What it has written so far (stdout and stderr, interleaved).
+  std::string OutputSoFar() const;
+  // Waits until its output contains `text`: false when `timeout` passes or
+  // the process exits first.
+  bool WaitForOutput(const std::string& text, absl::Duration timeout);
 
  private:
   ProcessResult Finish(int status, bool timed_out);

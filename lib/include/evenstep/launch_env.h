@@ -18,6 +18,13 @@
 
 namespace evenstep {
 
+// The exit status of a rank stopped by a preemption signal after its step was
+// saved and committed (Session; the sample exits with it). Distinct from
+// failures, so evenstep-run and job scripts can tell it apart and requeue:
+// evenstep-run does not treat it as a failure and exits with it when every
+// rank did.
+inline constexpr int kPreemptedExitCode = 83;
+
 enum class Launcher {
   kNone,      // no launcher variables: a world of size 1, no network
   kTorchrun,  // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT

@@ -26,12 +26,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "evenstep/balanced_step.h"
+#include "evenstep/launch_env.h"  // kPreemptedExitCode
 
 namespace evenstep {
-
-// The exit status of a trainer stopped by a preemption signal after saving
-// (distinct from failures, so a job script can tell and requeue).
-inline constexpr int kPreemptedExitCode = 83;
 
 class Checkpointer;
 class MetricsLogger;
