@@ -30,7 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/relaunch.h"
 
-ABSL_FLAG(bool, quick, false, "12 steps each (the smoke test).");
+ABSL_FLAG(bool, quick, false, "5 steps each (the smoke test).");
 ABSL_FLAG(int, steps, 150, "Optimizer steps per trainer (full mode).");
 ABSL_FLAG(int, nproc, 2, "Ranks per trainer.");
 ABSL_FLAG(std::string, dir, "", "Where the two runs go (default: a temp dir, removed after).");
@@ -115,7 +115,7 @@ json ToJson(const Result& r) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
-  const int steps = quick ? 12 : absl::GetFlag(FLAGS_steps);
+  const int steps = quick ? 5 : absl::GetFlag(FLAGS_steps);
   const int nproc = absl::GetFlag(FLAGS_nproc);
   std::string runs = absl::GetFlag(FLAGS_dir);
   const bool temporary = runs.empty();
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
             << std::endl;
   // The same global batch (32 samples), evaluation interval and checkpoint
   // interval (torch::save every 50 steps vs --evenstep_ckpt_every=50).
-  const std::string common = absl::StrCat("--eval_every ", quick ? 6 : 100);
+  const std::string common = absl::StrCat("--eval_every ", quick ? 5 : 100);
   const Result plain =
       Measure("plain", EVENSTEP_PLAIN_TRAINER, common + " --trace", runs, steps, nproc);
   const Result es =
