@@ -8,12 +8,14 @@ install(TARGETS evenstep evenstep_torch
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/lib/include/evenstep
+# Public headers only: internal/ headers are evenstep's own (no public
+# header includes one; tests/layering_check.py fails if one does).
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/base/include/evenstep
+  ${PROJECT_SOURCE_DIR}/lib/include/evenstep
   ${PROJECT_SOURCE_DIR}/hooks/include/evenstep
   ${PROJECT_SOURCE_DIR}/io/include/evenstep
-  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(FILES ${CMAKE_BINARY_DIR}/generated/evenstep/internal/build_config.h
-  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/evenstep/internal)
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+  PATTERN internal EXCLUDE)
 
 set(_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/evenstep)
 install(EXPORT evenstepTargets NAMESPACE evenstep:: DESTINATION ${_cmake_dir})

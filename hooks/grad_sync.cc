@@ -36,6 +36,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 namespace internal {
@@ -376,7 +377,7 @@ std::vector<int32_t> GradSyncState::ControlValues() const {
 
 void GradSyncState::Fail(absl::Status why) {
   if (local_failure.ok()) {
-    local_failure = absl::Status(why.code(), absl::StrCat("rank ", rank, ": ", why.message()));
+    local_failure = Annotate(std::move(why), absl::StrCat("rank ", rank));
   }
 }
 
@@ -776,13 +777,14 @@ absl::Status CheckReplicasMatch(c10d::ProcessGroup& group, const std::vector<Nam
     hashes.push_back(Hash(DescribeParam(p)));
     combined = Hash(absl::StrCat(combined, ":", hashes.back()));
   }
-  auto summary = AllGatherInts(group, {static_cast<int64_t>(params.size()), combined}, device,
-                               timeout, "parameter fingerprint all_gather");
-  if (!summary.ok()) return summary.status();
+  EVENSTEP_ASSIGN_OR_RETURN(const std::vector<std::vector<int64_t>> summary,
+                            AllGatherInts(group, {static_cast<int64_t>(params.size()), combined},
+                                          device, timeout, "parameter fingerprint all_gather"),
+                            "GradSync::Attach: checking that every rank holds the same parameters");
   bool same = true;
   int64_t max_count = 0;
-  for (const auto& s : *summary) {
-    same &= s == (*summary)[0];
+  for (const auto& s : summary) {
+    same &= s == summary[0];
     max_count = std::max(max_count, s[0]);
   }
   if (same) return absl::OkStatus();
@@ -790,13 +792,15 @@ absl::Status CheckReplicasMatch(c10d::ProcessGroup& group, const std::vector<Nam
   // Slow path, all ranks take it: find the first index that differs.
   std::vector<int64_t> padded(max_count, 0);
   std::copy(hashes.begin(), hashes.end(), padded.begin());
-  auto all = AllGatherInts(group, padded, device, timeout, "parameter list all_gather");
-  if (!all.ok()) return all.status();
+  EVENSTEP_ASSIGN_OR_RETURN(
+      const std::vector<std::vector<int64_t>> all,
+      AllGatherInts(group, padded, device, timeout, "parameter list all_gather"),
+      "GradSync::Attach: finding the first parameter that differs between ranks");
   int64_t first = 0;
   for (; first < max_count; ++first) {
     bool differs = false;
-    for (int r = 1; r < world; ++r) differs |= (*all)[r][first] != (*all)[0][first];
-    for (int r = 0; r < world; ++r) differs |= first >= (*summary)[r][0];
+    for (int r = 1; r < world; ++r) differs |= all[r][first] != all[0][first];
+    for (int r = 0; r < world; ++r) differs |= first >= summary[r][0];
     if (differs) break;
   }
   // Gather the description of that tensor from every rank (fixed width).
@@ -806,12 +810,14 @@ absl::Status CheckReplicasMatch(c10d::ProcessGroup& group, const std::vector<Nam
                          : absl::StrCat("no parameter #", first, " (", params.size(), " in all)");
   std::vector<int64_t> chars(kWidth, 0);
   for (int i = 0; i < kWidth && i < static_cast<int>(mine.size()); ++i) chars[i] = mine[i];
-  auto descs = AllGatherInts(group, chars, device, timeout, "parameter description all_gather");
-  if (!descs.ok()) return descs.status();
+  EVENSTEP_ASSIGN_OR_RETURN(
+      const std::vector<std::vector<int64_t>> descs,
+      AllGatherInts(group, chars, device, timeout, "parameter description all_gather"),
+      "GradSync::Attach: describing parameter #", first, " on every rank");
   std::map<std::string, std::vector<int>> variants;
   for (int r = 0; r < world; ++r) {
     std::string d;
-    for (int64_t c : (*descs)[r]) {
+    for (int64_t c : descs[r]) {
       if (c == 0) break;
       d.push_back(static_cast<char>(c));
     }
@@ -844,8 +850,8 @@ absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<Named
     options.rootRank = root;
     try {
       auto work = group.broadcast(v, options);
-      absl::Status s = WaitWork(*work, timeout, group.getRank(), "initial parameter broadcast");
-      if (!s.ok()) return s;
+      EVENSTEP_RETURN_IF_ERROR(
+          WaitWork(*work, timeout, group.getRank(), "initial parameter broadcast"));
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat(
           "rank ", group.getRank(), ": initial parameter broadcast: ", internal::ErrorText(e)));
@@ -946,10 +952,9 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
   std::vector<NamedTensor> to_broadcast = trainable;
   to_broadcast.insert(to_broadcast.end(), frozen.begin(), frozen.end());
   to_broadcast.insert(to_broadcast.end(), buffers.begin(), buffers.end());
-  absl::Status s = CheckReplicasMatch(group, to_broadcast, device, options.timeout);
-  if (!s.ok()) return s;
-  s = BroadcastTensors(group, to_broadcast, options.broadcast_root, options.timeout);
-  if (!s.ok()) return s;
+  EVENSTEP_RETURN_IF_ERROR(CheckReplicasMatch(group, to_broadcast, device, options.timeout));
+  EVENSTEP_RETURN_IF_ERROR(
+      BroadcastTensors(group, to_broadcast, options.broadcast_root, options.timeout));
 
   auto state = std::make_shared<GradSyncState>();
   state->group = &group;

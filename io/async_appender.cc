@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "evenstep/io_runtime.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 
@@ -12,12 +13,9 @@ absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::Create(const std::
                                                                      size_t flush_bytes, Env* env) {
   Env& e = env != nullptr ? *env : *Env::Default();
   const std::string dir = std::filesystem::path(path).parent_path().string();
-  if (!dir.empty()) {
-    if (absl::Status s = e.CreateDirs(dir); !s.ok()) return s;
-  }
-  auto file = e.Create(path);
-  if (!file.ok()) return file.status();
-  return std::unique_ptr<AsyncAppender>(new AsyncAppender(path, *std::move(file), flush_bytes));
+  if (!dir.empty()) EVENSTEP_RETURN_IF_ERROR(e.CreateDirs(dir));
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<File> file, e.Create(path));
+  return std::unique_ptr<AsyncAppender>(new AsyncAppender(path, std::move(file), flush_bytes));
 }
 
 absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::CreateSegment(const std::string& stem,

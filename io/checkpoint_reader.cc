@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "evenstep/checkpoint.h"
 #include "evenstep/internal/dtypes.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 
@@ -13,8 +14,7 @@ absl::StatusOr<at::Tensor> CheckpointReader::Read(const std::string& name) const
   if (t == nullptr) return absl::NotFoundError(absl::StrCat(path_, ": no tensor ", name));
   at::Tensor out =
       at::empty(t->shape, at::TensorOptions().dtype(*internal::DtypeFromName(t->dtype)));
-  absl::Status s = ReadInto(name, out.data_ptr(), out.numel() * out.element_size());
-  if (!s.ok()) return s;
+  EVENSTEP_RETURN_IF_ERROR(ReadInto(name, out.data_ptr(), out.numel() * out.element_size()));
   return out;
 }
 

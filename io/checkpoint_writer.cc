@@ -24,11 +24,14 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "evenstep/checkpoint.h"
+#include "evenstep/internal/device_compat.h"
 #include "evenstep/internal/dtypes.h"
+#include "evenstep/internal/error_text.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
 #include "evenstep/internal/shard_plan.h"
 #include "evenstep/io_runtime.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 namespace {
@@ -36,8 +39,6 @@ namespace {
 using internal::Piece;
 using internal::ShardDataset;
 using internal::TensorMeta;
-
-constexpr size_t kWriteChunk = 64 << 20;
 
 class InProcessCommitStore : public CommitStore {
  public:
@@ -106,7 +107,7 @@ struct Staging {
   // Blocks until the snapshot's device copies have landed.
   void WaitForCopies() {
     if (!copied) return;
-    while (!copied->query()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    internal::device_compat::Synchronize(*copied);
     copied.reset();
   }
 };
@@ -173,10 +174,8 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(
   impl->world = world_size;
   impl->runtime = std::make_unique<IoRuntime>(impl->options.io_threads);
   impl->staging.resize(impl->options.max_in_flight);
-  if (absl::Status s = impl->env->CreateDirs(impl->options.dir); !s.ok()) {
-    return absl::Status(s.code(),
-                        absl::StrCat("checkpoint writer, rank ", rank, ": ", s.message()));
-  }
+  EVENSTEP_RETURN_IF_ERROR(impl->env->CreateDirs(impl->options.dir), "checkpoint writer, rank ",
+                           rank);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 
@@ -302,7 +301,7 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) 
   } catch (const std::exception& e) {
     release();
     return absl::InternalError(
-        absl::StrCat("checkpoint snapshot of step ", state.step, ": ", e.what()));
+        absl::StrCat("checkpoint snapshot of step ", state.step, ": ", internal::ErrorText(e)));
   }
   ticket.snapshot_seconds = absl::ToDoubleSeconds(absl::Now() - begin);
   const int64_t step = state.step;
@@ -349,15 +348,14 @@ absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step, st
                      " already holds a committed checkpoint; it is not overwritten (this save is "
                      "dropped)"));
   }
-  absl::Status s = runtime->Blocking([&] {
+  EVENSTEP_RETURN_IF_ERROR(runtime->Blocking([&] {
     absl::Status made = env->CreateDirs(ckpt);
     return made.ok() ? env->SyncDir(options.dir) : made;
-  });
-  if (!s.ok()) return s;
+  }));
   // Checksums of the datasets, from the staging buffer (once the device
   // copies of the snapshot, if any, have landed).
   nlohmann::json datasets = nlohmann::json::array();
-  s = runtime->Blocking([&] {
+  absl::Status s = runtime->Blocking([&] {
     stage.WaitForCopies();
     for (const ShardDataset& d : stage.datasets) {
       const uint64_t h =
@@ -372,31 +370,13 @@ absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step, st
     }
     return absl::OkStatus();
   });
-  if (!s.ok()) return s;
+  EVENSTEP_RETURN_IF_ERROR(s, "checksumming shard ", final_path);
   // The shard: tmp, fsync, rename, fsync directory. On any failure this
   // rank's files are removed (the commit does not happen).
-  s = runtime->Blocking([&]() -> absl::Status {
-    const std::string tmp = final_path + ".tmp";
-    auto file = env->Create(tmp);
-    if (!file.ok()) return file.status();
-    absl::Status w;
-    for (size_t off = 0; w.ok() && off < stage.size(); off += kWriteChunk) {
-      w = (*file)->PWrite(static_cast<int64_t>(off), stage.data() + off,
-                          std::min(kWriteChunk, stage.size() - off));
-    }
-    if (w.ok()) w = (*file)->Sync();
-    absl::Status closed = (*file)->Close();
-    if (w.ok()) w = closed;
-    if (w.ok()) w = env->Rename(tmp, final_path);
-    if (!w.ok()) {
-      env->Remove(tmp).IgnoreError();
-      return w;
-    }
-    w = env->SyncDir(ckpt);
-    if (!w.ok()) env->Remove(final_path).IgnoreError();
-    return w;
-  });
-  if (!s.ok()) return s;
+  EVENSTEP_RETURN_IF_ERROR(runtime->Blocking([&] {
+    return WriteFileAtomically(*env, final_path, stage.data(), stage.size(),
+                               /*remove_if_unsynced=*/true);
+  }));
   *report = nlohmann::json({{"file", ShardFileName(rank, world)},
                             {"bytes", static_cast<int64_t>(stage.size())},
                             {"datasets", std::move(datasets)}})
@@ -408,8 +388,7 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
                                                     const std::vector<TensorMeta>& metas,
                                                     const std::string& extras) {
   auto context = [&](const absl::Status& s) {
-    return absl::Status(s.code(),
-                        absl::StrCat("checkpoint step ", step, ", rank ", rank, ": ", s.message()));
+    return Annotate(s, absl::StrCat("checkpoint step ", step, ", rank ", rank));
   };
   std::string report;
   absl::Status mine = WriteShard(stage, step, &report);
@@ -450,10 +429,9 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
           continue;
         }
       }
-      return context(absl::Status(
-          outcome.status().code(),
-          absl::StrCat("waiting for the outcome of the save (", now.ok() ? *now : -1, " of ", world,
-                       " ranks reported): ", outcome.status().message())));
+      return context(Annotate(
+          outcome.status(), absl::StrCat("waiting for the outcome of the save (",
+                                         now.ok() ? *now : -1, " of ", world, " ranks reported)")));
     }
   }
   absl::Status outcome = Commit(seq, step, metas, extras);
@@ -532,34 +510,27 @@ absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
   // and retention only frees space: their failures are reported as such.
   s = runtime->Blocking(
       [&] { return WriteFileAtomically(*env, options.dir + "/latest", StepDirName(step)); });
-  if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("committed ", ckpt, ", but updating ", options.dir,
-                                               "/latest failed: ", s.message()));
-  }
-  s = runtime->Blocking([&] { return Retain(step); });
-  if (!s.ok()) {
-    return absl::Status(
-        s.code(),
-        absl::StrCat("committed ", ckpt, ", but removing older checkpoints failed: ", s.message()));
-  }
+  EVENSTEP_RETURN_IF_ERROR(s, "committed ", ckpt, ", but updating ", options.dir, "/latest failed");
+  EVENSTEP_RETURN_IF_ERROR(runtime->Blocking([&] { return Retain(step); }), "committed ", ckpt,
+                           ", but removing older checkpoints failed");
   return absl::OkStatus();
 }
 
 absl::Status CheckpointWriter::Impl::Retain(int64_t committed_step) {
-  absl::StatusOr<CheckpointListing> listing = ListCheckpoints(*env, options.dir);
-  if (!listing.ok()) return listing.status();
+  EVENSTEP_ASSIGN_OR_RETURN(const CheckpointListing listing, ListCheckpoints(*env, options.dir),
+                            "retention after step ", committed_step);
   // Saves older than this one that never committed (a crash, a failure not
   // cleaned up). With several saves in flight an older one may still be
   // writing, so they are only removed when saves run one at a time.
   if (options.max_in_flight == 1) {
-    for (int64_t step : listing->uncommitted) {
+    for (int64_t step : listing.uncommitted) {
       if (step < committed_step) env->RemoveTree(CheckpointPath(options.dir, step)).IgnoreError();
     }
   }
   // Keep this checkpoint and the newest keep-1 committed ones older than it;
   // newer ones (another run's, in the same directory) are never touched.
   std::vector<int64_t> older;
-  for (int64_t step : listing->committed) {
+  for (int64_t step : listing.committed) {
     if (step < committed_step) older.push_back(step);
   }
   const size_t kept_older = static_cast<size_t>(options.keep - 1);
@@ -570,7 +541,7 @@ absl::Status CheckpointWriter::Impl::Retain(int64_t committed_step) {
     absl::Status s = env->Remove(path + "/manifest.json");
     if (s.ok()) s = env->SyncDir(path);
     if (s.ok()) s = env->RemoveTree(path);
-    if (!s.ok()) return s;
+    EVENSTEP_RETURN_IF_ERROR(s, "removing checkpoint ", path, " (retention)");
   }
   return env->SyncDir(options.dir);
 }

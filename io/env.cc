@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 
@@ -191,33 +192,37 @@ Env* Env::Default() {
 }
 
 absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path, int64_t max_bytes) {
-  auto file = env.OpenForRead(path);
-  if (!file.ok()) return file.status();
-  auto size = (*file)->Size();
-  if (!size.ok()) return size.status();
-  if (*size > max_bytes) {
-    return absl::DataLossError(absl::StrCat(path, ": ", *size, " bytes, more than the ", max_bytes,
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<File> file, env.OpenForRead(path));
+  EVENSTEP_ASSIGN_OR_RETURN(const int64_t size, file->Size());
+  if (size > max_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, more than the ", max_bytes,
                                             " such a file may hold"));
   }
-  std::string data(static_cast<size_t>(*size), '\0');
-  if (absl::Status s = (*file)->PRead(0, data.data(), data.size()); !s.ok()) return s;
+  std::string data(static_cast<size_t>(size), '\0');
+  EVENSTEP_RETURN_IF_ERROR(file->PRead(0, data.data(), data.size()));
   return data;
 }
 
-absl::Status WriteFileAtomically(Env& env, const std::string& path, const std::string& data) {
+absl::Status WriteFileAtomically(Env& env, const std::string& path, const char* data, size_t size,
+                                 bool remove_if_unsynced) {
+  constexpr size_t kChunk = size_t{64} << 20;
   const std::string tmp = path + ".tmp";
-  auto file = env.Create(tmp);
-  if (!file.ok()) return file.status();
-  absl::Status s = (*file)->PWrite(0, data.data(), data.size());
-  if (s.ok()) s = (*file)->Sync();
-  absl::Status closed = (*file)->Close();
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<File> file, env.Create(tmp));
+  absl::Status s;
+  for (size_t off = 0; s.ok() && off < size; off += kChunk) {
+    s = file->PWrite(static_cast<int64_t>(off), data + off, std::min(kChunk, size - off));
+  }
+  if (s.ok()) s = file->Sync();
+  absl::Status closed = file->Close();
   if (s.ok()) s = closed;
   if (s.ok()) s = env.Rename(tmp, path);
   if (!s.ok()) {
     env.Remove(tmp).IgnoreError();
     return s;
   }
-  return env.SyncDir(std::filesystem::path(path).parent_path().string());
+  s = env.SyncDir(std::filesystem::path(path).parent_path().string());
+  if (!s.ok() && remove_if_unsynced) env.Remove(path).IgnoreError();
+  return s;
 }
 
 }  // namespace evenstep

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 
@@ -114,16 +115,15 @@ void FaultEnv::RecoverFromCrash() {
 }
 
 absl::StatusOr<std::unique_ptr<File>> FaultEnv::Create(const std::string& path) {
-  if (absl::Status s = Point("create", path); !s.ok()) return s;
-  auto file = base_->Create(path);
-  if (!file.ok()) return file.status();
+  EVENSTEP_RETURN_IF_ERROR(Point("create", path));
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<File> file, base_->Create(path));
   {
     std::lock_guard<std::mutex> lock(mu_);
     Tracked& t = files_[path];
     t = Tracked{};
     t.created_since_dir_sync = true;
   }
-  return std::unique_ptr<File>(new FaultFile(this, *std::move(file)));
+  return std::unique_ptr<File>(new FaultFile(this, std::move(file)));
 }
 
 absl::StatusOr<std::unique_ptr<File>> FaultEnv::OpenForRead(const std::string& path) {

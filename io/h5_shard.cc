@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep::internal {
 namespace {
@@ -174,10 +175,12 @@ absl::StatusOr<std::string> BuildShardImage(std::vector<ShardDataset>* datasets)
     if (!dset.ok()) {
       return absl::InternalError(absl::StrCat("HDF5 dataset ", d.path, ": ", Hdf5Error()));
     }
-    absl::Status s = WriteStringAttribute(dset.get(), "dtype", d.dtype);
-    if (s.ok()) s = WriteStringAttribute(dset.get(), "tensor", d.tensor);
-    if (s.ok()) s = WriteInt64Attribute(dset.get(), "element_range", {d.begin, d.end});
-    if (!s.ok()) return s;
+    EVENSTEP_RETURN_IF_ERROR(WriteStringAttribute(dset.get(), "dtype", d.dtype), "HDF5 dataset ",
+                             d.path);
+    EVENSTEP_RETURN_IF_ERROR(WriteStringAttribute(dset.get(), "tensor", d.tensor), "HDF5 dataset ",
+                             d.path);
+    EVENSTEP_RETURN_IF_ERROR(WriteInt64Attribute(dset.get(), "element_range", {d.begin, d.end}),
+                             "HDF5 dataset ", d.path);
     const haddr_t offset = H5Dget_offset(dset.get());
     d.offset = (d.bytes == 0 || offset == HADDR_UNDEF) ? -1 : static_cast<int64_t>(offset);
     if (d.bytes > 0 && d.offset < 0) {

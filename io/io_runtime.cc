@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/internal/error_text.h"
 
 namespace evenstep {
 
@@ -59,7 +60,7 @@ absl::Status Guarded(const std::function<absl::Status()>& f) {
   try {
     return f();
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("I/O task threw: ", e.what()));
+    return absl::InternalError(absl::StrCat("I/O task threw: ", internal::ErrorText(e)));
   }
 }
 

@@ -19,6 +19,7 @@
 #include "evenstep/checkpoint.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 namespace {
@@ -323,10 +324,10 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
 }
 
 absl::StatusOr<CheckpointListing> ListCheckpoints(Env& env, const std::string& dir) {
-  absl::StatusOr<std::vector<std::string>> names = env.List(dir);
-  if (!names.ok()) return names.status();
+  EVENSTEP_ASSIGN_OR_RETURN(const std::vector<std::string> names, env.List(dir),
+                            "listing checkpoints");
   CheckpointListing out;
-  for (const std::string& name : *names) {
+  for (const std::string& name : names) {
     if (name == "latest") out.has_latest = true;
     const std::optional<int64_t> step = internal::StepOfDirName(name);
     if (!step) continue;
@@ -352,20 +353,18 @@ absl::StatusOr<CheckpointListing> ListCheckpoints(Env& env, const std::string& d
 }
 
 absl::StatusOr<std::vector<std::string>> CommittedCheckpoints(Env& env, const std::string& dir) {
-  absl::StatusOr<CheckpointListing> listing = ListCheckpoints(env, dir);
-  if (!listing.ok()) return listing.status();
+  EVENSTEP_ASSIGN_OR_RETURN(const CheckpointListing listing, ListCheckpoints(env, dir));
   std::vector<std::string> out;
-  for (int64_t step : listing->committed) out.push_back(CheckpointPath(dir, step));
+  for (int64_t step : listing.committed) out.push_back(CheckpointPath(dir, step));
   return out;
 }
 
 absl::StatusOr<std::string> LatestCheckpoint(Env& env, const std::string& dir) {
-  absl::StatusOr<CheckpointListing> listing = ListCheckpoints(env, dir);
-  if (!listing.ok()) return listing.status();
-  if (listing->committed.empty()) {
+  EVENSTEP_ASSIGN_OR_RETURN(const CheckpointListing listing, ListCheckpoints(env, dir));
+  if (listing.committed.empty()) {
     return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", dir));
   }
-  return CheckpointPath(dir, listing->committed.back());
+  return CheckpointPath(dir, listing.committed.back());
 }
 
 std::string CheckpointPath(const std::string& dir, int64_t step) {
@@ -375,9 +374,9 @@ std::string CheckpointPath(const std::string& dir, int64_t step) {
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(Env& env,
                                                                          const std::string& path) {
   const std::string manifest_path = path + "/manifest.json";
-  absl::StatusOr<std::string> text = ReadFileToString(env, manifest_path, kMaxManifestBytes);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<Manifest> manifest = ManifestFromJson(*text, manifest_path);
+  EVENSTEP_ASSIGN_OR_RETURN(const std::string text,
+                            ReadFileToString(env, manifest_path, kMaxManifestBytes));
+  absl::StatusOr<Manifest> manifest = ManifestFromJson(text, manifest_path);
   if (!manifest.ok()) return manifest.status();
   const std::string base = path.substr(path.find_last_of('/') + 1);
   if (const std::optional<int64_t> step = internal::StepOfDirName(base);
@@ -388,13 +387,11 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(Env& en
   // The shard files must be regular files as large as the manifest says.
   for (size_t i = 0; i < manifest->shards.size(); ++i) {
     const std::string shard = path + "/" + manifest->shards[i];
-    auto file = env.OpenForRead(shard);
-    if (!file.ok()) return file.status();
-    auto size = (*file)->Size();
-    if (!size.ok()) return size.status();
-    if (*size != manifest->shard_bytes[i]) {
+    EVENSTEP_ASSIGN_OR_RETURN(const std::unique_ptr<File> file, env.OpenForRead(shard));
+    EVENSTEP_ASSIGN_OR_RETURN(const int64_t size, file->Size());
+    if (size != manifest->shard_bytes[i]) {
       return absl::DataLossError(
-          absl::StrCat(shard, ": ", *size, " bytes, the manifest says ", manifest->shard_bytes[i]));
+          absl::StrCat(shard, ": ", size, " bytes, the manifest says ", manifest->shard_bytes[i]));
     }
   }
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(env, path, *std::move(manifest)));
@@ -421,10 +418,9 @@ absl::Status CheckpointReader::ReadInto(const std::string& name, void* dst, int6
   for (const SliceInfo& s : t->slices) {
     if (s.bytes == 0) continue;
     const std::string shard = path_ + "/" + manifest_.shards[s.shard];
-    auto file = env_.OpenForRead(shard);
-    if (!file.ok()) return file.status();
+    EVENSTEP_ASSIGN_OR_RETURN(const std::unique_ptr<File> file, env_.OpenForRead(shard));
     char* out = base + s.begin * element;
-    if (absl::Status st = (*file)->PRead(s.offset, out, static_cast<size_t>(s.bytes)); !st.ok()) {
+    if (absl::Status st = file->PRead(s.offset, out, static_cast<size_t>(s.bytes)); !st.ok()) {
       return st;
     }
     if (XXH3_64bits(out, static_cast<size_t>(s.bytes)) != s.xxh3) {

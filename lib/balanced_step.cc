@@ -22,6 +22,7 @@
 
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/micro_step_clock.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 namespace {
@@ -233,7 +234,7 @@ absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) 
     // The failure came from (or after) the synchronisation itself.
     const absl::Status synced = sync_->status();
     status = synced.ok() ? absl::InternalError(absl::StrCat(where, ": ", what))
-                         : absl::Status(synced.code(), absl::StrCat(where, ": ", synced.message()));
+                         : Annotate(synced, where);
   }
   // The abandoned step's gradients must never reach an optimizer step.
   try {
@@ -260,16 +261,11 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
     absl::Status synced = sync_->SyncNow();
     report_.synced = absl::Now();
     report_.sync_wait = report_.synced - report_.arrived;
-    if (!synced.ok()) {
-      return absl::Status(synced.code(),
-                          absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
-                                       " (no micro-batch "
-                                       "on this rank): ",
-                                       synced.message()));
-    }
-  } else if (absl::Status s = sync_->status(); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ",
-                                               steps_ + 1, ": ", s.message()));
+    EVENSTEP_RETURN_IF_ERROR(synced, "BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
+                             " (no micro-batch on this rank)");
+  } else {
+    EVENSTEP_RETURN_IF_ERROR(sync_->status(), "BalancedStep: rank ", ctx_.rank(), ", step ",
+                             steps_ + 1);
   }
   const absl::Time optimizer_begin = absl::Now();
   report_.optimizer_begin = optimizer_begin;
@@ -306,11 +302,8 @@ absl::Status BalancedStep::Exchange() {
   m[kMicroBatches] = static_cast<double>(micro_.size());
   for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
   std::vector<at::Tensor> all;
-  absl::Status s = ctx_.AllGather(mine, &all);
-  if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("BalancedStep: step ", steps_,
-                                               ", exchange of cost fits: ", s.message()));
-  }
+  EVENSTEP_RETURN_IF_ERROR(ctx_.AllGather(mine, &all), "BalancedStep: step ", steps_,
+                           ", exchange of cost fits");
   const int world = ctx_.world_size();
   fits_.assign(world, CostFit{});
   report_.rank_busy_s.assign(world, 0);

@@ -528,10 +528,7 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
     }
     EVENSTEP_ASSIGN_OR_RETURN(
         Agreed chosen, Agree(ctx_, attempt == 0 ? listing_status : absl::OkStatus(), false, mine));
-    if (!chosen.status.ok()) {
-      return absl::Status(chosen.status.code(), absl::StrCat("resume from ", options_.dir, ": ",
-                                                             chosen.status.message()));
-    }
+    EVENSTEP_RETURN_IF_ERROR(chosen.status, "resume from ", options_.dir);
     const int64_t step = chosen.values[0];
     if (step < 0) {
       if (attempt == 0) {
@@ -719,10 +716,8 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
   constexpr int64_t kBroadcastAlone = 1 << 20;
   for (int root = 0; world > 1 && root < world; ++root) {
     auto broadcast = [&](at::Tensor& buffer) {
-      absl::Status s = ctx_.Broadcast(buffer, root);
-      if (s.ok()) return s;
-      return absl::Status(s.code(),
-                          absl::StrCat("broadcast of rank ", root, "'s part: ", s.message()));
+      return Annotate(ctx_.Broadcast(buffer, root),
+                      absl::StrCat("broadcast of rank ", root, "'s part"));
     };
     std::vector<at::Tensor> small;  // views of `loaded`, sent together
     int64_t small_bytes = 0;

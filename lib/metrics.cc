@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "evenstep/async_appender.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/internal/error_text.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -146,7 +147,7 @@ absl::Status MetricsLogger::EndStep(int64_t step) {
   try {
     next->work = ctx_.control_group().allreduce(tensors);
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("metrics all_reduce: ", e.what()));
+    return absl::UnavailableError(absl::StrCat("metrics all_reduce: ", internal::ErrorText(e)));
   }
   in_flight_ = std::move(next);
   return absl::OkStatus();
@@ -196,7 +197,8 @@ absl::StatusOr<std::vector<double>> Evaluate(
       total = total.defined() ? total + m : m;
     }
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("evaluate: rank ", ctx.rank(), ": ", e.what()));
+    return absl::InternalError(
+        absl::StrCat("evaluate: rank ", ctx.rank(), ": ", internal::ErrorText(e)));
   }
   // Ranks without micro-batches still join, with zeros of the agreed length.
   at::Tensor length = at::full({1}, total.defined() ? total.numel() : 0, at::kLong);

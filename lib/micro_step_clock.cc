@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "absl/time/clock.h"
-#include "evenstep/internal/c10d_compat.h"
+#include "evenstep/internal/device_compat.h"
 
 namespace evenstep {
 namespace internal {
@@ -33,7 +33,7 @@ MicroStepClock::MicroStepClock(c10::Device device, std::function<absl::Time()> n
 
 MicroStepClock::~MicroStepClock() = default;
 
-bool MicroStepClock::deferred() const { return c10d_compat::kEventsCanTime && !device_.is_cpu(); }
+bool MicroStepClock::deferred() const { return device_compat::kEventsCanTime && !device_.is_cpu(); }
 
 MicroStepClock::Mark MicroStepClock::Take() {
   Mark mark;
@@ -70,7 +70,7 @@ void MicroStepClock::End() { marks_->end.push_back(Take()); }
 
 absl::Duration MicroStepClock::Between(const Mark& from, const Mark& to) {
   if (from.event && to.event) {
-    return absl::Microseconds(1e3 * c10d_compat::ElapsedMs(*from.event, *to.event));
+    return absl::Microseconds(1e3 * device_compat::ElapsedMs(*from.event, *to.event));
   }
   return to.host - from.host;
 }
@@ -82,7 +82,7 @@ MicroStepTimes MicroStepClock::Read() {
   // Every event, not just the last: the arrival may have been recorded by
   // the autograd engine's thread on another stream.
   auto wait = [](const Mark& mark) {
-    if (mark.event) c10d_compat::Synchronize(*mark.event);
+    if (mark.event) device_compat::Synchronize(*mark.event);
   };
   wait(m.begin);
   for (const Mark& mark : m.start) wait(mark);

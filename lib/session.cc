@@ -214,11 +214,8 @@ absl::Status Session::StopForPreemption(int signal, int64_t step) {
   int64_t final_step = -1;
   const absl::Status outcome = DrainSaves(&final_step);
   if (s.ok()) s = outcome;
-  if (!s.ok()) {
-    return absl::Status(
-        s.code(), absl::StrCat("rank ", ctx_.rank(), ": preemption at step ", step,
-                               ": the checkpoint of step ", final_step, " failed: ", s.message()));
-  }
+  EVENSTEP_RETURN_IF_ERROR(s, "rank ", ctx_.rank(), ": preemption at step ", step,
+                           ": the checkpoint of step ", final_step, " failed");
   preempted_ = true;
   return absl::CancelledError(absl::StrCat(
       "rank ", ctx_.rank(), ": preempted by signal ", signal, " at step ", step,
@@ -330,10 +327,8 @@ absl::Status Session::Finish() {
   // Every outcome was read through its ticket above.
   checkpointer_->WaitAll().IgnoreError();
   if (s.ok() && !final_outcome.ok()) {
-    s = absl::Status(
-        final_outcome.code(),
-        absl::StrCat("the last checkpoint (step ", final_step, ") failed (", save_failures_,
-                     " failed saves in this run): ", final_outcome.message()));
+    s = Annotate(final_outcome, absl::StrCat("the last checkpoint (step ", final_step, ") failed (",
+                                             save_failures_, " failed saves in this run)"));
   }
   absl::Status m = metrics_->Close();
   if (s.ok()) s = m;

@@ -8,27 +8,30 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
-#include <random>
 #include <set>
+
+#include "tests/testing/fixed_random.h"
 
 namespace evenstep {
 namespace {
 
+using ::evenstep::testing::FixedRandom;
+
 using ::testing::HasSubstr;
 
 std::vector<int64_t> Lengths(int n, uint32_t seed = 7) {
-  std::mt19937 rng(seed);
-  std::lognormal_distribution<double> dist(3.5, 1.0);
+  FixedRandom rng(seed);
   std::vector<int64_t> lengths(n);
-  for (auto& l : lengths) l = std::clamp<int64_t>(static_cast<int64_t>(dist(rng)), 1, 2000);
+  for (auto& l : lengths) {
+    l = std::clamp<int64_t>(static_cast<int64_t>(rng.LogNormal(3.5, 1.0)), 1, 2000);
+  }
   return lengths;
 }
 
-std::vector<double> RandomShares(int ranks, std::mt19937& rng, bool allow_zero) {
-  std::uniform_real_distribution<double> u(0.0, 1.0);
+std::vector<double> RandomShares(int ranks, FixedRandom& rng, bool allow_zero) {
   std::vector<double> shares(ranks);
-  for (auto& s : shares) s = u(rng) + 0.05;
-  if (allow_zero && ranks > 1) shares[rng() % ranks] = 0;
+  for (auto& s : shares) s = rng.Uniform(0.0, 1.0) + 0.05;
+  if (allow_zero && ranks > 1) shares[rng.Int(0, ranks - 1)] = 0;
   return shares;
 }
 
@@ -37,7 +40,7 @@ TEST(SamplerTest, GlobalBatchesDependOnlyOnSeedAndEpochNotWorldSizeOrPlan) {
   options.seed = 42;
   options.global_batch = 32;
   std::vector<std::vector<int64_t>> reference;
-  std::mt19937 rng(1);
+  FixedRandom rng(1);
   for (int world : {1, 2, 4}) {
     auto sampler = Sampler::Create(Lengths(1000), options);
     ASSERT_TRUE(sampler.ok()) << sampler.status();

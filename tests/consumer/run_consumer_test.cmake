@@ -13,6 +13,11 @@ function(run)
   set(last_output "${out}" PARENT_SCOPE)
 endfunction()
 run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+# Only public headers are installed: internal/ ones are evenstep's own.
+file(GLOB_RECURSE installed_internal "${WORK_DIR}/prefix/include/evenstep/internal/*")
+if(installed_internal)
+  message(FATAL_ERROR "internal headers were installed: ${installed_internal}")
+endif()
 # The prefix path is a list: its separators are escaped so that passing it
 # through run()'s ARGN keeps it one argument (unescaped, PREFIX_PATH was
 # dropped and the consumer found Debian's libtorch beside the wheel's).

@@ -71,8 +71,17 @@ absl::Status ErrnoStatus(int error, const std::string& operation, const std::str
 // anything is allocated, when it holds more than `max_bytes`.
 absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
                                              int64_t max_bytes = int64_t{64} << 20);
-// Writes `data` to `path` crash-safely: `path`.tmp, fsync, rename, fsync of
-// the directory.
-absl::Status WriteFileAtomically(Env& env, const std::string& path, const std::string& data);
+// Writes `data` to `path` crash-safely: `path`.tmp (in writes of at most
+// 64 MiB), fsync, rename over `path`, fsync of the directory; a crash leaves
+// the old file or the new one, whole. On a failure before the rename the
+// tmp file is removed. When only the directory sync fails, `path` holds the
+// new bytes but its name may not survive a crash: with `remove_if_unsynced`
+// it is removed (a checkpoint shard that must not count), otherwise left.
+absl::Status WriteFileAtomically(Env& env, const std::string& path, const char* data, size_t size,
+                                 bool remove_if_unsynced = false);
+inline absl::Status WriteFileAtomically(Env& env, const std::string& path,
+                                        const std::string& data) {
+  return WriteFileAtomically(env, path, data.data(), data.size());
+}
 
 }  // namespace evenstep

@@ -1,14 +1,14 @@
-// The one place that knows how the c10d C++ API (and c10::Event's timing)
-// differs between libtorch releases. Everything else in evenstep creates
-// stores, process groups and waits on work, and times device events, through
-// these functions.
+// The one place that knows how the c10d C++ API differs between libtorch
+// releases. Everything else in evenstep creates stores and process groups
+// through these functions. (How c10::Event is waited for and timed, which
+// also differs, is device-generic and lives in base/:
+// evenstep/internal/device_compat.h.)
 //
 //  - libtorch 1.13: ProcessGroupGloo / ProcessGroupNCCL derive from
 //    c10d::ProcessGroup and are used directly.
 //  - libtorch 2.x: they derive from c10d::Backend; a c10d::ProcessGroup wraps
 //    them (setBackend per device type). 2.0-2.2 construct the ProcessGroup
 //    with an Options argument, later releases without.
-//  - c10::Event measures elapsed time (and can be waited for) in 2.x only.
 //
 // The version macros pick the path; cmake/EvenstepTorchCompat.cmake confirms it
 // with try-compiles and writes evenstep/internal/build_config.h. Functions here
@@ -16,14 +16,11 @@
 // absl::Status at their boundary. Thread-safety: stateless.
 #pragma once
 
-#include <c10/core/Event.h>
 #include <torch/version.h>
 
 #include <chrono>
 #include <memory>
-#include <stdexcept>
 #include <string>
-#include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -132,29 +129,5 @@ inline ProcessGroupPtr MakeNcclGroup(const StorePtr& store, int rank, int size,
 #endif
 
 inline std::string BackendName(const ::c10d::ProcessGroup& group) { return group.getBackendName(); }
-
-// Whether device events can be timed: ElapsedMs and Synchronize only then.
-inline constexpr bool kEventsCanTime = EVENSTEP_HAVE_EVENT_TIMING != 0;
-
-// Waits until `event` has completed.
-inline void Synchronize(const c10::Event& event) {
-#if EVENSTEP_HAVE_EVENT_TIMING
-  event.synchronize();
-#else
-  while (!event.query()) std::this_thread::yield();
-#endif
-}
-
-// Milliseconds from `from` to `to` (both recorded with timing and
-// completed). Throws where kEventsCanTime is false.
-inline double ElapsedMs(const c10::Event& from, const c10::Event& to) {
-#if EVENSTEP_HAVE_EVENT_TIMING
-  return from.elapsedTime(to);
-#else
-  (void)from;
-  (void)to;
-  throw std::logic_error("c10::Event of this libtorch cannot measure elapsed time");
-#endif
-}
 
 }  // namespace evenstep::internal::c10d_compat
