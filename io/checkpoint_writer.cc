@@ -40,33 +40,6 @@ using internal::Piece;
 using internal::ShardDataset;
 using internal::TensorMeta;
 
-class InProcessCommitStore : public CommitStore {
- public:
-  absl::Status Set(const std::string& key, const std::string& value) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    values_[key] = value;
-    cv_.notify_all();
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::string> Get(const std::string& key) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return values_.count(key) > 0; })) {
-      return absl::DeadlineExceededError("commit store: no value for " + key);
-    }
-    return values_[key];
-  }
-  absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return counters_[key] += delta;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, std::string> values_;
-  std::map<std::string, int64_t> counters_;
-};
-
 using internal::ShardFileName;
 using internal::StepDirName;
 
@@ -113,10 +86,6 @@ struct Staging {
 };
 
 }  // namespace
-
-std::unique_ptr<CommitStore> NewInProcessCommitStore() {
-  return std::make_unique<InProcessCommitStore>();
-}
 
 struct CheckpointWriter::Impl {
   CheckpointOptions options;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "evenstep/status_macros.h"
@@ -92,7 +93,8 @@ void FaultEnv::RecoverFromCrash() {
   // Renames not made durable by a directory fsync are undone, newest first.
   for (auto& [dir, pending] : renames_) {
     for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
-      if (base_->Exists(it->to)) base_->Rename(it->to, it->from).IgnoreError();
+      if (target()->Exists(it->to)) target()->Rename(it->to, it->from).IgnoreError();
+      if (it->replaced) std::ofstream(it->to, std::ios::binary | std::ios::trunc) << *it->replaced;
       auto node = files_.extract(it->to);
       if (!node.empty()) {
         node.key() = it->from;
@@ -102,9 +104,9 @@ void FaultEnv::RecoverFromCrash() {
   }
   renames_.clear();
   for (auto& [path, t] : files_) {
-    if (!base_->Exists(path)) continue;
+    if (!target()->Exists(path)) continue;
     if (t.created_since_dir_sync || t.synced_size < 0) {
-      base_->Remove(path).IgnoreError();  // the directory entry or the data never became durable
+      target()->Remove(path).IgnoreError();  // the directory entry or the data never became durable
     } else if (t.dirty) {
       ::truncate(path.c_str(), t.synced_size);  // unsynced data is lost
     }
@@ -116,7 +118,7 @@ void FaultEnv::RecoverFromCrash() {
 
 absl::StatusOr<std::unique_ptr<File>> FaultEnv::Create(const std::string& path) {
   EVENSTEP_RETURN_IF_ERROR(Point("create", path));
-  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<File> file, base_->Create(path));
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<File> file, target()->Create(path));
   {
     std::lock_guard<std::mutex> lock(mu_);
     Tracked& t = files_[path];
@@ -126,16 +128,17 @@ absl::StatusOr<std::unique_ptr<File>> FaultEnv::Create(const std::string& path) 
   return std::unique_ptr<File>(new FaultFile(this, std::move(file)));
 }
 
-absl::StatusOr<std::unique_ptr<File>> FaultEnv::OpenForRead(const std::string& path) {
-  return base_->OpenForRead(path);
-}
-
 absl::Status FaultEnv::Rename(const std::string& from, const std::string& to) {
   if (absl::Status s = Point("rename", from + " -> " + to); !s.ok()) return s;
-  absl::Status s = base_->Rename(from, to);
+  std::optional<std::string> replaced;
+  if (target()->Exists(to)) {
+    absl::StatusOr<std::string> old = ReadFileToString(*target(), to, int64_t{64} << 20);
+    if (old.ok()) replaced = *std::move(old);
+  }
+  absl::Status s = target()->Rename(from, to);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    renames_[DirOf(to)].push_back({from, to});
+    renames_[DirOf(to)].push_back({from, to, std::move(replaced)});
     auto node = files_.extract(from);
     if (!node.empty()) {
       node.key() = to;
@@ -147,7 +150,7 @@ absl::Status FaultEnv::Rename(const std::string& from, const std::string& to) {
 
 absl::Status FaultEnv::SyncDir(const std::string& dir) {
   if (absl::Status s = Point("fsync directory", dir); !s.ok()) return s;
-  absl::Status s = base_->SyncDir(dir);
+  absl::Status s = target()->SyncDir(dir);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     renames_.erase(dir);
@@ -164,27 +167,17 @@ absl::Status FaultEnv::Remove(const std::string& path) {
     std::lock_guard<std::mutex> lock(mu_);
     files_.erase(path);
   }
-  return base_->Remove(path);
+  return target()->Remove(path);
 }
 
 absl::Status FaultEnv::CreateDirs(const std::string& dir) {
   if (absl::Status s = Point("create directory", dir); !s.ok()) return s;
-  return base_->CreateDirs(dir);
+  return target()->CreateDirs(dir);
 }
 
 absl::Status FaultEnv::RemoveTree(const std::string& dir) {
   if (absl::Status s = Point("remove directory", dir); !s.ok()) return s;
-  return base_->RemoveTree(dir);
+  return target()->RemoveTree(dir);
 }
-
-absl::StatusOr<std::vector<std::string>> FaultEnv::List(const std::string& dir) {
-  return base_->List(dir);
-}
-
-absl::StatusOr<int64_t> FaultEnv::FreeSpace(const std::string& dir) {
-  return base_->FreeSpace(dir);
-}
-
-bool FaultEnv::Exists(const std::string& path) { return base_->Exists(path); }
 
 }  // namespace evenstep

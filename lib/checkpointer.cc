@@ -29,6 +29,7 @@
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
+#include "evenstep/internal/optimizer_state.h"
 #include "evenstep/internal/shard_plan.h"
 #include "evenstep/status_macros.h"
 
@@ -36,7 +37,6 @@ namespace evenstep {
 namespace {
 
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
-using torch::optim::OptimizerParamState;
 
 // The optimizer's state map key of a parameter: the TensorImpl pointer's
 // text in libtorch 1.x (std::string keys, as c10::guts::to_string printed it),
@@ -52,128 +52,6 @@ typename Map::key_type StateKeyIn(const Map&, const at::Tensor& p) {
   } else {
     return static_cast<Key>(impl);
   }
-}
-
-at::Tensor StepTensor(int64_t step) { return at::scalar_tensor(step, at::kLong); }
-
-// Capture: emit (field, tensor) of a state object; Restore: build one.
-struct OptimizerKind {
-  std::string name;
-  std::vector<std::string> fields;    // tensors of a parameter's state (besides "step")
-  std::vector<std::string> required;  // of those, the ones every state holds
-  bool has_step = false;
-  std::function<bool(const torch::optim::Optimizer&)> is;
-  std::function<void(const OptimizerParamState&, Named*, const std::string&)> capture;
-  std::function<std::unique_ptr<OptimizerParamState>(const std::map<std::string, at::Tensor>&)>
-      restore;
-};
-
-template <typename Opt, typename State>
-OptimizerKind Kind(const std::string& name, std::vector<const char*> fields, size_t required,
-                   bool has_step) {
-  OptimizerKind k;
-  k.name = name;
-  k.fields.assign(fields.begin(), fields.end());
-  k.required.assign(fields.begin(), fields.begin() + required);
-  k.has_step = has_step;
-  k.is = [](const torch::optim::Optimizer& o) { return dynamic_cast<const Opt*>(&o) != nullptr; };
-  k.capture = [fields, has_step](const OptimizerParamState& base, Named* out,
-                                 const std::string& prefix) {
-    const auto& s = static_cast<const State&>(base);
-    for (const char* f : fields) {
-      at::Tensor t = State::Access(const_cast<State&>(s), f, nullptr);
-      if (t.defined()) out->push_back({prefix + f, t});
-    }
-    if (has_step) out->push_back({prefix + "step", StepTensor(State::Step(s))});
-  };
-  k.restore = [fields, has_step](const std::map<std::string, at::Tensor>& values) {
-    auto s = std::make_unique<State>();
-    for (const char* f : fields) {
-      auto it = values.find(f);
-      if (it != values.end()) State::Access(*s, f, &it->second);
-    }
-    if (has_step) {
-      auto it = values.find("step");
-      if (it != values.end()) State::SetStep(*s, it->second.item<int64_t>());
-    }
-    return std::unique_ptr<OptimizerParamState>(std::move(s));
-  };
-  return k;
-}
-
-// Adapters giving every state type the same static interface: Access(state,
-// field, set) returns the field, after setting it when `set` is not null;
-// Step and SetStep the step count.
-#define EVENSTEP_FIELD(name)     \
-  if (std::string(f) == #name) { \
-    if (set) s.name(*set);       \
-    return s.name();             \
-  }
-
-template <typename Base>
-struct AdamLike : Base {
-  static at::Tensor Access(Base& s, const char* f, const at::Tensor* set) {
-    EVENSTEP_FIELD(exp_avg)
-    EVENSTEP_FIELD(exp_avg_sq)
-    EVENSTEP_FIELD(max_exp_avg_sq)
-    return {};
-  }
-  static int64_t Step(const AdamLike& s) { return s.step(); }
-  static void SetStep(AdamLike& s, int64_t v) { s.step(v); }
-};
-
-struct SgdState : torch::optim::SGDParamState {
-  static at::Tensor Access(torch::optim::SGDParamState& s, const char* f, const at::Tensor* set) {
-    EVENSTEP_FIELD(momentum_buffer)
-    return {};
-  }
-  static int64_t Step(const SgdState&) { return 0; }
-  static void SetStep(SgdState&, int64_t) {}
-};
-
-struct RmspropState : torch::optim::RMSpropParamState {
-  static at::Tensor Access(torch::optim::RMSpropParamState& s, const char* f,
-                           const at::Tensor* set) {
-    EVENSTEP_FIELD(square_avg)
-    EVENSTEP_FIELD(momentum_buffer)
-    EVENSTEP_FIELD(grad_avg)
-    return {};
-  }
-  static int64_t Step(const RmspropState& s) { return s.step(); }
-  static void SetStep(RmspropState& s, int64_t v) { s.step(v); }
-};
-
-struct AdagradState : torch::optim::AdagradParamState {
-  static at::Tensor Access(torch::optim::AdagradParamState& s, const char* f,
-                           const at::Tensor* set) {
-    EVENSTEP_FIELD(sum)
-    return {};
-  }
-  static int64_t Step(const AdagradState& s) { return s.step(); }
-  static void SetStep(AdagradState& s, int64_t v) { s.step(v); }
-};
-#undef EVENSTEP_FIELD
-
-const std::vector<OptimizerKind>& Kinds() {
-  static const std::vector<OptimizerKind> kinds = {
-      Kind<torch::optim::SGD, SgdState>("SGD", {"momentum_buffer"}, 0, false),
-      Kind<torch::optim::Adam, AdamLike<torch::optim::AdamParamState>>(
-          "Adam", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, 2, true),
-      Kind<torch::optim::AdamW, AdamLike<torch::optim::AdamWParamState>>(
-          "AdamW", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, 2, true),
-      Kind<torch::optim::RMSprop, RmspropState>(
-          "RMSprop", {"square_avg", "momentum_buffer", "grad_avg"}, 1, true),
-      Kind<torch::optim::Adagrad, AdagradState>("Adagrad", {"sum"}, 1, true),
-  };
-  return kinds;
-}
-
-absl::StatusOr<const OptimizerKind*> KindOf(const torch::optim::Optimizer& optimizer) {
-  for (const OptimizerKind& k : Kinds()) {
-    if (k.is(optimizer)) return &k;
-  }
-  return absl::InvalidArgumentError(
-      "checkpoint: this optimizer type is not supported (SGD, Adam, AdamW, RMSprop, Adagrad are)");
 }
 
 std::string BalanceJson(const BalanceState& b) {
@@ -228,7 +106,8 @@ absl::StatusOr<Named> CaptureTensors(torch::nn::Module* model, torch::optim::Opt
     }
   }
   if (optimizer != nullptr) {
-    EVENSTEP_ASSIGN_OR_RETURN(const OptimizerKind* kind, KindOf(*optimizer));
+    EVENSTEP_ASSIGN_OR_RETURN(const internal::OptimizerKind* kind,
+                              internal::OptimizerKindOf(*optimizer));
     auto& groups = optimizer->param_groups();
     for (size_t g = 0; g < groups.size(); ++g) {
       out.push_back({absl::StrCat("optimizer/", g, "/lr"),
@@ -237,7 +116,8 @@ absl::StatusOr<Named> CaptureTensors(torch::nn::Module* model, torch::optim::Opt
       for (size_t i = 0; i < params.size(); ++i) {
         auto it = optimizer->state().find(StateKeyIn(optimizer->state(), params[i]));
         if (it == optimizer->state().end()) continue;  // no step taken yet
-        kind->capture(*it->second, &out, absl::StrCat("optimizer/", g, "/", i, "/"));
+        EVENSTEP_RETURN_IF_ERROR(
+            kind->capture(*it->second, &out, absl::StrCat("optimizer/", g, "/", i, "/")));
       }
     }
   }
@@ -306,7 +186,8 @@ absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& st
   if (state.optimizer != nullptr) {
     // What the optimizer tensors must add up to, so that a load can tell a
     // fresh optimizer from state that went missing.
-    EVENSTEP_ASSIGN_OR_RETURN(const OptimizerKind* kind, KindOf(*state.optimizer));
+    EVENSTEP_ASSIGN_OR_RETURN(const internal::OptimizerKind* kind,
+                              internal::OptimizerKindOf(*state.optimizer));
     std::vector<int64_t> groups;
     for (const auto& g : state.optimizer->param_groups()) {
       groups.push_back(static_cast<int64_t>(g.params().size()));
@@ -377,7 +258,7 @@ absl::StatusOr<Agreed> Agree(DistContext& ctx, const absl::Status& mine, bool mi
 // The optimizer state a checkpoint holds, checked against the live optimizer
 // (types, shapes, completeness) before anything is written.
 struct OptimizerPlan {
-  const OptimizerKind* kind = nullptr;
+  const internal::OptimizerKind* kind = nullptr;
   std::vector<std::pair<size_t, std::string>> lrs;  // group, tensor name
   std::map<std::pair<size_t, size_t>, std::map<std::string, std::string>> fields;  // -> tensor
 };
@@ -393,7 +274,7 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
   auto corrupt = [&](const std::string& name, const std::string& what) {
     return absl::DataLossError(absl::StrCat("optimizer tensor ", name, ": ", what));
   };
-  EVENSTEP_ASSIGN_OR_RETURN(plan.kind, KindOf(optimizer));
+  EVENSTEP_ASSIGN_OR_RETURN(plan.kind, internal::OptimizerKindOf(optimizer));
   auto& groups = optimizer.param_groups();
   int64_t states = -1;
   if (extras.contains("optimizer")) {

@@ -94,6 +94,34 @@ ABSL_FLAG(double, evenstep_ckpt_slice_mb, 64,
           "Tensors larger than this (MiB) are split into slices owned by different ranks, so "
           "every rank writes about the same number of bytes.");
 
+// Session (lib/session.cc).
+ABSL_FLAG(int, evenstep_ckpt_every, 0,
+          "Session: save a checkpoint every this many steps (and at Finish); 0 = only at "
+          "Finish. Checkpoints need a directory: --evenstep_ckpt_dir, or RUN_DIR/ckpt.");
+ABSL_FLAG(std::string, evenstep_resume, "newest",
+          "Session: newest (resume from the newest committed checkpoint; if it cannot be "
+          "loaded, stop with an error naming it), newest_valid (set an unusable newest "
+          "checkpoint aside and resume from the newest one that loads, saying so) or off "
+          "(start at step 1; saves of steps that already hold a committed checkpoint fail). "
+          "Only a directory without any committed checkpoint starts from scratch.");
+ABSL_FLAG(std::string, evenstep_ckpt_on_error, "warn",
+          "Session: when a save fails (every rank reports it at the next step, one line naming "
+          "the step, rank, file and error): warn (go on; stop after "
+          "--evenstep_ckpt_max_failures failed saves in a row) or fail (stop at the first).");
+ABSL_FLAG(int, evenstep_ckpt_max_failures, 3,
+          "Session, with --evenstep_ckpt_on_error=warn: consecutive failed saves after which "
+          "training stops with an error (0 = never stop).");
+ABSL_FLAG(std::string, evenstep_preempt_signals, "TERM,USR1",
+          "Session: signals that ask for a preemption stop (comma-separated names, empty = "
+          "none): at the next step boundary every rank agrees, saves that step, waits for its "
+          "commit and Step returns CANCELLED (exit with evenstep::kPreemptedExitCode); a signal "
+          "reaching one rank suffices. Give the launcher a grace long enough for the save.");
+ABSL_FLAG(bool, evenstep_timeline, true,
+          "Session: write this rank's timeline (RUN_DIR/trace-RRRRR.json) for evenstep-report.");
+ABSL_FLAG(int, evenstep_log_every, 10,
+          "Session: metrics interval in steps (one non-blocking all-reduce per interval); logs "
+          "go to RUN_DIR/metrics-*.jsonl.");
+
 namespace evenstep {
 
 absl::StatusOr<DistOptions> DistOptions::FromFlags() {
@@ -248,7 +276,7 @@ absl::StatusOr<absl::CommandLineFlag*> FindEvenstepFlag(absl::string_view name) 
   absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
   if (flag == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--", name, ": no such evenstep flag (see --helpfull or the README)"));
+        absl::StrCat("--", name, ": no such evenstep flag (see --helpfull or docs/flags.md)"));
   }
   return flag;
 }

@@ -57,11 +57,11 @@ start=$(date +%s)
 cmake --build "$build"
 echo "[evenstep] built against torch $version in $(( $(date +%s) - start )) s"
 # Tests of code that does not touch libtorch (the launcher, the launch
-# environment, the README checks) and the 10-moment launcher SIGTERM test
+# environment, the docs checks) and the 10-moment launcher SIGTERM test
 # (its Session path runs here in PreemptionTest.ASignalToOneRank...) ran in
 # the first configuration; the rest runs again against this libtorch.
 (cd "$build" && ctest -j2 --output-on-failure \
-  -E '^(LauncherTest|LaunchEnvTest|SlurmNodelistTest)\.|^readme_|SigtermToTheLauncherAtTenRandomMoments')
+  -E '^(LauncherTest|LaunchEnvTest|SlurmNodelistTest|StatusMacrosTest)\.|^docs_|^layering$|SigtermToTheLauncherAtTenRandomMoments')
 # The PyTorch DCP peer of bench/ckpt_throughput, on the wheel's torch (smoke run).
 peer_dir=$(mktemp -d)
 if ! "$py" bench/dcp_peer.py --size_mb 8 --ranks 2 --dir "$peer_dir" 2>&1 | grep "^RESULT "; then

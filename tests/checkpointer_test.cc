@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
@@ -35,8 +36,8 @@ class ReshardTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ReshardTest, LoadsBitIdenticalAtAnotherWorldSize) {
   const Case c = GetParam();
-  char tmpl[] = "/tmp/evenstep_reshard_XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
+  evenstep::testing::TempDir temp("evenstep_reshard");
+  const std::string dir = temp.path();
   const std::vector<std::string> common = {EVENSTEP_CKPT_HELPER,
                                            "--evenstep_timeout=60s",
                                            "--evenstep_rendezvous_timeout=60s",
@@ -64,7 +65,6 @@ TEST_P(ReshardTest, LoadsBitIdenticalAtAnotherWorldSize) {
     // Each rank read only part of the bytes.
     EXPECT_THAT(loaded[0].output, ::testing::Not(HasSubstr(" read 0 bytes")));
   }
-  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ReshardTest,
@@ -86,8 +86,8 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ReshardTest,
 class PyTorchLoadTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PyTorchLoadTest, ModelAndOptimizerStateBitForBit) {
-  char tmpl[] = "/tmp/evenstep_pytorch_XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
+  evenstep::testing::TempDir temp("evenstep_pytorch");
+  const std::string dir = temp.path();
   auto saved = evenstep::testing::RunRanks(
       2, {EVENSTEP_CKPT_HELPER, "--evenstep_timeout=60s", "--evenstep_rendezvous_timeout=60s",
           "--evenstep_ckpt_dir=" + dir, "--evenstep_ckpt_slice_mb=0.001",
@@ -102,7 +102,6 @@ TEST_P(PyTorchLoadTest, ModelAndOptimizerStateBitForBit) {
   EXPECT_THAT(python[0].output, HasSubstr("torch "));
   EXPECT_EQ(DigestLine(python[0].output), expected) << python[0].output;
   EXPECT_THAT(python[0].output, HasSubstr("mismatch named: optimizer/0/1/"));
-  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, PyTorchLoadTest, ::testing::Values("adam", "sgd"));

@@ -67,10 +67,25 @@ TEST(DistContextTest, SingleProcessNeedsNoLauncher) {
   EXPECT_THAT(results[0].output, HasSubstr("via single process"));
 }
 
-TEST(DistContextTest, Rank0HostsTheStoreWhenNoAgent) {
-  const int port = evenstep::testing::PickFreePort();
-  auto specs = TorchrunRanks(2, port, HelperArgs({"collectives"}));
+// Ranks whose rank 0 hosts the store on MASTER_PORT, in a network namespace
+// of their own (see NetNamespace); skipped where none can be made.
+class Rank0HostsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ns_ = evenstep::testing::NetNamespace::Create();
+    if (ns_ == nullptr) {
+      GTEST_SKIP() << "cannot make a network namespace here (ip netns add needs root): rank 0 "
+                      "hosting the store on a fixed port is not run";
+    }
+  }
+  std::unique_ptr<evenstep::testing::NetNamespace> ns_;
+};
+
+TEST_F(Rank0HostsTest, Rank0HostsTheStoreWhenNoAgent) {
+  const auto& ns = ns_;
+  auto specs = TorchrunRanks(2, ns->kPort, HelperArgs({"collectives"}));
   for (auto& spec : specs) {  // no TORCHELASTIC_USE_AGENT_STORE: rank 0 hosts the store
+    spec.argv = ns->Wrap(spec.argv);
     auto& env = spec.env;
     env.erase(
         std::remove_if(env.begin(), env.end(),
@@ -82,11 +97,12 @@ TEST(DistContextTest, Rank0HostsTheStoreWhenNoAgent) {
   EXPECT_THAT(results[0].output, HasSubstr("hosted by rank 0"));
 }
 
-TEST(DistContextTest, SlurmConvention) {
-  const int port = evenstep::testing::PickFreePort();
+TEST_F(Rank0HostsTest, SlurmConvention) {
+  const auto& ns = ns_;
+  const int port = ns->kPort;
   std::vector<ProcessSpec> specs;
   for (int r = 0; r < 3; ++r) {
-    specs.push_back(ProcessSpec{HelperArgs({"collectives"}),
+    specs.push_back(ProcessSpec{ns->Wrap(HelperArgs({"collectives"})),
                                 {{"SLURM_PROCID", std::to_string(r)},
                                  {"SLURM_NTASKS", "3"},
                                  {"SLURM_LOCALID", std::to_string(r)},
@@ -103,11 +119,12 @@ TEST(DistContextTest, SlurmConvention) {
   }
 }
 
-TEST(DistContextTest, OpenMpiConvention) {
-  const int port = evenstep::testing::PickFreePort();
+TEST_F(Rank0HostsTest, OpenMpiConvention) {
+  const auto& ns = ns_;
+  const int port = ns->kPort;
   std::vector<ProcessSpec> specs;
   for (int r = 0; r < 2; ++r) {
-    specs.push_back(ProcessSpec{HelperArgs({"collectives"}),
+    specs.push_back(ProcessSpec{ns->Wrap(HelperArgs({"collectives"})),
                                 {{"OMPI_COMM_WORLD_RANK", std::to_string(r)},
                                  {"OMPI_COMM_WORLD_SIZE", "2"},
                                  {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)},
@@ -215,6 +232,29 @@ TEST(DistContextTest, UnresolvableMasterHostIsNamedAtOnce) {
     EXPECT_THAT(r.output, HasSubstr("the store host 'no-such-host.invalid' (MASTER_ADDR) does "
                                     "not resolve"))
         << Describe(results);
+  }
+}
+
+TEST(DistContextTest, UnresolvableSlurmNodeIsNamedAtOnce) {
+  // srun's environment by hand: the store host is the allocation's first
+  // node, which does not resolve; every rank names it and the variable.
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    specs.push_back(ProcessSpec{HelperArgs({"init"}, {"--evenstep_rendezvous_timeout=10m"}),
+                                {{"SLURM_PROCID", std::to_string(r)},
+                                 {"SLURM_NTASKS", "2"},
+                                 {"SLURM_LOCALID", std::to_string(r)},
+                                 {"SLURM_NODEID", "0"},
+                                 {"SLURM_STEP_TASKS_PER_NODE", "2"},
+                                 {"SLURM_JOB_ID", "4242"},
+                                 {"SLURM_JOB_NODELIST", "no-such-node[1-2].invalid"}}});
+  }
+  auto results = RunAll(specs, kHangBound);
+  for (const ProcessResult& r : results) {
+    EXPECT_FALSE(r.timed_out) << Describe(results);
+    EXPECT_EQ(r.exit_code, 3) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("'no-such-node1.invalid' (")) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("NODELIST) does not resolve")) << Describe(results);
   }
 }
 

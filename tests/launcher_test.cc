@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
@@ -27,17 +28,13 @@ using ::testing::Not;
 
 constexpr absl::Duration kHangBound = absl::Seconds(60);
 
+// Where ranks write their pids ($EVENSTEP_TEST_PID_DIR/rank<R>.pid).
 class PidDir {
  public:
-  PidDir() {
-    char tmpl[] = "/tmp/evenstep_pids_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~PidDir() { std::system(("rm -rf " + path_).c_str()); }
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return dir_.path(); }
   // The pid rank `r` wrote, or -1 before it did.
   pid_t Pid(int r) const {
-    std::ifstream in(path_ + "/rank" + std::to_string(r) + ".pid");
+    std::ifstream in(path() + "/rank" + std::to_string(r) + ".pid");
     pid_t pid = -1;
     in >> pid;
     return in ? pid : -1;
@@ -55,7 +52,7 @@ class PidDir {
   }
 
  private:
-  std::string path_;
+  evenstep::testing::TempDir dir_{"evenstep_pids"};
 };
 
 std::vector<std::string> Launch(int n, std::vector<std::string> rest) {

@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
@@ -35,8 +36,8 @@ std::vector<nlohmann::json> ReadLines(const std::string& path) {
 }
 
 TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
-  char tmpl[] = "/tmp/evenstep_metrics_XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
+  evenstep::testing::TempDir temp("evenstep_metrics");
+  const std::string dir = temp.path();
   auto results = evenstep::testing::RunRanks(
       3, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--steps=6", "--metrics_dir=" + dir});
   for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
@@ -55,7 +56,6 @@ TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
     EXPECT_DOUBLE_EQ(aggregate[0]["rank"].get<double>(), 1.0);         // mean of 0, 1, 2
     EXPECT_DOUBLE_EQ(aggregate[0]["rank_tensor"].get<double>(), 1.0);  // a tensor value
   }
-  std::filesystem::remove_all(dir);
 }
 
 TEST(MetricsTest, EvaluateIsTheSameAtAnyWorldSize) {

@@ -19,23 +19,19 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
 
 using ::evenstep::testing::Describe;
 using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::TempDir;
 using ::testing::HasSubstr;
 
 std::string RunReport(const std::string& dir) {
   return evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, dir}, {}}}, absl::Seconds(120))[0]
       .output;
-}
-
-// A fresh directory for one run (removed by the test).
-std::string FreshDir() {
-  char tmpl[] = "/tmp/evenstep_report_XXXXXX";
-  return mkdtemp(tmpl);
 }
 
 // Writes trace-RRRRR.json of 3 ranks for 12 synchronous steps with fixed
@@ -46,8 +42,7 @@ std::string FreshDir() {
 // blocking one delays the rank's next step; a background one
 // (`background`) overlaps the next step and delays nothing.
 template <typename Duty>
-std::string ScriptedRun(Duty duty, bool background = false) {
-  const std::string dir = FreshDir();
+void ScriptedRun(const std::string& dir, Duty duty, bool background = false) {
   constexpr int kRanks = 3, kSteps = 12;
   std::vector<std::unique_ptr<Timeline>> timelines;
   for (int r = 0; r < kRanks; ++r) {
@@ -94,22 +89,21 @@ std::string ScriptedRun(Duty duty, bool background = false) {
     }
   }
   for (auto& t : timelines) EXPECT_TRUE(t->Close().ok());
-  return dir;
 }
 
-std::string TraceRun() {
-  const std::string dir = FreshDir();
+void TraceRun(const std::string& dir) {
   auto results = evenstep::testing::RunRanks(
       3, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--evenstep_balance=static",
           "--evenstep_global_batch=24", "--evenstep_micro_batch_samples=4", "--steps=6",
           "--sleep_ms_per_micro=5", "--duty=rank0", "--duty_ms=20", "--trace_dir=" + dir,
           "--evenstep_ckpt_dir=" + dir + "/ckpt"});
   for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
-  return dir;
 }
 
 TEST(ReportTest, RealRanksWriteTracesThatMergeIntoOneChromeTraceWithPictures) {
-  const std::string dir = TraceRun();
+  const TempDir temp("evenstep_report");
+  const std::string& dir = temp.path();
+  TraceRun(dir);
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("peak MB"));
   {
@@ -139,45 +133,48 @@ TEST(ReportTest, RealRanksWriteTracesThatMergeIntoOneChromeTraceWithPictures) {
        {"data", "compute", "sync_wait", "optimizer", "arrive", "checkpoint", "process_name"}) {
     EXPECT_TRUE(names.count(phase)) << phase;
   }
-  std::filesystem::remove_all(dir);
 }
 
 TEST(ReportTest, NamesRank0WithTheUsualDuties) {
   // Rank 0 blocks 80 ms for a checkpoint after every step (100 ms of work).
-  const std::string dir = ScriptedRun([](int rank, int) { return rank == 0 ? 80 : 0; });
+  const TempDir temp("evenstep_report");
+  const std::string& dir = temp.path();
+  ScriptedRun(dir, [](int rank, int) { return rank == 0 ? 80 : 0; });
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("straggler: rank 0 arrives last")) << out;
   EXPECT_THAT(out, HasSubstr("loses the time in io")) << out;
-  std::filesystem::remove_all(dir);
 }
 
 TEST(ReportTest, NamesRank2WhenItCarriesTheDuty) {
   // The judgement follows the data, not rank 0's usual role.
-  const std::string dir = ScriptedRun([](int rank, int) { return rank == 2 ? 80 : 0; });
+  const TempDir temp("evenstep_report");
+  const std::string& dir = temp.path();
+  ScriptedRun(dir, [](int rank, int) { return rank == 2 ? 80 : 0; });
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("straggler: rank 2 arrives last")) << out;
-  std::filesystem::remove_all(dir);
 }
 
 TEST(ReportTest, FindsAPeriodicStall) {
   // Rank 0 blocks after every third step: late in steps 4, 7, 10 (the step
   // after each duty), not in most steps: a periodic stall, not a straggler.
-  const std::string dir =
-      ScriptedRun([](int rank, int step) { return rank == 0 && step % 3 == 0 ? 80 : 0; });
+  const TempDir temp("evenstep_report");
+  const std::string& dir = temp.path();
+  ScriptedRun(dir, [](int rank, int step) { return rank == 0 && step % 3 == 0 ? 80 : 0; });
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("periodic stall: rank 0 is late every 3 steps")) << out;
   EXPECT_THAT(out, HasSubstr("no straggler")) << out;
-  std::filesystem::remove_all(dir);
 }
 
 TEST(ReportTest, NamesNobodyWithEvenstepBackgroundCheckpoints) {
   // Every rank writes its shard in the background after every step: the
   // spans overlap the next step and nobody arrives late.
-  const std::string dir = ScriptedRun([](int, int) { return 60; }, /*background=*/true);
+  const TempDir temp("evenstep_report");
+  const std::string& dir = temp.path();
+  ScriptedRun(
+      dir, [](int, int) { return 60; }, /*background=*/true);
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("no straggler")) << out;
   EXPECT_THAT(out, ::testing::Not(HasSubstr("periodic stall"))) << out;
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

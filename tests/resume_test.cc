@@ -34,6 +34,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
@@ -476,19 +477,7 @@ TEST_F(MountedTest, ReadOnlyDirectoryStopsTheRunAtTheFirstFailedSaveWithFail) {
   }
 }
 
-// A fresh directory, removed at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/evenstep-preempt-XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { evenstep::testing::RunShell("rm -rf " + path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::evenstep::testing::TempDir;
 
 // "step N loss X" lines of one rank's output.
 std::map<int, double> Losses(const std::string& output) {

@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
@@ -23,12 +24,6 @@ using ::testing::HasSubstr;
 
 class SampleTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/evenstep_sample_XXXXXX";
-    dir_ = mkdtemp(tmpl);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-
   // Runs the trainer on `world` ranks through evenstep-run; step -> loss.
   std::map<int, double> Train(int world, const std::string& run, std::vector<std::string> extra,
                               int* exit_code = nullptr, std::string* output = nullptr) {
@@ -63,7 +58,8 @@ class SampleTest : public ::testing::Test {
     }
     return losses;
   }
-  std::string dir_;
+  evenstep::testing::TempDir temp_{"evenstep_sample"};
+  const std::string dir_ = temp_.path();
 };
 
 TEST_F(SampleTest, ResumeAfterSigkillMatchesTheUninterruptedRun) {

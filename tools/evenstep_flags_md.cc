@@ -1,6 +1,6 @@
-// Prints the --evenstep_* flags as a Markdown table. The README's flag table
-// is this output (scripts/update_readme_flags.sh writes it; the ctest
-// readme_flags_current checks it is current).
+// Prints the --evenstep_* flags as a Markdown table. docs/flags.md's table
+// is this output (scripts/update_docs_flags.sh writes it; the ctest
+// docs_flags_current checks it is current).
 #include <iostream>
 
 #include "evenstep/flags.h"

@@ -142,17 +142,25 @@ std::vector<ProcessResult> RunAll(const std::vector<ProcessSpec>& specs, absl::D
   return results;
 }
 
-int PickFreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+std::unique_ptr<NetNamespace> NetNamespace::Create() {
+  static int counter = 0;
+  const std::string name = absl::StrCat("evenstep-test-", getpid(), "-", counter++);
+  auto [rc, out] = RunShell(
+      absl::StrCat("ip netns add ", name, " && ip netns exec ", name, " ip link set lo up 2>&1"),
+      absl::Seconds(30));
+  if (rc != 0) {
+    RunShell("ip netns delete " + name + " 2>/dev/null");
+    return nullptr;
+  }
+  return std::unique_ptr<NetNamespace>(new NetNamespace(name));
+}
+
+NetNamespace::~NetNamespace() { RunShell("ip netns delete " + name_ + " 2>&1"); }
+
+std::vector<std::string> NetNamespace::Wrap(const std::vector<std::string>& argv) const {
+  std::vector<std::string> out = {"/usr/bin/nsenter", "--net=/run/netns/" + name_, "--"};
+  out.insert(out.end(), argv.begin(), argv.end());
+  return out;
 }
 
 RefusingPort::RefusingPort() {

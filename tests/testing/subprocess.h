@@ -76,8 +76,27 @@ std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<st
 std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& argv,
                                     absl::Duration timeout = absl::Seconds(120));
 
-// A TCP port the OS reports free right now (bind to port 0, then release).
-int PickFreePort();
+// A network namespace of the test's own (ip netns), for ranks that must
+// meet on a fixed port: where rank 0 hosts the store on MASTER_PORT (Slurm,
+// Open MPI, torchrun without an agent store), a port the OS picks cannot be
+// handed over, and a port picked and released could be taken by a parallel
+// test. Inside the namespace nothing else exists to hold kPort. Removed by
+// the destructor.
+class NetNamespace {
+ public:
+  static constexpr int kPort = 29500;
+  // Null when namespaces cannot be made here (not root, no CAP_SYS_ADMIN).
+  static std::unique_ptr<NetNamespace> Create();
+  ~NetNamespace();
+  NetNamespace(const NetNamespace&) = delete;
+  NetNamespace& operator=(const NetNamespace&) = delete;
+  // `argv` run inside the namespace (its loopback is up).
+  std::vector<std::string> Wrap(const std::vector<std::string>& argv) const;
+
+ private:
+  explicit NetNamespace(std::string name) : name_(std::move(name)) {}
+  std::string name_;
+};
 
 // A port bound but not listening, held open while the object lives:
 // connections to it are refused (an unreachable master).

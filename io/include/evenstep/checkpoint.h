@@ -58,7 +58,8 @@ namespace evenstep {
 class IoRuntime;
 
 // The small shared key-value store ranks commit through (lib/ implements it
-// over the c10d store; tests may use an in-process one).
+// over the c10d store; tests/testing/in_process_commit_store.h holds one for
+// ranks as threads of one process).
 class CommitStore {
  public:
   virtual ~CommitStore() = default;
@@ -67,9 +68,6 @@ class CommitStore {
   virtual absl::StatusOr<std::string> Get(const std::string& key) = 0;
   virtual absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) = 0;
 };
-
-// An in-process CommitStore (ranks as threads in one process, tests).
-std::unique_ptr<CommitStore> NewInProcessCommitStore();
 
 enum class WhenBusy { kWait, kSkip };
 

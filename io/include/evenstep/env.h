@@ -63,6 +63,38 @@ class Env {
   virtual bool Exists(const std::string& path) = 0;
 };
 
+// An Env that forwards every call to `target` (leveldb's EnvWrapper): a
+// wrapper overrides only the calls it changes (FaultEnv: the write points).
+class EnvWrapper : public Env {
+ public:
+  explicit EnvWrapper(Env* target) : target_(target) {}
+  Env* target() const { return target_; }
+
+  absl::StatusOr<std::unique_ptr<File>> Create(const std::string& path) override {
+    return target_->Create(path);
+  }
+  absl::StatusOr<std::unique_ptr<File>> OpenForRead(const std::string& path) override {
+    return target_->OpenForRead(path);
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    return target_->Rename(from, to);
+  }
+  absl::Status SyncDir(const std::string& dir) override { return target_->SyncDir(dir); }
+  absl::Status Remove(const std::string& path) override { return target_->Remove(path); }
+  absl::Status CreateDirs(const std::string& dir) override { return target_->CreateDirs(dir); }
+  absl::Status RemoveTree(const std::string& dir) override { return target_->RemoveTree(dir); }
+  absl::StatusOr<std::vector<std::string>> List(const std::string& dir) override {
+    return target_->List(dir);
+  }
+  absl::StatusOr<int64_t> FreeSpace(const std::string& dir) override {
+    return target_->FreeSpace(dir);
+  }
+  bool Exists(const std::string& path) override { return target_->Exists(path); }
+
+ private:
+  Env* const target_;
+};
+
 // Status for a failed syscall: the code from errno, the message naming the
 // operation and the path.
 absl::Status ErrnoStatus(int error, const std::string& operation, const std::string& path);

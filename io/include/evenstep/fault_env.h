@@ -10,7 +10,8 @@
 //   env.RecoverFromCrash();         // what a power cut leaves behind:
 //                                   // data written since the file's last Sync
 //                                   // dropped, renames and creations since
-//                                   // the directory's last SyncDir undone
+//                                   // the directory's last SyncDir undone (a
+//                                   // file a rename replaced comes back)
 //
 // Thread-safety: thread-safe.
 #pragma once
@@ -18,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,9 +27,9 @@
 
 namespace evenstep {
 
-class FaultEnv : public Env {
+class FaultEnv : public EnvWrapper {
  public:
-  explicit FaultEnv(Env* base) : base_(base) {}
+  explicit FaultEnv(Env* base) : EnvWrapper(base) {}
 
   // The n-th write point from now (1-based) fails with `error`; with
   // `persistent`, every later one as well.
@@ -43,16 +45,13 @@ class FaultEnv : public Env {
   // Clears faults and counters (tracking of unsynced state continues).
   void Reset();
 
+  // The write points; reads, listings and the rest forward (EnvWrapper).
   absl::StatusOr<std::unique_ptr<File>> Create(const std::string& path) override;
-  absl::StatusOr<std::unique_ptr<File>> OpenForRead(const std::string& path) override;
   absl::Status Rename(const std::string& from, const std::string& to) override;
   absl::Status SyncDir(const std::string& dir) override;
   absl::Status Remove(const std::string& path) override;
   absl::Status CreateDirs(const std::string& dir) override;
   absl::Status RemoveTree(const std::string& dir) override;
-  absl::StatusOr<std::vector<std::string>> List(const std::string& dir) override;
-  absl::StatusOr<int64_t> FreeSpace(const std::string& dir) override;
-  bool Exists(const std::string& path) override;
 
  private:
   class FaultFile;
@@ -64,12 +63,15 @@ class FaultEnv : public Env {
   };
   struct PendingRename {
     std::string from, to;
+    // The file `to` held before the rename replaced it (a crash before the
+    // directory fsync brings it back: a real crash leaves the old entry or
+    // the new one, never neither). Kept for files of up to 64 MiB.
+    std::optional<std::string> replaced;
   };
   // Counts a write point named `what` on `path`; non-OK when it must fail.
   absl::Status Point(const std::string& what, const std::string& path);
   static std::string DirOf(const std::string& path);
 
-  Env* const base_;
   mutable std::mutex mu_;
   int64_t points_ = 0;
   int64_t fail_at_ = 0;

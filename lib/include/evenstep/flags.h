@@ -1,6 +1,6 @@
 // The --evenstep_* command-line flags (Abseil flags). A trainer that parses its
-// command line with absl::ParseCommandLine gets them for free; the README's
-// flag table is generated from their help texts (tools/evenstep_flags_md).
+// command line with absl::ParseCommandLine gets them for free; the table in
+// docs/flags.md is generated from their help texts (tools/evenstep_flags_md).
 #pragma once
 
 #include <cstdint>
@@ -44,6 +44,7 @@ ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_on_error);
 ABSL_DECLARE_FLAG(int, evenstep_ckpt_max_failures);
 ABSL_DECLARE_FLAG(bool, evenstep_timeline);
 ABSL_DECLARE_FLAG(int, evenstep_log_every);
+ABSL_DECLARE_FLAG(std::string, evenstep_preempt_signals);
 
 namespace evenstep {
 

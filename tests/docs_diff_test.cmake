@@ -1,4 +1,4 @@
-# Fails when the sample diff in README.md differs from
+# Fails when the sample diff in docs/usage.md differs from
 # `diff -u samples/train_fortunes_plain.cc samples/train_fortunes.cc`, or when the
 # diff passes its budget of 20 added or 20 removed lines.
 execute_process(COMMAND diff -u train_fortunes_plain.cc train_fortunes.cc
@@ -10,10 +10,10 @@ if(at EQUAL -1)
 endif()
 math(EXPR at "${at} + 1")
 string(SUBSTRING "${diff}" ${at} -1 body)
-file(READ "${README}" readme)
+file(READ "${DOC}" readme)
 string(FIND "${readme}" "```diff\n${body}```" at)
 if(at EQUAL -1)
-  message(FATAL_ERROR "README.md's sample diff is stale; paste the output of\n"
+  message(FATAL_ERROR "docs/usage.md's sample diff is stale; paste the output of\n"
                       "  cd samples && diff -u train_fortunes_plain.cc train_fortunes.cc\n"
                       "(without its first two lines) into the ```diff block")
 endif()
