@@ -158,7 +158,8 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(DistContext& 
   if (options.dir.empty()) {
     return absl::InvalidArgumentError("checkpoint directory not set (--evenstep_ckpt_dir)");
   }
-  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<CommitStore> store, ctx.NewCommitStore());
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<CommitStore> store, ctx.NewCommitStore(),
+                            "checkpointer, rank ", ctx.rank(), ": the commit store");
   EVENSTEP_ASSIGN_OR_RETURN(
       std::unique_ptr<CheckpointWriter> writer,
       CheckpointWriter::Create(options, store.get(), ctx.rank(), ctx.world_size()));
@@ -169,7 +170,8 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(DistContext& 
 absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& state) {
   CheckpointState ckpt;
   ckpt.step = step;
-  EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, state.optimizer));
+  EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, state.optimizer),
+                            "checkpoint of step ", step);
   if (JsonNestingDepth(state.user_json) > kMaxJsonDepth - 2) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint of step ", step,
                                                    ": user_json nests deeper than ",
@@ -656,7 +658,9 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("applying the loaded state: ", internal::ErrorText(e)));
   }
-  if (balance) EVENSTEP_RETURN_IF_ERROR(state.balance->Restore(*balance));
+  if (balance) {
+    EVENSTEP_RETURN_IF_ERROR(state.balance->Restore(*balance), "restoring the balancing state");
+  }
   return result;
 }
 

@@ -102,6 +102,14 @@ absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv
   EVENSTEP_RETURN_IF_ERROR(ctx->Connect());
   EVENSTEP_RETURN_IF_ERROR(ctx->Rendezvous());
   EVENSTEP_RETURN_IF_ERROR(ctx->CreateGroups());
+  // A rank that finished creating its groups may still have a peer in the
+  // last handshake: one barrier, so that no rank goes on (and perhaps stops
+  // at once, on a bad flag every rank will report) while a peer still needs
+  // it to finish connecting.
+  if (env.world_size > 1) {
+    EVENSTEP_RETURN_IF_ERROR(ctx->Barrier(), "rank ", env.rank,
+                             ": the barrier after creating the process groups");
+  }
   return ctx;
 }
 

@@ -113,19 +113,25 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
   EVENSTEP_ASSIGN_OR_RETURN(s->stop_after_failures_, StopAfterFailedSaves());
   EVENSTEP_ASSIGN_OR_RETURN(const std::vector<int> preempt_signals, PreemptSignalsFromFlag());
   EVENSTEP_ASSIGN_OR_RETURN(BalanceConfig config, BalanceConfig::FromFlags());
-  EVENSTEP_ASSIGN_OR_RETURN(
-      s->step_, BalancedStep::Create(ctx, model, optimizer, std::move(lengths), std::move(config),
-                                     std::move(counts)));
+  EVENSTEP_ASSIGN_OR_RETURN(s->step_,
+                            BalancedStep::Create(ctx, model, optimizer, std::move(lengths),
+                                                 std::move(config), std::move(counts)),
+                            "Session::Create, rank ", ctx.rank(),
+                            ": balanced steps and gradient sync");
   EVENSTEP_ASSIGN_OR_RETURN(CheckpointOptions options, CheckpointOptionsFromFlags());
   if (options.dir.empty()) options.dir = run_dir + "/ckpt";
-  EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, Checkpointer::Create(ctx, options));
+  EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, Checkpointer::Create(ctx, options),
+                            "Session::Create, rank ", ctx.rank(), ": checkpoints in ", options.dir);
   if (absl::GetFlag(FLAGS_evenstep_timeline)) {
-    EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()));
+    EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()),
+                              "Session::Create, rank ", ctx.rank(), ": the timeline in ", run_dir,
+                              " (--evenstep_timeline)");
   }
   MetricsOptions metrics;
   metrics.dir = run_dir;
   metrics.interval = absl::GetFlag(FLAGS_evenstep_log_every);
-  EVENSTEP_ASSIGN_OR_RETURN(s->metrics_, MetricsLogger::Create(ctx, metrics));
+  EVENSTEP_ASSIGN_OR_RETURN(s->metrics_, MetricsLogger::Create(ctx, metrics),
+                            "Session::Create, rank ", ctx.rank(), ": metric logs in ", run_dir);
   const TrainState state{&model, &optimizer, s->step_.get(), "{}"};
   if (resume != ResumeMode::kOff) {
     LoadOptions load;
@@ -232,7 +238,8 @@ absl::Status Session::AfterStep(StepReport* report) {
   if (timeline_) timeline_->AddStep(*report);
   metrics_->Log(report->step, "loss", report->loss);
   metrics_->Log(report->step, "balance_efficiency", report->balance_efficiency);
-  EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report->step));
+  EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report->step), "rank ", ctx_.rank(), ", step ",
+                           report->step, ": metrics");
   // Saves that finished since the last step are reported now; whether to
   // stop is decided from the agreed maximum, so every rank stops together.
   PollSaves();
@@ -282,7 +289,8 @@ absl::StatusOr<std::vector<double>> Session::Evaluate(
   SamplerOptions options = step_->sampler().options();
   options.shuffle = false;
   options.min_micro_batches = 0;
-  EVENSTEP_ASSIGN_OR_RETURN(Sampler set, Sampler::Create(lengths, options));
+  EVENSTEP_ASSIGN_OR_RETURN(Sampler set, Sampler::Create(lengths, options),
+                            "Session::Evaluate: the evaluation set");
   const absl::Time begin = absl::Now();
   absl::StatusOr<std::vector<double>> result =
       evenstep::Evaluate(ctx_, set, [&](const MicroBatch& mb) { return fn(mb.samples); });

@@ -289,7 +289,8 @@ TEST(DistContextTest, PeerThatLeftIsNamed) {
     EXPECT_FALSE(results[r].timed_out) << Describe(results);
     EXPECT_EQ(results[r].exit_code, 4) << Describe(results);
     EXPECT_THAT(results[r].output, HasSubstr(absl::StrCat("rank ", r, ": all_reduce of Float[8]")));
-    EXPECT_THAT(results[r].output, HasSubstr("rank(s) 2 (last at #1) never arrived"));
+    // #1 is DistContext::Create's barrier, #2 the helper's, #3 the all_reduce.
+    EXPECT_THAT(results[r].output, HasSubstr("rank(s) 2 (last at #2) never arrived"));
   }
 }
 
@@ -305,7 +306,8 @@ TEST(DistContextTest, StalledPeerIsNamedAfterTheTimeout) {
     EXPECT_FALSE(result.timed_out) << result.output;
     EXPECT_EQ(result.exit_code, 4) << result.output;
     EXPECT_THAT(result.output, HasSubstr("DEADLINE_EXCEEDED"));
-    EXPECT_THAT(result.output, HasSubstr("rank(s) 1 (last at #0) never arrived"));
+    // Rank 1 passed DistContext::Create's barrier (#1) and stalled.
+    EXPECT_THAT(result.output, HasSubstr("rank(s) 1 (last at #1) never arrived"));
   }
   // Rank 1 sleeps; the Subprocess destructor kills it.
 }
