@@ -664,14 +664,21 @@ std::map<int, double> TorchrunWorker0Losses(const std::string& output) {
 class TorchrunRestartTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TorchrunRestartTest, AKilledWorkerRestartsTheGroupWhichResumesFromTheNewestCheckpoint) {
-  // Debian's real torchrun 1.13 (its spelling, -r 1 -t 1 against its log
+  // The real torchrun of the torch this build uses (EVENSTEP_PEER_PYTHON -m
+  // torch.distributed.run: Debian's 1.13, or the 2.x wheel's; a 1.13 agent
+  // store shared with 2.x-built workers would mix TCPStore protocols),
+  // spelled as 1.13 accepts it (2.x takes it too; -r 1 -t 1 against 1.13's log
   // crash on Python 3.11), --max_restarts 1: rank 1 is SIGKILLed after step
   // 7 of the first attempt; torchrun stops the group and starts it again
   // (TORCHELASTIC_RESTART_COUNT=1, fresh store keys), which resumes from the
   // newest committed checkpoint and ends with the losses of an uninterrupted
   // run. c10d is --standalone (torchrun picks the port itself).
-  if (evenstep::testing::RunShell("command -v torchrun").first != 0) {
-    GTEST_SKIP() << "no torchrun on PATH (apt install python3-torch): not run";
+  const std::string torchrun = absl::StrCat(EVENSTEP_PEER_PYTHON, " -m torch.distributed.run");
+  if (evenstep::testing::RunShell(
+          absl::StrCat(EVENSTEP_PEER_PYTHON, " -c 'import torch.distributed.run'"))
+          .first != 0) {
+    GTEST_SKIP() << "no torch.distributed.run in " << EVENSTEP_PEER_PYTHON
+                 << " (apt install python3-torch): not run";
   }
   constexpr int kSteps = 12;
   const std::vector<std::string> balance = {"--evenstep_balance=static"};
@@ -705,7 +712,7 @@ TEST_P(TorchrunRestartTest, AKilledWorkerRestartsTheGroupWhichResumesFromTheNewe
     rendezvous = "--rdzv_backend static --master_addr 127.0.0.1 --master_port 29500 --nnodes 1";
   }
   auto [code, output] = evenstep::testing::RunShell(
-      absl::StrCat(prefix, "cd ", dir.path(), " && torchrun --no_python ", rendezvous,
+      absl::StrCat(prefix, "cd ", dir.path(), " && ", torchrun, " --no_python ", rendezvous,
                    " --nproc_per_node 2 -r 1 -t 1 --log_dir ", dir.path(),
                    "/logs --monitor_interval 1 --max_restarts 1 ", script,
                    prefix.empty() ? "" : "'", " 2>&1"),
