@@ -229,8 +229,12 @@ int main(int argc, char** argv) {
   std::vector<Rank> ranks(options.nproc);
   std::vector<Stream> streams;
   for (int r = 0; r < options.nproc; ++r) {
-    int out_pipe[2], err_pipe[2];
-    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+    // `go`: the rank starts its program only once its watchdog exists (a
+    // launcher killed between the two forks would otherwise leave a rank
+    // whose own children nobody kills).
+    int out_pipe[2], err_pipe[2], go[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0 ||
+        pipe2(go, O_CLOEXEC) != 0) {
       perror("evenstep-run: pipe");
       SignalAll(ranks, SIGKILL);
       return 1;
@@ -245,6 +249,13 @@ int main(int argc, char** argv) {
       setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != launcher) _exit(1);  // the launcher died before prctl
+      close(go[1]);
+      char ready = 0;
+      ssize_t got;
+      while ((got = read(go[0], &ready, 1)) < 0 && errno == EINTR) {
+      }
+      if (got != 1) _exit(1);  // the launcher died before the watchdog was up
+      close(go[0]);
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);
       signal(SIGUSR1, SIG_DFL);
@@ -286,6 +297,11 @@ int main(int argc, char** argv) {
       kill(-pid, SIGKILL);  // the rank's tree, this watchdog included
       _exit(0);
     }
+    close(go[0]);
+    const char ready = 1;
+    while (write(go[1], &ready, 1) < 0 && errno == EINTR) {
+    }
+    close(go[1]);
     close(out_pipe[1]);
     close(err_pipe[1]);
     ranks[r].pid = pid;
