@@ -100,6 +100,11 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
       }
       return false;
     };
+    auto duration = [&](const char* name, absl::Duration* out) {
+      if (absl::ParseDuration(value, out) && *out >= absl::ZeroDuration()) return true;
+      *error = std::string(name) + " " + value + ": expected a duration such as 120s";
+      return false;
+    };
     if (take("-n") || take("--nproc-per-node") || take("--nproc_per_node")) {
       if (!absl::SimpleAtoi(value, &options->nproc) || options->nproc < 1) {
         *error = "-n " + value + ": expected a positive integer";
@@ -111,13 +116,10 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
         *error = "--master-port " + value + ": expected a port number";
         return false;
       }
-    } else if (take("--grace") || take("--stop-grace") || take("--stop_grace")) {
-      absl::Duration* target =
-          arg.find("stop") != std::string::npos ? &options->stop_grace : &options->grace;
-      if (!absl::ParseDuration(value, target) || *target < absl::ZeroDuration()) {
-        *error = arg.substr(0, arg.find('=')) + " " + value + ": expected a duration such as 120s";
-        return false;
-      }
+    } else if (take("--grace")) {
+      if (!duration("--grace", &options->grace)) return false;
+    } else if (take("--stop-grace") || take("--stop_grace")) {
+      if (!duration("--stop-grace", &options->stop_grace)) return false;
     } else if (!error->empty()) {
       return false;
     } else {
