@@ -140,6 +140,55 @@ TEST_P(CheckpointWorldTest, RoundTripEveryDtypeBitExact) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CheckpointWorldTest, ::testing::Values(1, 2, 3, 4));
 
+// The reader's part of a distributed load: every tensor is read by exactly
+// one rank, ranks' bytes differ by at most the largest tensor, and the bytes
+// a rank reads become the stored tensor again (wrong sizes refused, naming it).
+TEST_P(CheckpointWorldTest, ReadPlanCoversEveryTensorOnceAndBytesBecomeTheTensor) {
+  TempDir dir;
+  const CheckpointState state = MakeState(3, 1);
+  ASSERT_TRUE(SaveAsRanks(dir.path(), state, 2).ok());
+  auto reader = CheckpointReader::Open(*Env::Default(), CheckpointPath(dir.path(), 3));
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const Manifest& manifest = (*reader)->manifest();
+  const int world = GetParam();
+  const std::vector<std::vector<int>> plan = (*reader)->PlanReads(world);
+  ASSERT_EQ(static_cast<int>(plan.size()), world);
+  std::vector<int> readers(manifest.tensors.size(), 0);
+  std::vector<int64_t> bytes(world, 0);
+  int64_t largest = 0;
+  for (int r = 0; r < world; ++r) {
+    for (int t : plan[r]) {
+      ASSERT_GE(t, 0);
+      ASSERT_LT(t, static_cast<int>(manifest.tensors.size()));
+      ++readers[t];
+      bytes[r] += StoredBytes(manifest.tensors[t]);
+      largest = std::max(largest, StoredBytes(manifest.tensors[t]));
+    }
+  }
+  for (size_t t = 0; t < readers.size(); ++t) {
+    EXPECT_EQ(readers[t], 1) << manifest.tensors[t].name;
+  }
+  const auto [lo, hi] = std::minmax_element(bytes.begin(), bytes.end());
+  EXPECT_LE(*hi - *lo, largest);
+  std::map<std::string, at::Tensor> saved(state.tensors.begin(), state.tensors.end());
+  for (const TensorInfo& t : manifest.tensors) {
+    at::Tensor raw = at::empty({StoredBytes(t)}, at::kByte);
+    ASSERT_TRUE((*reader)->ReadInto(t.name, raw.data_ptr(), raw.numel()).ok()) << t.name;
+    auto typed = (*reader)->FromBytes(t.name, raw);
+    ASSERT_TRUE(typed.ok()) << typed.status();
+    EXPECT_TRUE(BitEqual(*typed, saved.at(t.name))) << t.name;
+    EXPECT_EQ(StoredDtypeOf(*typed), t.dtype);
+  }
+  const TensorInfo& first = manifest.tensors.front();
+  auto short_bytes =
+      (*reader)->FromBytes(first.name, at::empty({StoredBytes(first) + 1}, at::kByte));
+  EXPECT_EQ(short_bytes.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_bytes.status().message(), HasSubstr(first.name));
+  EXPECT_TRUE(
+      absl::IsNotFound((*reader)->FromBytes("model/none", at::empty({0}, at::kByte)).status()));
+  EXPECT_EQ(StoredDtypeOf(at::zeros({2}, at::kComplexFloat)), "unsupported");
+}
+
 TEST(CheckpointTest, CrashAtEveryWritePointLeavesPreviousOrNewComplete) {
   TempDir counting;
   FaultEnv probe(Env::Default());

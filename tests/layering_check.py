@@ -1,12 +1,16 @@
 #!/usr/bin/python3
 """The layer rule of docs/design.md, checked on the sources' #include lines.
 
-  base/   sees base/ only
-  hooks/  sees base/, hooks/          (never io/ or lib/)
-  io/     sees base/, io/             (never hooks/ or lib/)
-  lib/    sees base/, hooks/, io/, lib/
+  base/         sees base/ only
+  hooks/        sees base/, hooks/                  (never io/ or lib/)
+  io/           sees base/, io/                     (never hooks/ or lib/)
+  lib/dist/     sees base/, io/ (CommitStore), dist/
+  lib/balance/  sees base/, hooks/, dist/, balance/ (no observation, no training)
+  lib/observe/  sees base/, io/, dist/, balance/, observe/
+  lib/train/    sees everything above
   a public header (not under internal/) includes no internal/ header, so
-  installing only public headers is complete.
+  installing only public headers is complete; and internal/ headers are
+  seen only by their own layer (and base/'s, the shared tools, by all).
 
 Every "evenstep/..." header is owned by the folder whose include/ holds it
 (the generated build_config.h belongs to base/). Exits 1 naming each
@@ -21,7 +25,10 @@ LAYERS = {
     "base": {"base"},
     "hooks": {"base", "hooks"},
     "io": {"base", "io"},
-    "lib": {"base", "hooks", "io", "lib"},
+    "lib/dist": {"base", "io", "lib/dist"},
+    "lib/balance": {"base", "hooks", "lib/dist", "lib/balance"},
+    "lib/observe": {"base", "io", "lib/dist", "lib/balance", "lib/observe"},
+    "lib/train": {"base", "hooks", "io", "lib/dist", "lib/balance", "lib/observe", "lib/train"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(evenstep/[^"]+)"')
 
@@ -56,11 +63,13 @@ def main(root):
                         header = m.group(1)
                         home = owner.get(header)
                         if home is None:
-                            problems.append(f"{rel_path}:{n}: {header} is no header of base/, "
-                                            "hooks/, io/ or lib/")
+                            problems.append(f"{rel_path}:{n}: {header} is no header of any layer")
                         elif home not in allowed:
                             problems.append(f"{rel_path}:{n}: {layer}/ includes {header} of "
                                             f"{home}/ (it may use {', '.join(sorted(allowed))})")
+                        elif ("/internal/" in header and home not in ("base", layer)):
+                            problems.append(f"{rel_path}:{n}: {layer}/ includes {header}, an "
+                                            f"internal header of {home}/")
                         if public and "/internal/" in header:
                             problems.append(f"{rel_path}:{n}: public header includes the "
                                             f"internal {header} (not installed)")

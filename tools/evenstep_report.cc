@@ -1,5 +1,5 @@
 // evenstep-report RUN_DIR: reads the ranks' timelines (RUN_DIR/trace-*.json,
-// see lib/include/evenstep/timeline.h) and reports
+// see lib/observe/include/evenstep/timeline.h) and reports
 //   - per rank: steps, mean/p50/p95 step time, and its split into data /
 //     compute / sync wait / optimizer / io (checkpoint, eval, log) / other
 //   - balance efficiency per step: mean/max over ranks of data + compute

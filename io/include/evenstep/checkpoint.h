@@ -144,6 +144,13 @@ struct TensorInfo {
   std::vector<SliceInfo> slices;  // tile [0, numel) in order
 };
 
+// The bytes a tensor occupies in its shards (all slices).
+int64_t StoredBytes(const TensorInfo& tensor);
+// The dtype name a checkpoint stores for `tensor` ("float32", "int64", ...),
+// or "unsupported" for a dtype checkpoints cannot hold (complex, quantized);
+// compare it with TensorInfo::dtype to check a live tensor against the file.
+std::string StoredDtypeOf(const at::Tensor& tensor);
+
 struct Manifest {
   // 2: carries index_xxh3; 1 (written by earlier builds): read without it.
   int version = 2;
@@ -206,6 +213,18 @@ class CheckpointReader {
   // CheckStructure() and every checksum (read in bounded chunks); the list
   // of problems (empty when intact).
   std::vector<std::string> Verify() const;
+
+  // --- For a distributed load (the Checkpointer) ---
+  // Which whole tensors each of `world` ranks reads: indices into
+  // manifest().tensors, planned as shards are (largest first to the rank
+  // with the fewest bytes so far, ties to the lower rank), so that every
+  // rank computes the same plan and the bytes per rank differ by at most the
+  // largest tensor.
+  std::vector<std::vector<int>> PlanReads(int world) const;
+  // The tensor `name` from its stored bytes (`bytes`: kByte, StoredBytes
+  // long, e.g. filled by ReadInto and a broadcast): a new CPU tensor of the
+  // stored dtype and shape. NotFound / InvalidArgument naming the tensor.
+  absl::StatusOr<at::Tensor> FromBytes(const std::string& name, const at::Tensor& bytes) const;
 
  private:
   CheckpointReader(Env& env, std::string path, Manifest manifest)

@@ -24,13 +24,9 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
-#include "evenstep/internal/dtypes.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/flag_checks.h"
-#include "evenstep/internal/h5_shard.h"
-#include "evenstep/internal/names.h"
 #include "evenstep/internal/optimizer_state.h"
-#include "evenstep/internal/shard_plan.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -341,7 +337,7 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
                plan.kind->fields.end()) {
       return corrupt(t.name, absl::StrCat(plan.kind->name, " state has no field \"", field, "\""));
     } else {
-      const std::string want = internal::DtypeName(param.scalar_type()).value_or("unsupported");
+      const std::string want = StoredDtypeOf(param);
       if (t.dtype != want || t.shape != param.sizes().vec()) {
         return corrupt(t.name, absl::StrCat("[", absl::StrJoin(t.shape, ","), "] ", t.dtype,
                                             "; its parameter is [",
@@ -453,7 +449,8 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
       moved = renamed.ok() ? absl::StrCat(" (moved to ", aside, ")")
                            : absl::StrCat(" (could not move it aside: ", renamed.message(), ")");
     }
-    failures.push_back(absl::StrCat(internal::StepDirName(step), ": ", why, moved));
+    // The directory's name (step-SSSSSSSSSS); the root is in the message.
+    failures.push_back(absl::StrCat(path.substr(path.find_last_of('/') + 1), ": ", why, moved));
   }
 }
 
@@ -495,7 +492,7 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
       }
       seen.insert(t.name);
       const at::Tensor& dst = target->second;
-      const std::string want = internal::DtypeName(dst.scalar_type()).value_or("unsupported");
+      const std::string want = StoredDtypeOf(dst);
       if (dst.sizes().vec() != t.shape || want != t.dtype) {
         return mismatch_error(absl::StrCat(
             "tensor ", t.name, " has shape [", absl::StrJoin(t.shape, ","), "] ", t.dtype,
@@ -548,19 +545,7 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
   // 2. Balanced reading: whole tensors (no slicing), assigned the way
   //    shards are planned, largest first to the least-loaded rank.
   const int world = ctx_.world_size();
-  std::vector<internal::TensorMeta> metas;
-  for (const TensorInfo& t : manifest.tensors) {
-    int64_t numel = 1;
-    for (int64_t d : t.shape) numel *= d;
-    metas.push_back({t.name, t.dtype, t.shape, numel, internal::DtypeSize(t.dtype)});
-  }
-  const std::vector<std::vector<internal::Piece>> plan =
-      internal::PlanShards(metas, world, std::numeric_limits<int64_t>::max());
-  auto bytes_of = [](const TensorInfo* t) {
-    int64_t b = 0;
-    for (const SliceInfo& s : t->slices) b += s.bytes;
-    return b;
-  };
+  const std::vector<std::vector<int>> plan = reader->PlanReads(world);
   // Where each tensor's bytes land: a CPU model tensor directly (read and
   // broadcast in place, no staging copy), anything else a byte buffer. A
   // checksum failure can leave a model tensor of this rank partly written;
@@ -570,7 +555,7 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
   std::map<std::string, at::Tensor> loaded;
   std::set<std::string> in_place;
   for (const TensorInfo& t : manifest.tensors) {
-    const int64_t n = bytes_of(&t);
+    const int64_t n = StoredBytes(t);
     auto target = targets.find(t.name);
     if (seen.count(t.name) && target->second.device().is_cpu() && target->second.is_contiguous()) {
       loaded[t.name] = at::from_blob(target->second.data_ptr(), {n}, at::kByte);
@@ -582,9 +567,9 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
   // 3. Every rank reads its part (all at once, checksums verified), and the
   //    ranks agree that every part is good before any broadcast.
   absl::Status read;
-  for (const internal::Piece& p : plan[ctx_.rank()]) {
-    const TensorInfo& t = manifest.tensors[p.tensor];
-    const int64_t n = bytes_of(&t);
+  for (int index : plan[ctx_.rank()]) {
+    const TensorInfo& t = manifest.tensors[index];
+    const int64_t n = StoredBytes(t);
     read = reader->ReadInto(t.name, loaded[t.name].data_ptr(), n);
     if (!read.ok()) break;
     result.bytes_read += n;
@@ -604,8 +589,8 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
     };
     std::vector<at::Tensor> small;  // views of `loaded`, sent together
     int64_t small_bytes = 0;
-    for (const internal::Piece& p : plan[root]) {
-      at::Tensor& bytes = loaded[manifest.tensors[p.tensor].name];
+    for (int index : plan[root]) {
+      at::Tensor& bytes = loaded[manifest.tensors[index].name];
       if (bytes.numel() >= kBroadcastAlone) {
         EVENSTEP_RETURN_IF_ERROR(broadcast(bytes));
       } else if (bytes.numel() > 0) {
@@ -635,11 +620,10 @@ absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& p
     }
     if (state.optimizer != nullptr) {
       auto typed = [&](const std::string& name) {
-        const TensorInfo* t = reader->Find(name);
-        at::Tensor out =
-            at::empty(t->shape, at::TensorOptions().dtype(*internal::DtypeFromName(t->dtype)));
-        std::memcpy(out.data_ptr(), loaded[name].data_ptr(), loaded[name].numel());
-        return out;
+        absl::StatusOr<at::Tensor> value = reader->FromBytes(name, loaded[name]);
+        // Every name was validated against the manifest in step 1.
+        if (!value.ok()) throw std::runtime_error(std::string(value.status().message()));
+        return *value;
       };
       auto& groups = state.optimizer->param_groups();
       for (const auto& [g, name] : opt.lrs) groups[g].options().set_lr(typed(name).item<double>());
