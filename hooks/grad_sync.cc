@@ -35,6 +35,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/status_macros.h"
 
@@ -130,7 +131,7 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   std::string DescribeBucket(int b) const;
   absl::Status Collective(const std::string& what, const std::function<void()>& fn);
   absl::Status WaitFor(c10d::Work* work, const std::string& what, absl::Time since);
-  absl::Status WaitFailed(const std::string& what, absl::Time since, const std::string& error);
+  absl::Status WaitFailed(const std::string& what, const CollectiveWait& outcome);
 };
 
 namespace {
@@ -149,10 +150,6 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   std::weak_ptr<GradSyncState> state_;
   int index_;
 };
-
-std::chrono::milliseconds ToMillis(absl::Duration d) {
-  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
-}
 
 at::ScalarType ReduceType(at::ScalarType t, c10d::ProcessGroup& group) {
   const bool low = t == at::kBFloat16 || t == at::kHalf;
@@ -186,29 +183,16 @@ absl::Status GradSyncState::Collective(const std::string& what, const std::funct
   return absl::OkStatus();
 }
 
-absl::Status GradSyncState::WaitFailed(const std::string& what, absl::Time since,
-                                       const std::string& error) {
-  const absl::Duration waited = absl::Now() - since;
-  if (options.diagnosis.diagnose) {
-    fatal = options.diagnosis.diagnose(arrival_seq, what, waited, error);
-  } else {
-    std::string message =
-        absl::StrCat("rank ", rank, ": ", what, " failed after ",
-                     absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", error);
-    fatal = waited >= options.timeout ? absl::DeadlineExceededError(message)
-                                      : absl::UnavailableError(message);
-  }
+absl::Status GradSyncState::WaitFailed(const std::string& what, const CollectiveWait& outcome) {
+  fatal = options.diagnosis.diagnose
+              ? options.diagnosis.diagnose(arrival_seq, what, outcome.elapsed, outcome.error)
+              : CollectiveFailed(rank, what, outcome, options.timeout);
   return fatal;
 }
 
 absl::Status GradSyncState::WaitFor(c10d::Work* work, const std::string& what, absl::Time since) {
-  if (work == nullptr) return absl::OkStatus();
-  try {
-    work->wait(ToMillis(options.timeout));
-  } catch (const std::exception& e) {
-    return WaitFailed(what, since, ErrorText(e));
-  }
-  return absl::OkStatus();
+  const CollectiveWait outcome = WaitCollective(work, options.timeout, since);
+  return outcome.failed ? WaitFailed(what, outcome) : absl::OkStatus();
 }
 
 // Buckets over the dense parameters in `order` (launch order), one open
@@ -542,13 +526,15 @@ absl::Status GradSyncState::Finish() {
   for (int b = 0; b < static_cast<int>(buckets.size()) && fatal.ok(); ++b) {
     Bucket& bucket = buckets[b];
     try {
-      at::Tensor reduced =
-          bucket.result.valid() ? bucket.result.Wait(ToMillis(options.timeout)) : bucket.buffer;
+      at::Tensor reduced = bucket.result.valid()
+                               ? bucket.result.Wait(ToChronoMillis(options.timeout))
+                               : bucket.buffer;
       at::Tensor target =
           control_in_bucket() ? bucket.buffer : bucket.buffer.narrow(0, 0, bucket.grad_numel);
       if (!reduced.is_same(target)) target.copy_(reduced);
     } catch (const std::exception& e) {
-      WaitFailed(absl::StrCat("all_reduce of ", DescribeBucket(b)), wait_start, ErrorText(e))
+      WaitFailed(absl::StrCat("all_reduce of ", DescribeBucket(b)),
+                 {true, ErrorText(e), absl::Now() - wait_start})
           .IgnoreError();
     }
     bucket.result = ReducedBucket();
@@ -718,16 +704,6 @@ namespace {
 
 using internal::GradSyncState;
 
-absl::Status WaitWork(c10d::Work& work, absl::Duration timeout, int rank, absl::string_view what) {
-  try {
-    work.wait(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("rank ", rank, ": ", what, " failed: ", internal::ErrorText(e)));
-  }
-  return absl::OkStatus();
-}
-
 // All-gathers `values` (same length on every rank) as int64: result[r][i].
 absl::StatusOr<std::vector<std::vector<int64_t>>> AllGatherInts(c10d::ProcessGroup& group,
                                                                 const std::vector<int64_t>& values,
@@ -739,15 +715,9 @@ absl::StatusOr<std::vector<std::vector<int64_t>>> AllGatherInts(c10d::ProcessGro
   std::vector<std::vector<at::Tensor>> out(1);
   for (int r = 0; r < world; ++r) out[0].push_back(at::empty_like(in));
   std::vector<at::Tensor> inputs{in};
-  absl::Status s;
-  try {
-    auto work = group.allgather(out, inputs);
-    s = WaitWork(*work, timeout, group.getRank(), what);
-  } catch (const std::exception& e) {
-    s = absl::UnavailableError(
-        absl::StrCat("rank ", group.getRank(), ": ", what, ": ", internal::ErrorText(e)));
-  }
-  if (!s.ok()) return s;
+  const internal::CollectiveWait outcome =
+      internal::RunCollective([&] { return group.allgather(out, inputs); }, timeout);
+  if (outcome.failed) return internal::CollectiveFailed(group.getRank(), what, outcome, timeout);
   std::vector<std::vector<int64_t>> result;
   for (const at::Tensor& t : out[0]) {
     at::Tensor cpu = t.cpu();
@@ -848,13 +818,11 @@ absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<Named
     std::vector<at::Tensor> v{internal::Wire(flat)};
     c10d::BroadcastOptions options;
     options.rootRank = root;
-    try {
-      auto work = group.broadcast(v, options);
-      EVENSTEP_RETURN_IF_ERROR(
-          WaitWork(*work, timeout, group.getRank(), "initial parameter broadcast"));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat(
-          "rank ", group.getRank(), ": initial parameter broadcast: ", internal::ErrorText(e)));
+    const internal::CollectiveWait outcome =
+        internal::RunCollective([&] { return group.broadcast(v, options); }, timeout);
+    if (outcome.failed) {
+      return internal::CollectiveFailed(group.getRank(), "initial parameter broadcast", outcome,
+                                        timeout);
     }
     int64_t offset = 0;
     for (at::Tensor& t : members) {

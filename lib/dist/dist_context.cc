@@ -30,6 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "evenstep/checkpoint.h"
 #include "evenstep/internal/c10d_compat.h"
+#include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/store_server.h"
 #include "evenstep/status_macros.h"
@@ -50,10 +51,6 @@ struct DistContext::Groups {
 };
 
 namespace {
-
-std::chrono::milliseconds ToMillis(absl::Duration d) {
-  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
-}
 
 std::vector<uint8_t> Bytes(absl::string_view s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string Text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
@@ -148,7 +145,7 @@ absl::Status DistContext::Connect() {
     const bool is_server = env_.rank == 0 && !env_.agent_store;
     try {
       groups_->store = compat::MakeTcpStore(env_.master_addr, env_.master_port, is_server,
-                                            ToMillis(options_.rendezvous_timeout));
+                                            internal::ToChronoMillis(options_.rendezvous_timeout));
     } catch (const std::exception& e) {
       if (is_server) {
         return absl::UnavailableError(absl::StrCat("rank 0: cannot host the c10d TCPStore on port ",
@@ -160,7 +157,7 @@ absl::Status DistContext::Connect() {
           env_.master_port, " (MASTER_ADDR:MASTER_PORT) within ",
           absl::FormatDuration(options_.rendezvous_timeout), ": ", internal::ErrorText(e)));
     }
-    groups_->store->setTimeout(ToMillis(options_.rendezvous_timeout));
+    groups_->store->setTimeout(internal::ToChronoMillis(options_.rendezvous_timeout));
   }
   groups_->raw_store = groups_->store;
   groups_->store = Namespaced(env_, groups_->store);
@@ -235,7 +232,7 @@ absl::Status DistContext::CreateGroups() {
   } else if (env_.world_size == 1 || IsLoopback(env_.master_addr)) {
     device = "127.0.0.1";
   }
-  const auto timeout = ToMillis(options_.collective_timeout);
+  const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
   try {
     groups_->control =
         compat::MakeGlooGroup(compat::MakePrefixStore("evenstep/gloo", groups_->store), env_.rank,
@@ -317,8 +314,8 @@ absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
   if (env_.world_size > 1) {
     try {
       base = compat::MakeTcpStore(env_.master_addr, env_.master_port, /*is_server=*/false,
-                                  ToMillis(options_.rendezvous_timeout));
-      base->setTimeout(ToMillis(options_.collective_timeout));
+                                  internal::ToChronoMillis(options_.rendezvous_timeout));
+      base->setTimeout(internal::ToChronoMillis(options_.collective_timeout));
       base = Namespaced(env_, std::move(base));
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat(
@@ -344,13 +341,9 @@ int64_t DistContext::MarkArrival() {
 }
 
 absl::Status DistContext::Wait(c10d::Work& work, int64_t seq, const std::string& what) {
-  const absl::Time start = absl::Now();
-  try {
-    work.wait(ToMillis(options_.collective_timeout));
-  } catch (const std::exception& e) {
-    return Diagnose(seq, what, absl::Now() - start, internal::ErrorText(e));
-  }
-  return absl::OkStatus();
+  const internal::CollectiveWait outcome =
+      internal::WaitCollective(&work, options_.collective_timeout);
+  return outcome.failed ? Diagnose(seq, what, outcome.elapsed, outcome.error) : absl::OkStatus();
 }
 
 absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::Duration elapsed,
@@ -384,14 +377,9 @@ absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::D
 template <typename Launch>
 absl::Status DistContext::Run(const std::string& what, Launch&& launch) {
   const int64_t seq = MarkArrival();
-  compat::WorkPtr work;
-  const absl::Time start = absl::Now();
-  try {
-    work = launch();
-  } catch (const std::exception& e) {
-    return Diagnose(seq, what, absl::Now() - start, internal::ErrorText(e));
-  }
-  return Wait(*work, seq, what);
+  const internal::CollectiveWait outcome =
+      internal::RunCollective(std::forward<Launch>(launch), options_.collective_timeout);
+  return outcome.failed ? Diagnose(seq, what, outcome.elapsed, outcome.error) : absl::OkStatus();
 }
 
 namespace {

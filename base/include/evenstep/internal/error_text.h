@@ -1,6 +1,6 @@
 // Turns exceptions from libtorch / c10d into one readable line for a status
-// message (c10::Error without its backtrace). Stateless. Lives in hooks/, the
-// lowest layer that needs it; lib/ uses it too.
+// message (c10::Error without its backtrace). Stateless. In base/, so that
+// every layer turns exceptions into statuses the same way.
 #pragma once
 
 #include <exception>
