@@ -3,7 +3,7 @@
 //
 // For each state size and rank count (ranks: evenstep-run -n R):
 //   (a) rank 0 torch::save of the whole state + fsync while every rank waits
-//   evenstep: Checkpointer::Save stall (snapshot), time until committed
+//   evenstep: TrainCheckpointer::Save stall (snapshot), time until committed
 //             (every shard durable, manifest renamed), and load (balanced read
 //             + broadcast, page cache dropped with fadvise first)
 //   PyTorch DCP (bench/dcp_peer.py, when a Python with torch >= 2.3 is there):
@@ -45,7 +45,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "bench/relaunch.h"
-#include "evenstep/checkpointer.h"
+#include "evenstep/train_checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
 
@@ -125,7 +125,7 @@ int Worker(const std::string& spec) {
   evenstep::CheckpointOptions options;
   options.dir = dir + "/evenstep";
   options.keep = 1;
-  auto ckpt = evenstep::Checkpointer::Create(dist, options);
+  auto ckpt = evenstep::TrainCheckpointer::Create(dist, options);
   if (!ckpt.ok()) {
     std::cerr << ckpt.status() << "\n";
     return 1;

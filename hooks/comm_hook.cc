@@ -12,21 +12,20 @@
 
 namespace evenstep {
 
-ReducedBucket::ReducedBucket(c10::intrusive_ptr<c10d::Work> work,
-                             std::function<at::Tensor()> finish)
+BucketFuture::BucketFuture(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish)
     : work_(std::move(work)), finish_(std::move(finish)) {}
 
-ReducedBucket ReducedBucket::Ready(at::Tensor value) {
-  return ReducedBucket(c10::intrusive_ptr<c10d::Work>(), [value] { return value; });
+BucketFuture BucketFuture::Ready(at::Tensor value) {
+  return BucketFuture(c10::intrusive_ptr<c10d::Work>(), [value] { return value; });
 }
 
-ReducedBucket ReducedBucket::Then(ReducedBucket inner, std::function<at::Tensor(at::Tensor)> fn) {
-  return ReducedBucket(inner.work_, [finish = std::move(inner.finish_), fn = std::move(fn)] {
+BucketFuture BucketFuture::Then(BucketFuture inner, std::function<at::Tensor(at::Tensor)> fn) {
+  return BucketFuture(inner.work_, [finish = std::move(inner.finish_), fn = std::move(fn)] {
     return fn(finish());
   });
 }
 
-at::Tensor ReducedBucket::Wait(std::chrono::milliseconds timeout) {
+at::Tensor BucketFuture::Wait(std::chrono::milliseconds timeout) {
   if (work_) work_->wait(timeout);
   return finish_();
 }
@@ -34,19 +33,19 @@ at::Tensor ReducedBucket::Wait(std::chrono::milliseconds timeout) {
 namespace {
 
 // Starts an in-place SUM all_reduce of `t`; `finish` maps the result.
-ReducedBucket AllReduceSum(const CommHookContext& ctx, at::Tensor t,
-                           std::function<at::Tensor(at::Tensor)> finish) {
-  if (ctx.world_size == 1) return ReducedBucket::Ready(finish(t));
+BucketFuture AllReduceSum(const CommHookContext& ctx, at::Tensor t,
+                          std::function<at::Tensor(at::Tensor)> finish) {
+  if (ctx.world_size == 1) return BucketFuture::Ready(finish(t));
   std::vector<at::Tensor> tensors{t};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   auto work = ctx.group->allreduce(tensors, options);
-  return ReducedBucket(std::move(work), [t, finish = std::move(finish)] { return finish(t); });
+  return BucketFuture(std::move(work), [t, finish = std::move(finish)] { return finish(t); });
 }
 
 // Compressed SUM: scale by 1/world before the cast so the low-precision sum
 // cannot overflow, reduce, cast back and undo the scale.
-ReducedBucket CompressedSum(const CommHookContext& ctx, at::Tensor& bucket, at::ScalarType type) {
+BucketFuture CompressedSum(const CommHookContext& ctx, at::Tensor& bucket, at::ScalarType type) {
   const double world = ctx.world_size;
   const at::ScalarType original = bucket.scalar_type();
   at::Tensor compressed = bucket.div(world).to(type);
@@ -64,7 +63,7 @@ ReducedBucket CompressedSum(const CommHookContext& ctx, at::Tensor& bucket, at::
   std::vector<at::Tensor> inputs{compressed.view(at::kHalf)};
   for (auto& o : outputs[0]) o = o.view(at::kHalf);
   auto work = ctx.group->allgather(outputs, inputs);
-  return ReducedBucket(std::move(work), [outputs, world, original] {
+  return BucketFuture(std::move(work), [outputs, world, original] {
     at::Tensor sum = at::zeros(outputs[0][0].sizes(), outputs[0][0].options().dtype(at::kFloat));
     for (const at::Tensor& part : outputs[0]) sum.add_(part.view(at::kBFloat16).to(at::kFloat));
     return sum.to(original).mul_(world);
@@ -75,7 +74,7 @@ ReducedBucket CompressedSum(const CommHookContext& ctx, at::Tensor& bucket, at::
 // user hooks (internal::IsZeroPreservingHook).
 struct BuiltinHook {
   enum Kind { kSum, kAvg, kFp16, kBf16 } kind;
-  ReducedBucket operator()(const CommHookContext& ctx, at::Tensor& bucket) const {
+  BucketFuture operator()(const CommHookContext& ctx, at::Tensor& bucket) const {
     switch (kind) {
       case kSum:
         return AllReduceSum(ctx, bucket, [](at::Tensor t) { return t; });
@@ -88,7 +87,7 @@ struct BuiltinHook {
       case kBf16:
         return CompressedSum(ctx, bucket, at::kBFloat16);
     }
-    return ReducedBucket();
+    return BucketFuture();
   }
 };
 
@@ -114,8 +113,8 @@ void Orthonormalize(at::Tensor& m) {
   }
 }
 
-ReducedBucket PowerSgd(const std::shared_ptr<PowerSgdState>& state, const CommHookContext& ctx,
-                       at::Tensor& bucket) {
+BucketFuture PowerSgd(const std::shared_ptr<PowerSgdState>& state, const CommHookContext& ctx,
+                      at::Tensor& bucket) {
   const PowerSgdOptions& o = state->options;
   if (ctx.seq < o.start_seq || ctx.params == nullptr) {
     return AllReduceSum(ctx, bucket, [](at::Tensor t) { return t; });
@@ -203,11 +202,11 @@ ReducedBucket PowerSgd(const std::shared_ptr<PowerSgdState>& state, const CommHo
     }
     return bucket;
   };
-  if (ctx.world_size == 1) return ReducedBucket(c10::intrusive_ptr<c10d::Work>(), finish);
+  if (ctx.world_size == 1) return BucketFuture(c10::intrusive_ptr<c10d::Work>(), finish);
   std::vector<at::Tensor> tensors{sent};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  return ReducedBucket(ctx.group->allreduce(tensors, options), finish);
+  return BucketFuture(ctx.group->allreduce(tensors, options), finish);
 }
 
 }  // namespace

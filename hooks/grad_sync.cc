@@ -70,7 +70,7 @@ struct Bucket {
   int pending = 0;
   bool ready = false;
   bool launched = false;
-  ReducedBucket result;
+  BucketFuture result;
 };
 
 struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
@@ -248,7 +248,7 @@ void GradSyncState::BeginStep(int first) {
     b.pending = static_cast<int>(b.params.size());
     b.ready = false;
     b.launched = false;
-    b.result = ReducedBucket();
+    b.result = BucketFuture();
   }
   stats = SyncStats();
   stats.seq = seq;
@@ -537,7 +537,7 @@ absl::Status GradSyncState::Finish() {
                  {true, ErrorText(e), absl::Now() - wait_start})
           .IgnoreError();
     }
-    bucket.result = ReducedBucket();
+    bucket.result = BucketFuture();
   }
   for (auto& [tensor, work] : sparse_work) {
     if (fatal.ok()) WaitFor(work.get(), "a sparse gradient all_reduce", wait_start).IgnoreError();

@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "evenstep/checkpoint.h"
+#include "evenstep/checkpoint_files.h"
 #include "evenstep/internal/dtypes.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/shard_plan.h"

@@ -1,5 +1,5 @@
 // CheckpointWriter: snapshot on the training thread, everything else on the
-// I/O fibers; the commit protocol is written down in checkpoint.h.
+// I/O fibers; the commit protocol is written down in checkpoint_files.h.
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -23,7 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "evenstep/checkpoint.h"
+#include "evenstep/checkpoint_files.h"
 #include "evenstep/internal/device_compat.h"
 #include "evenstep/internal/dtypes.h"
 #include "evenstep/internal/error_text.h"
@@ -110,7 +110,7 @@ struct CheckpointWriter::Impl {
   // manifest (file, bytes, datasets with checksums).
   absl::Status WriteShard(Staging& stage, int64_t step, std::string* report);
   // WriteShard, then the commit protocol's report and outcome (see
-  // checkpoint.h); the save's outcome, the same on every rank.
+  // checkpoint_files.h); the save's outcome, the same on every rank.
   absl::Status WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
                               const std::vector<TensorMeta>& metas, const std::string& extras);
   absl::Status Commit(int64_t seq, int64_t step, const std::vector<TensorMeta>& metas,
@@ -143,12 +143,12 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(
   impl->world = world_size;
   impl->runtime = std::make_unique<IoRuntime>(impl->options.io_threads);
   impl->staging.resize(impl->options.max_in_flight);
-  EVENSTEP_RETURN_IF_ERROR(impl->env->CreateDirs(impl->options.dir), "checkpoint writer, rank ",
-                           rank);
+  EVENSTEP_RETURN_IF_ERROR(CreateDirsDurably(*impl->env, impl->options.dir),
+                           "checkpoint writer, rank ", rank);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 
-absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointState& state) {
+absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& state) {
   Impl& m = *impl_;
   const absl::Time begin = absl::Now();
   SaveTicket ticket;
@@ -317,10 +317,7 @@ absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step, st
                      " already holds a committed checkpoint; it is not overwritten (this save is "
                      "dropped)"));
   }
-  EVENSTEP_RETURN_IF_ERROR(runtime->Blocking([&] {
-    absl::Status made = env->CreateDirs(ckpt);
-    return made.ok() ? env->SyncDir(options.dir) : made;
-  }));
+  EVENSTEP_RETURN_IF_ERROR(runtime->Blocking([&] { return CreateDirsDurably(*env, ckpt); }));
   // Checksums of the datasets, from the staging buffer (once the device
   // copies of the snapshot, if any, have landed).
   nlohmann::json datasets = nlohmann::json::array();

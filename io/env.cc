@@ -203,6 +203,22 @@ absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path, 
   return data;
 }
 
+absl::Status CreateDirsDurably(Env& env, const std::string& dir) {
+  std::vector<std::filesystem::path> created;  // innermost first
+  std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
+  if (!p.has_filename()) p = p.parent_path();  // "a/b/" -> "a/b"
+  for (; !p.empty() && p != p.root_path() && !env.Exists(p.string()); p = p.parent_path()) {
+    created.push_back(p);
+  }
+  EVENSTEP_RETURN_IF_ERROR(env.CreateDirs(dir));
+  for (auto it = created.rbegin(); it != created.rend(); ++it) {
+    const std::filesystem::path parent = it->has_parent_path() ? it->parent_path() : ".";
+    EVENSTEP_RETURN_IF_ERROR(env.SyncDir(parent.string()), "making the new directory ",
+                             it->string(), " durable");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteFileAtomically(Env& env, const std::string& path, const char* data, size_t size,
                                  bool remove_if_unsynced) {
   constexpr size_t kChunk = size_t{64} << 20;

@@ -71,8 +71,17 @@ void FaultEnv::Reset() {
   crashed_ = false;
 }
 
+// A directory's one spelling ("a/./b/" -> "a/b"), so that the directory of a
+// path and the argument of SyncDir compare equal.
+std::string FaultEnv::Normal(const std::string& path) {
+  std::filesystem::path p = std::filesystem::path(path).lexically_normal();
+  if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
+  return p.empty() ? "." : p.string();
+}
+
 std::string FaultEnv::DirOf(const std::string& path) {
-  return std::filesystem::path(path).parent_path().string();
+  const std::filesystem::path p(Normal(path));
+  return p.has_parent_path() ? p.parent_path().string() : ".";
 }
 
 absl::Status FaultEnv::Point(const std::string& what, const std::string& path) {
@@ -103,6 +112,15 @@ void FaultEnv::RecoverFromCrash() {
     }
   }
   renames_.clear();
+  // Removals not made durable: the file is back with what had been synced.
+  for (auto& [dir, pending] : removes_) {
+    for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
+      if (target()->Exists(it->path)) continue;
+      std::ofstream(it->path, std::ios::binary | std::ios::trunc) << it->durable;
+      files_.erase(it->path);
+    }
+  }
+  removes_.clear();
   for (auto& [path, t] : files_) {
     if (!target()->Exists(path)) continue;
     if (t.created_since_dir_sync || t.synced_size < 0) {
@@ -112,6 +130,15 @@ void FaultEnv::RecoverFromCrash() {
     }
   }
   files_.clear();
+  // Directories whose entry in their parent never became durable vanish
+  // with everything below them.
+  for (auto& [parent, dirs] : new_dirs_) {
+    for (const std::string& dir : dirs) {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  }
+  new_dirs_.clear();
   points_ = fail_at_ = crash_at_ = 0;
   crashed_ = false;
 }
@@ -153,9 +180,12 @@ absl::Status FaultEnv::SyncDir(const std::string& dir) {
   absl::Status s = target()->SyncDir(dir);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    renames_.erase(dir);
+    const std::string key = Normal(dir);
+    renames_.erase(key);
+    removes_.erase(key);
+    new_dirs_.erase(key);
     for (auto& [path, t] : files_) {
-      if (DirOf(path) == dir) t.created_since_dir_sync = false;
+      if (DirOf(path) == key) t.created_since_dir_sync = false;
     }
   }
   return s;
@@ -163,16 +193,45 @@ absl::Status FaultEnv::SyncDir(const std::string& dir) {
 
 absl::Status FaultEnv::Remove(const std::string& path) {
   if (absl::Status s = Point("remove", path); !s.ok()) return s;
+  // What a crash before the directory's sync brings back: nothing for a file
+  // whose entry or data never became durable, else its synced bytes (all of
+  // a file this Env has not seen written). Kept for files of up to 64 MiB.
+  std::optional<PendingRemove> pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    files_.erase(path);
+    auto t = files_.find(path);
+    const bool durable =
+        t == files_.end() || (!t->second.created_since_dir_sync && t->second.synced_size >= 0);
+    if (durable) {
+      absl::StatusOr<std::string> bytes = ReadFileToString(*target(), path, int64_t{64} << 20);
+      if (bytes.ok()) {
+        if (t != files_.end())
+          bytes->resize(std::min<size_t>(bytes->size(), t->second.synced_size));
+        pending = PendingRemove{path, *std::move(bytes)};
+      }
+    }
   }
-  return target()->Remove(path);
+  absl::Status s = target()->Remove(path);
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    files_.erase(path);
+    if (pending) removes_[DirOf(path)].push_back(*std::move(pending));
+  }
+  return s;
 }
 
 absl::Status FaultEnv::CreateDirs(const std::string& dir) {
   if (absl::Status s = Point("create directory", dir); !s.ok()) return s;
-  return target()->CreateDirs(dir);
+  std::vector<std::string> missing;
+  for (std::string p = Normal(dir); p != "." && p != "/" && !target()->Exists(p); p = DirOf(p)) {
+    missing.push_back(p);
+  }
+  absl::Status s = target()->CreateDirs(dir);
+  if (s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& m : missing) new_dirs_[DirOf(m)].push_back(m);
+  }
+  return s;
 }
 
 absl::Status FaultEnv::RemoveTree(const std::string& dir) {

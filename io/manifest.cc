@@ -16,7 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "evenstep/checkpoint.h"
+#include "evenstep/checkpoint_files.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
 #include "evenstep/status_macros.h"

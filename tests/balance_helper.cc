@@ -26,7 +26,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "evenstep/balanced_step.h"
-#include "evenstep/checkpointer.h"
+#include "evenstep/train_checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
 #include "evenstep/metrics.h"
@@ -48,7 +48,7 @@ ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
 ABSL_FLAG(std::string, duty, "none",
           "Extra duty after every step: none; rank0 (rank 0 alone blocks for --duty_ms, like a "
           "synchronous torch::save or evaluation on rank 0); evenstep (every rank saves its share "
-          "through the Checkpointer, in the background)");
+          "through the TrainCheckpointer, in the background)");
 ABSL_FLAG(int, duty_ms, 60, "Length of the rank0 duty.");
 ABSL_FLAG(int, duty_every, 1, "The duty comes after every this many steps.");
 ABSL_FLAG(std::string, metrics_dir, "", "Log loss and rank through a MetricsLogger there.");
@@ -162,12 +162,12 @@ int main(int argc, char** argv) {
     timeline = *std::move(opened);
   }
   const std::string duty = absl::GetFlag(FLAGS_duty);
-  std::unique_ptr<evenstep::Checkpointer> checkpointer;
+  std::unique_ptr<evenstep::TrainCheckpointer> checkpointer;
   if (duty == "evenstep") {
     auto options = evenstep::CheckpointOptionsFromFlags();
     auto created = options.ok()
-                       ? evenstep::Checkpointer::Create(**ctx, *options)
-                       : absl::StatusOr<std::unique_ptr<evenstep::Checkpointer>>(options.status());
+                       ? evenstep::TrainCheckpointer::Create(**ctx, *options)
+                       : absl::StatusOr<std::unique_ptr<evenstep::TrainCheckpointer>>(options.status());
     if (!created.ok()) {
       std::cerr << created.status() << "\n";
       return 3;

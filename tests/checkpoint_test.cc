@@ -3,8 +3,6 @@
 // balance, crash at every write point, ENOSPC/EIO at every write point,
 // corruption, hostile manifests, the in-flight bound, retention, and
 // h5py / h5dump reading a shard.
-#include "evenstep/checkpoint.h"
-
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -20,6 +18,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "evenstep/checkpoint_files.h"
 #include "evenstep/fault_env.h"
 #include "tests/testing/in_process_commit_store.h"
 #include "tests/testing/subprocess.h"
@@ -38,9 +37,9 @@ class TempDir : public evenstep::testing::TempDir {
   TempDir() : evenstep::testing::TempDir("evenstep_ckpt", Where::kMemory) {}
 };
 
-CheckpointState MakeState(int64_t step, int seed) {
+CheckpointContents MakeState(int64_t step, int seed) {
   at::manual_seed(seed);
-  CheckpointState state;
+  CheckpointContents state;
   state.step = step;
   auto add = [&](const std::string& name, at::Tensor t) { state.tensors.push_back({name, t}); };
   add("model/embed.weight", at::randn({64, 33}));
@@ -68,7 +67,7 @@ bool BitEqual(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Saves `state` as `world` ranks (writers in this process) and waits.
-absl::Status SaveAsRanks(const std::string& dir, const CheckpointState& state, int world,
+absl::Status SaveAsRanks(const std::string& dir, const CheckpointContents& state, int world,
                          Env* env = nullptr, int64_t slice_bytes = 1024) {
   auto store = std::make_unique<evenstep::testing::InProcessCommitStore>();
   // Every rank saves, then every rank waits: a save's outcome needs all ranks.
@@ -102,7 +101,7 @@ absl::Status SaveAsRanks(const std::string& dir, const CheckpointState& state, i
   return first;
 }
 
-void ExpectMatches(const std::string& path, const CheckpointState& state) {
+void ExpectMatches(const std::string& path, const CheckpointContents& state) {
   auto reader = CheckpointReader::Open(*Env::Default(), path);
   ASSERT_TRUE(reader.ok()) << reader.status();
   EXPECT_EQ((*reader)->manifest().step, state.step);
@@ -118,7 +117,7 @@ class CheckpointWorldTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(CheckpointWorldTest, RoundTripEveryDtypeBitExact) {
   TempDir dir;
-  const CheckpointState state = MakeState(7, 1);
+  const CheckpointContents state = MakeState(7, 1);
   ASSERT_TRUE(SaveAsRanks(dir.path(), state, GetParam()).ok());
   auto latest = LatestCheckpoint(*Env::Default(), dir.path());
   ASSERT_TRUE(latest.ok()) << latest.status();
@@ -145,7 +144,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CheckpointWorldTest, ::testing::Values(1, 2, 3,
 // a rank reads become the stored tensor again (wrong sizes refused, naming it).
 TEST_P(CheckpointWorldTest, ReadPlanCoversEveryTensorOnceAndBytesBecomeTheTensor) {
   TempDir dir;
-  const CheckpointState state = MakeState(3, 1);
+  const CheckpointContents state = MakeState(3, 1);
   ASSERT_TRUE(SaveAsRanks(dir.path(), state, 2).ok());
   auto reader = CheckpointReader::Open(*Env::Default(), CheckpointPath(dir.path(), 3));
   ASSERT_TRUE(reader.ok()) << reader.status();
@@ -199,7 +198,7 @@ TEST(CheckpointTest, CrashAtEveryWritePointLeavesPreviousOrNewComplete) {
   ASSERT_GT(points, 10);
   for (int64_t n = 1; n <= points; ++n) {
     TempDir dir;
-    const CheckpointState before = MakeState(1, 1), after = MakeState(2, 2);
+    const CheckpointContents before = MakeState(1, 1), after = MakeState(2, 2);
     ASSERT_TRUE(SaveAsRanks(dir.path(), before, 2).ok());
     FaultEnv env(Env::Default());
     env.CrashAt(n);
@@ -225,6 +224,51 @@ TEST(CheckpointTest, CrashAtEveryWritePointLeavesPreviousOrNewComplete) {
   }
 }
 
+// A save that returned OK survives a power cut right after it, even into a
+// checkpoint root the writer had to create (its entry, and its parents',
+// must have been made durable too).
+TEST(CheckpointTest, CommittedSaveIntoANewRootSurvivesACrashRightAfter) {
+  TempDir dir;
+  const std::string root = dir.path() + "/new/nested/root";
+  FaultEnv env(Env::Default());
+  const CheckpointContents state = MakeState(4, 3);
+  ASSERT_TRUE(SaveAsRanks(root, state, 2, &env).ok());
+  env.CrashAt(1);
+  env.RecoverFromCrash();
+  auto latest = LatestCheckpoint(*Env::Default(), root);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  ExpectMatches(*latest, state);
+}
+
+// FaultEnv models what a crash undoes: a Remove not followed by its
+// directory's sync comes back (with its synced bytes), one followed by it
+// does not; a directory CreateDirs made vanishes with its contents unless
+// its parent was synced.
+TEST(FaultEnvTest, CrashUndoesUnsyncedRemovesAndDirectoryCreations) {
+  TempDir dir;
+  Env& real = *Env::Default();
+  const std::string sub = dir.path() + "/sub";
+  ASSERT_TRUE(real.CreateDirs(sub).ok());
+  ASSERT_TRUE(WriteFileAtomically(real, sub + "/kept", "durable bytes").ok());
+  ASSERT_TRUE(WriteFileAtomically(real, dir.path() + "/gone", "removed for good").ok());
+  FaultEnv env(&real);
+  ASSERT_TRUE(env.Remove(dir.path() + "/gone").ok());
+  ASSERT_TRUE(env.CreateDirs(dir.path() + "/made").ok());
+  ASSERT_TRUE(env.SyncDir(dir.path()).ok());  // both made durable
+  ASSERT_TRUE(env.CreateDirs(dir.path() + "/lost/inner").ok());
+  ASSERT_TRUE(WriteFileAtomically(env, dir.path() + "/lost/inner/f", "synced in inner").ok());
+  ASSERT_TRUE(env.Remove(sub + "/kept").ok());  // sub is never synced after this
+  env.CrashAt(1);
+  env.RecoverFromCrash();
+  EXPECT_FALSE(real.Exists(dir.path() + "/gone")) << "a removal made durable came back";
+  EXPECT_TRUE(real.Exists(dir.path() + "/made")) << "a directory whose parent was synced vanished";
+  EXPECT_FALSE(real.Exists(dir.path() + "/lost"))
+      << "a directory whose parent was never synced survived";
+  auto kept = ReadFileToString(real, sub + "/kept");
+  ASSERT_TRUE(kept.ok()) << "an unsynced removal was not undone: " << kept.status();
+  EXPECT_EQ(*kept, "durable bytes");
+}
+
 TEST(CheckpointTest, NoSpaceOrIoErrorAtEveryWritePointIsReportedAndNothingIsLost) {
   for (int error : {ENOSPC, EIO}) {
     TempDir counting;
@@ -233,7 +277,7 @@ TEST(CheckpointTest, NoSpaceOrIoErrorAtEveryWritePointIsReportedAndNothingIsLost
     const int64_t points = probe.write_points();
     for (int64_t n = 1; n <= points; ++n) {
       TempDir dir;
-      const CheckpointState before = MakeState(1, 1);
+      const CheckpointContents before = MakeState(1, 1);
       ASSERT_TRUE(SaveAsRanks(dir.path(), before, 2).ok());
       FaultEnv env(Env::Default());
       env.FailAt(n, error);
@@ -265,7 +309,7 @@ TEST(CheckpointTest, NoSpaceOrIoErrorAtEveryWritePointIsReportedAndNothingIsLost
         EXPECT_EQ(*latest, CheckpointPath(dir.path(), 1)) << "point " << n;
       }
       env.Reset();
-      const CheckpointState again = MakeState(3, 3);
+      const CheckpointContents again = MakeState(3, 3);
       ASSERT_TRUE(SaveAsRanks(dir.path(), again, 2, &env).ok()) << "after a failure at " << n;
       ExpectMatches(CheckpointPath(dir.path(), 3), again);
     }
@@ -274,7 +318,7 @@ TEST(CheckpointTest, NoSpaceOrIoErrorAtEveryWritePointIsReportedAndNothingIsLost
 
 TEST(CheckpointTest, FlippedByteIsReportedWithFileAndDataset) {
   TempDir dir;
-  const CheckpointState state = MakeState(5, 1);
+  const CheckpointContents state = MakeState(5, 1);
   ASSERT_TRUE(SaveAsRanks(dir.path(), state, 2).ok());
   const std::string path = CheckpointPath(dir.path(), 5);
   auto reader = CheckpointReader::Open(*Env::Default(), path);
@@ -387,7 +431,7 @@ TEST(CheckpointTest, InFlightBoundSkipsOrWaits) {
 
 TEST(CheckpointTest, H5pyAndH5dumpReadAShard) {
   TempDir dir;
-  CheckpointState state;
+  CheckpointContents state;
   state.step = 9;
   state.tensors.push_back({"model/w", at::arange(6, at::kFloat).reshape({2, 3}) * 0.5});
   state.tensors.push_back({"model/h", at::tensor({1.5, -2.0}, at::kFloat).to(at::kHalf)});
@@ -408,7 +452,7 @@ TEST(CheckpointTest, H5pyAndH5dumpReadAShard) {
 TEST(CheckpointTest, PythonReaderLoadsEveryTensorBitForBit) {
   // tools/evenstep_ckpt_reader.py: h5py + numpy only, no evenstep code.
   TempDir dir;
-  const CheckpointState state = MakeState(6, 3);
+  const CheckpointContents state = MakeState(6, 3);
   ASSERT_TRUE(SaveAsRanks(dir.path(), state, 3).ok());  // slices across 3 shards
   const std::string dump = dir.path() + "/dump";
   auto [rc, out] = RunShell(
@@ -444,7 +488,7 @@ TEST(CheckpointTest, PythonReaderLoadsEveryTensorBitForBit) {
 
 TEST(CheckpointTest, CkptToolListsShowsVerifiesAndConsolidates) {
   TempDir dir;
-  const CheckpointState state = MakeState(4, 1);
+  const CheckpointContents state = MakeState(4, 1);
   ASSERT_TRUE(SaveAsRanks(dir.path(), state, 2).ok());
   const std::string tool = EVENSTEP_CKPT_TOOL;
   auto [rc, out] = RunShell(tool + " ls " + dir.path());

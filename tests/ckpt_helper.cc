@@ -1,4 +1,4 @@
-// Rank program for the distributed checkpoint tests (checkpointer_test.cc):
+// Rank program for the distributed checkpoint tests (train_checkpointer_test.cc):
 //   ckpt_helper --mode=save --evenstep_ckpt_dir=D [--optimizer=adam] [--steps=3]
 //     trains a few BalancedSteps, saves at the last step, waits for the
 //     commit, prints "digest <hex>" of every model and optimizer tensor.
@@ -26,7 +26,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "evenstep/balanced_step.h"
-#include "evenstep/checkpointer.h"
+#include "evenstep/train_checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
 #include "evenstep/session.h"
@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
     std::cerr << (step.ok() ? options.status() : step.status()) << "\n";
     return 3;
   }
-  auto ckpt = evenstep::Checkpointer::Create(**ctx, *options);
+  auto ckpt = evenstep::TrainCheckpointer::Create(**ctx, *options);
   if (!ckpt.ok()) {
     std::cerr << ckpt.status() << "\n";
     return 3;

@@ -14,7 +14,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
 #include "evenstep/balanced_step.h"
-#include "evenstep/checkpointer.h"
+#include "evenstep/train_checkpointer.h"
 
 namespace evenstep {
 namespace {
@@ -152,7 +152,7 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_clip_grad_norm", {"-1", "nan", "inf"}},
       {"evenstep_ckpt_dir",
        {},
-       "any path is a valid value; an unusable one fails Checkpointer::Create naming it "
+       "any path is a valid value; an unusable one fails TrainCheckpointer::Create naming it "
        "(resume_test: BadFlagsAndPathsStopWithAMessage)"},
       {"evenstep_ckpt_keep", {"0", "-1"}},
       {"evenstep_ckpt_in_flight", {"0"}},

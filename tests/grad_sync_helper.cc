@@ -313,7 +313,7 @@ int Hook(evenstep::DistContext& dist, const std::string& name) {
   if (name == "user") {
     evenstep::CommHook base = evenstep::SumHook();
     (*sync)->set_comm_hook([base](const evenstep::CommHookContext& ctx, at::Tensor& bucket) {
-      return evenstep::ReducedBucket::Then(base(ctx, bucket),
+      return evenstep::BucketFuture::Then(base(ctx, bucket),
                                            [](at::Tensor reduced) { return reduced.mul(2); });
     });
     factor = 2;

@@ -282,10 +282,11 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
                                             ", optimizer step: ", internal::ErrorText(e)));
   }
   report_.optimizer = absl::Now() - optimizer_begin;
-  EVENSTEP_RETURN_IF_ERROR(Account());
+  EVENSTEP_RETURN_IF_ERROR(Account(), "BalancedStep: step ", steps_ + 1, ", accounting costs");
   ++steps_;
   report_.step = steps_;
-  EVENSTEP_RETURN_IF_ERROR(Exchange());
+  EVENSTEP_RETURN_IF_ERROR(Exchange(), "BalancedStep: step ", steps_,
+                           ", exchanging cost fits for the next plan");
   report_.end = absl::Now();
   return report_;
 }
@@ -344,10 +345,10 @@ absl::Status BalancedStep::CheckRestore(const BalanceState& state) const {
         absl::StrCat("BalancedStep::Restore: ", state.steps, " steps done"));
   }
   Sampler trial = sampler_;
-  EVENSTEP_RETURN_IF_ERROR(trial.Restore(state.sampler));
+  EVENSTEP_RETURN_IF_ERROR(trial.Restore(state.sampler), "the sampler's position");
   if (static_cast<int>(state.shares.size()) == ctx_.world_size()) {
     Planner planner = planner_;
-    EVENSTEP_RETURN_IF_ERROR(planner.SetShares(state.shares));
+    EVENSTEP_RETURN_IF_ERROR(planner.SetShares(state.shares), "the saved shares of the ranks");
   }
   return absl::OkStatus();
 }

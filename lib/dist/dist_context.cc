@@ -28,7 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "evenstep/checkpoint.h"
+#include "evenstep/checkpoint_files.h"
 #include "evenstep/internal/c10d_compat.h"
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"

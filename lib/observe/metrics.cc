@@ -202,7 +202,8 @@ absl::StatusOr<std::vector<double>> Evaluate(
   }
   // Ranks without micro-batches still join, with zeros of the agreed length.
   at::Tensor length = at::full({1}, total.defined() ? total.numel() : 0, at::kLong);
-  EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(length, ReduceOp::kMax));
+  EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(length, ReduceOp::kMax),
+                           "evaluate: agreeing on the number of metrics");
   if (!total.defined()) total = at::zeros({length.item<int64_t>()}, at::kDouble);
   if (total.numel() != length.item<int64_t>()) {
     return absl::InvalidArgumentError(absl::StrCat("evaluate: rank ", ctx.rank(), " returned ",
@@ -210,7 +211,7 @@ absl::StatusOr<std::vector<double>> Evaluate(
                                                    length.item<int64_t>()));
   }
   total = total.contiguous();
-  EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(total));
+  EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(total), "evaluate: summing the metrics of every rank");
   return std::vector<double>(total.data_ptr<double>(), total.data_ptr<double>() + total.numel());
 }
 

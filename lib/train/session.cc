@@ -1,4 +1,4 @@
-// Session: BalancedStep + Checkpointer + Timeline + MetricsLogger, from flags.
+// Session: BalancedStep + TrainCheckpointer + Timeline + MetricsLogger, from flags.
 #include "evenstep/session.h"
 
 #include <ATen/ATen.h>
@@ -11,7 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "evenstep/checkpointer.h"
+#include "evenstep/train_checkpointer.h"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
@@ -120,7 +120,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
                             ": balanced steps and gradient sync");
   EVENSTEP_ASSIGN_OR_RETURN(CheckpointOptions options, CheckpointOptionsFromFlags());
   if (options.dir.empty()) options.dir = run_dir + "/ckpt";
-  EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, Checkpointer::Create(ctx, options),
+  EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, TrainCheckpointer::Create(ctx, options),
                             "Session::Create, rank ", ctx.rank(), ": checkpoints in ", options.dir);
   if (absl::GetFlag(FLAGS_evenstep_timeline)) {
     EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()),

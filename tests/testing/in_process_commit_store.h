@@ -9,7 +9,7 @@
 #include <mutex>
 #include <string>
 
-#include "evenstep/checkpoint.h"
+#include "evenstep/checkpoint_files.h"
 
 namespace evenstep::testing {
 

@@ -1,6 +1,6 @@
 // Communication hooks: how one bucket of flattened gradients is reduced across
 // ranks. A hook takes the bucket and returns a future of the reduced bucket
-// (a ReducedBucket); GradSync waits for it at the end of backward.
+// (a BucketFuture); GradSync waits for it at the end of backward.
 //
 // Built-ins (SUM is the default: exact weighting is done by loss scaling):
 //   SumHook()           all_reduce SUM
@@ -33,15 +33,15 @@ namespace evenstep {
 
 // A future of a reduced bucket: pending c10d work plus the step that turns its
 // output into the reduced bucket.
-class ReducedBucket {
+class BucketFuture {
  public:
-  ReducedBucket() = default;
+  BucketFuture() = default;
   // `finish` runs after `work` completed and returns the reduced bucket.
-  ReducedBucket(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish);
+  BucketFuture(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish);
   // An already reduced bucket (e.g. a world of one).
-  static ReducedBucket Ready(at::Tensor value);
+  static BucketFuture Ready(at::Tensor value);
   // `inner` followed by `fn` on its result: for hooks built on other hooks.
-  static ReducedBucket Then(ReducedBucket inner, std::function<at::Tensor(at::Tensor)> fn);
+  static BucketFuture Then(BucketFuture inner, std::function<at::Tensor(at::Tensor)> fn);
 
   bool valid() const { return finish_ != nullptr; }
   // Blocks until the reduction is done and returns it. Throws what c10d
@@ -77,10 +77,10 @@ struct CommHookContext {
 // `bucket` is the flat, contiguous gradient buffer of one bucket; the hook
 // may modify it in place or return another tensor of the same shape and dtype.
 // Collectives started in the hook, and in the finish step of the
-// ReducedBucket it returns, must be the same on every rank: GradSync waits
+// BucketFuture it returns, must be the same on every rank: GradSync waits
 // for the buckets in index order, so a two-phase hook (PowerSGD) may start
 // its second collective from the finish step.
-using CommHook = std::function<ReducedBucket(const CommHookContext&, at::Tensor& bucket)>;
+using CommHook = std::function<BucketFuture(const CommHookContext&, at::Tensor& bucket)>;
 
 CommHook SumHook();
 CommHook AvgHook();

@@ -85,6 +85,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "evenstep/comm_hook.h"
+#include "evenstep/named_tensor.h"
 
 namespace torch::nn {
 class Module;
@@ -153,8 +154,6 @@ struct SyncStats {
   absl::Time done;      // every bucket reduced and written back
   absl::Duration wait;  // time blocked waiting for the collectives
 };
-
-using NamedTensor = std::pair<std::string, at::Tensor>;
 
 class GradSync {
  public:

@@ -52,10 +52,15 @@ class Env {
   virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
   // fsync of a directory: makes creations, renames and removals in it durable.
   virtual absl::Status SyncDir(const std::string& dir) = 0;
+  // unlink(2); durable after SyncDir of its directory (a crash before that
+  // may bring the file back).
   virtual absl::Status Remove(const std::string& path) = 0;
-  // Creates `dir` and missing parents; OK when it exists.
+  // Creates `dir` and missing parents (mkdir -p); OK when it exists. Each
+  // new directory's entry is durable only after SyncDir of its parent
+  // (CreateDirsDurably does both).
   virtual absl::Status CreateDirs(const std::string& dir) = 0;
-  // Removes `dir` and everything below it.
+  // Removes `dir` and everything below it (durable after SyncDir of its
+  // parent).
   virtual absl::Status RemoveTree(const std::string& dir) = 0;
   // Entry names (not paths) in `dir`, sorted.
   virtual absl::StatusOr<std::vector<std::string>> List(const std::string& dir) = 0;
@@ -103,6 +108,10 @@ absl::Status ErrnoStatus(int error, const std::string& operation, const std::str
 // anything is allocated, when it holds more than `max_bytes`.
 absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
                                              int64_t max_bytes = int64_t{64} << 20);
+// CreateDirs(dir), then SyncDir of the parent of every directory it created
+// (top down), so that a crash cannot lose `dir` and with it what is later
+// written and synced inside it.
+absl::Status CreateDirsDurably(Env& env, const std::string& dir);
 // Writes `data` to `path` crash-safely: `path`.tmp (in writes of at most
 // 64 MiB), fsync, rename over `path`, fsync of the directory; a crash leaves
 // the old file or the new one, whole. On a failure before the rename the

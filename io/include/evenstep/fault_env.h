@@ -9,9 +9,17 @@
 //   ...                             // run the save; it reports the failure
 //   env.RecoverFromCrash();         // what a power cut leaves behind:
 //                                   // data written since the file's last Sync
-//                                   // dropped, renames and creations since
-//                                   // the directory's last SyncDir undone (a
-//                                   // file a rename replaced comes back)
+//                                   // dropped, renames, creations and
+//                                   // removals since the directory's last
+//                                   // SyncDir undone (a file a rename replaced
+//                                   // or a Remove unlinked comes back with its
+//                                   // synced bytes; a directory CreateDirs
+//                                   // made vanishes with all inside it unless
+//                                   // its parent was synced). RemoveTree is
+//                                   // not undone: the trees evenstep removes
+//                                   // (old or uncommitted checkpoints) may
+//                                   // come back after a real crash, and
+//                                   // nothing depends on their absence.
 //
 // Thread-safety: thread-safe.
 #pragma once
@@ -68,8 +76,13 @@ class FaultEnv : public EnvWrapper {
     // the new one, never neither). Kept for files of up to 64 MiB.
     std::optional<std::string> replaced;
   };
+  struct PendingRemove {
+    std::string path;
+    std::string durable;  // the bytes a crash brings back (its synced size)
+  };
   // Counts a write point named `what` on `path`; non-OK when it must fail.
   absl::Status Point(const std::string& what, const std::string& path);
+  static std::string Normal(const std::string& path);
   static std::string DirOf(const std::string& path);
 
   mutable std::mutex mu_;
@@ -81,6 +94,8 @@ class FaultEnv : public EnvWrapper {
   bool crashed_ = false;
   std::map<std::string, Tracked> files_;
   std::map<std::string, std::vector<PendingRename>> renames_;  // by directory
+  std::map<std::string, std::vector<PendingRemove>> removes_;  // by directory
+  std::map<std::string, std::vector<std::string>> new_dirs_;   // by parent directory
 };
 
 }  // namespace evenstep

@@ -56,15 +56,7 @@
 #include "evenstep/planner.h"
 #include "evenstep/sampler.h"
 #include "evenstep/status_macros.h"
-
-namespace torch {
-namespace nn {
-class Module;
-}
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
+#include "evenstep/torch_fwd.h"
 
 namespace evenstep {
 namespace internal {

@@ -1,6 +1,6 @@
 // Session: everything evenstep does for a training loop, behind one object —
 // balanced steps (BalancedStep), resume and sharded background checkpoints
-// (Checkpointer), the per-rank timeline (Timeline) and logs (MetricsLogger),
+// (TrainCheckpointer), the per-rank timeline (Timeline) and logs (MetricsLogger),
 // evaluation split across all ranks (Evaluate). Every part is switched by
 // --evenstep_* flags; this is what keeps the diff to a user's loop small:
 //
@@ -30,7 +30,7 @@
 
 namespace evenstep {
 
-class Checkpointer;
+class TrainCheckpointer;
 class MetricsLogger;
 class Timeline;
 
@@ -116,7 +116,7 @@ class Session {
   torch::nn::Module& model_;
   torch::optim::Optimizer& optimizer_;
   std::unique_ptr<BalancedStep> step_;
-  std::unique_ptr<Checkpointer> checkpointer_;
+  std::unique_ptr<TrainCheckpointer> checkpointer_;
   std::unique_ptr<Timeline> timeline_;
   std::unique_ptr<MetricsLogger> metrics_;
   int64_t first_step_ = 1;

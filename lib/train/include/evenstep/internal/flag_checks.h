@@ -1,5 +1,5 @@
 // Range checks of --evenstep_* flag values, shared by the files that turn
-// flags into option structs (flags.cc, checkpointer.cc, session.cc), so every
+// flags into option structs (flags.cc, train_checkpointer.cc, session.cc), so every
 // bad value is reported the same way.
 #pragma once
 

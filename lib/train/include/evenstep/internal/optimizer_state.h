@@ -16,10 +16,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "evenstep/named_tensor.h"
 
 namespace evenstep::internal {
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct OptimizerKind {
   std::string name;                   // "Adam", as the manifest's extras record it

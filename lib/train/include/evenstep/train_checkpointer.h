@@ -1,9 +1,9 @@
-// Checkpointer: saves and restores a training run — model parameters and
+// TrainCheckpointer: saves and restores a training run — model parameters and
 // buffers, optimizer state (SGD, Adam, AdamW, RMSprop, Adagrad), the balancing
 // state (sampler position, plan) and user extras — as sharded asynchronous
-// checkpoints (io/checkpoint.h), and loads them at any world size.
+// checkpoints (io/checkpoint_files.h), and loads them at any world size.
 //
-//   auto ckpt = evenstep::Checkpointer::Create(*ctx, *evenstep::CheckpointOptionsFromFlags());
+//   auto ckpt = evenstep::TrainCheckpointer::Create(*ctx, *evenstep::CheckpointOptionsFromFlags());
 //   auto loaded = (*ckpt)->Load({model.get(), &optimizer, step.get()});  // resume
 //   ...
 //   (*ckpt)->Save(s, {model.get(), &optimizer, step.get()});   // blocks for the snapshot only
@@ -22,16 +22,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "evenstep/checkpoint.h"
-
-namespace torch {
-namespace nn {
-class Module;
-}
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
+#include "evenstep/checkpoint_files.h"
+#include "evenstep/named_tensor.h"
+#include "evenstep/torch_fwd.h"
 
 namespace evenstep {
 
@@ -52,7 +45,7 @@ struct LoadOptions {
   // Non-strict: loads what matches and lists the rest.
   bool strict = true;
   // A checkpoint directory; empty = the newest committed one in the
-  // Checkpointer's directory.
+  // TrainCheckpointer's directory.
   std::string path;
   // With `path` empty: when the newest committed checkpoint cannot be
   // opened, validated or read (a corrupt or missing file), set it aside
@@ -75,11 +68,11 @@ struct LoadResult {
 // --evenstep_ckpt_* flags: dir, keep, in_flight, when_busy, slice_mb.
 absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags();
 
-class Checkpointer {
+class TrainCheckpointer {
  public:
-  static absl::StatusOr<std::unique_ptr<Checkpointer>> Create(DistContext& ctx,
-                                                              CheckpointOptions options);
-  ~Checkpointer();
+  static absl::StatusOr<std::unique_ptr<TrainCheckpointer>> Create(DistContext& ctx,
+                                                                   CheckpointOptions options);
+  ~TrainCheckpointer();
 
   // Snapshot (the only stall) and background write of `state` at `step`.
   absl::StatusOr<SaveTicket> Save(int64_t step, const TrainState& state);
@@ -98,8 +91,8 @@ class Checkpointer {
   const CheckpointOptions& options() const { return options_; }
 
  private:
-  Checkpointer(DistContext& ctx, CheckpointOptions options, std::unique_ptr<CommitStore> store,
-               std::unique_ptr<CheckpointWriter> writer);
+  TrainCheckpointer(DistContext& ctx, CheckpointOptions options, std::unique_ptr<CommitStore> store,
+                    std::unique_ptr<CheckpointWriter> writer);
   // One attempt at `path`. On failure, *mismatch is set when the checkpoint
   // does not fit the live state (never a reason to fall back), *agreed when
   // every rank knows of the failure (only then may the ranks move on to
@@ -116,7 +109,7 @@ class Checkpointer {
 // Named tensors of a model and optimizer as a checkpoint holds them (exposed
 // for tools and tests). InvalidArgument naming the optimizer type when its
 // state cannot be captured.
-absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> CaptureTensors(
-    torch::nn::Module* model, torch::optim::Optimizer* optimizer);
+absl::StatusOr<NamedTensors> CaptureTensors(torch::nn::Module* model,
+                                            torch::optim::Optimizer* optimizer);
 
 }  // namespace evenstep

@@ -48,6 +48,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "evenstep/env.h"
+#include "evenstep/named_tensor.h"
 
 namespace at {
 class Tensor;
@@ -81,11 +82,11 @@ struct CheckpointOptions {
   Env* env = nullptr;  // null: Env::Default()
 };
 
-struct CheckpointState {
+struct CheckpointContents {
   int64_t step = 0;
   // Names are '/'-separated segments ("model/fc.weight", "optimizer/3/exp_avg");
   // every rank passes the same names, shapes and dtypes in the same order.
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  NamedTensors tensors;
   std::string extras_json = "{}";  // user state (sampler position, RNG, ...)
 };
 
@@ -108,7 +109,7 @@ class CheckpointWriter {
 
   // Snapshots `state` and writes it in the background. InvalidArgument naming
   // the tensor for a bad name or dtype; the I/O outcome comes in the ticket.
-  absl::StatusOr<SaveTicket> Save(const CheckpointState& state);
+  absl::StatusOr<SaveTicket> Save(const CheckpointContents& state);
   // Waits for every save in flight; the first error of any save since the
   // last WaitAll (none is dropped unread), OK otherwise.
   absl::Status WaitAll();
@@ -214,7 +215,7 @@ class CheckpointReader {
   // of problems (empty when intact).
   std::vector<std::string> Verify() const;
 
-  // --- For a distributed load (the Checkpointer) ---
+  // --- For a distributed load (the TrainCheckpointer) ---
   // Which whole tensors each of `world` ranks reads: indices into
   // manifest().tensors, planned as shards are (largest first to the rank
   // with the fewest bytes so far, ties to the lower rank), so that every

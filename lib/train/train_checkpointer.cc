@@ -1,6 +1,6 @@
-// Checkpointer: model / optimizer / balancing state <-> sharded checkpoints;
-// see checkpointer.h.
-#include "evenstep/checkpointer.h"
+// TrainCheckpointer: model / optimizer / balancing state <-> sharded checkpoints;
+// see train_checkpointer.h.
+#include "evenstep/train_checkpointer.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim.h>
@@ -31,8 +31,6 @@
 
 namespace evenstep {
 namespace {
-
-using Named = std::vector<std::pair<std::string, at::Tensor>>;
 
 // The optimizer's state map key of a parameter: the TensorImpl pointer's
 // text in libtorch 1.x (std::string keys, as c10::guts::to_string printed it),
@@ -91,8 +89,9 @@ absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
 
 }  // namespace
 
-absl::StatusOr<Named> CaptureTensors(torch::nn::Module* model, torch::optim::Optimizer* optimizer) {
-  Named out;
+absl::StatusOr<NamedTensors> CaptureTensors(torch::nn::Module* model,
+                                            torch::optim::Optimizer* optimizer) {
+  NamedTensors out;
   if (model != nullptr) {
     for (const auto& p : model->named_parameters(/*recurse=*/true)) {
       out.push_back({"model/" + p.key(), p.value()});
@@ -139,18 +138,18 @@ absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags() {
   return options;
 }
 
-Checkpointer::Checkpointer(DistContext& ctx, CheckpointOptions options,
-                           std::unique_ptr<CommitStore> store,
-                           std::unique_ptr<CheckpointWriter> writer)
+TrainCheckpointer::TrainCheckpointer(DistContext& ctx, CheckpointOptions options,
+                                     std::unique_ptr<CommitStore> store,
+                                     std::unique_ptr<CheckpointWriter> writer)
     : ctx_(ctx),
       options_(std::move(options)),
       store_(std::move(store)),
       writer_(std::move(writer)) {}
 
-Checkpointer::~Checkpointer() { writer_.reset(); }
+TrainCheckpointer::~TrainCheckpointer() { writer_.reset(); }
 
-absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(DistContext& ctx,
-                                                                   CheckpointOptions options) {
+absl::StatusOr<std::unique_ptr<TrainCheckpointer>> TrainCheckpointer::Create(
+    DistContext& ctx, CheckpointOptions options) {
   if (options.dir.empty()) {
     return absl::InvalidArgumentError("checkpoint directory not set (--evenstep_ckpt_dir)");
   }
@@ -159,12 +158,12 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(DistContext& 
   EVENSTEP_ASSIGN_OR_RETURN(
       std::unique_ptr<CheckpointWriter> writer,
       CheckpointWriter::Create(options, store.get(), ctx.rank(), ctx.world_size()));
-  return std::unique_ptr<Checkpointer>(
-      new Checkpointer(ctx, std::move(options), std::move(store), std::move(writer)));
+  return std::unique_ptr<TrainCheckpointer>(
+      new TrainCheckpointer(ctx, std::move(options), std::move(store), std::move(writer)));
 }
 
-absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& state) {
-  CheckpointState ckpt;
+absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainState& state) {
+  CheckpointContents ckpt;
   ckpt.step = step;
   EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, state.optimizer),
                             "checkpoint of step ", step);
@@ -204,7 +203,7 @@ absl::StatusOr<SaveTicket> Checkpointer::Save(int64_t step, const TrainState& st
   return writer_->Save(ckpt);
 }
 
-absl::Status Checkpointer::WaitAll() { return writer_->WaitAll(); }
+absl::Status TrainCheckpointer::WaitAll() { return writer_->WaitAll(); }
 
 namespace {
 
@@ -371,7 +370,8 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
 
 }  // namespace
 
-absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const LoadOptions& options) {
+absl::StatusOr<LoadResult> TrainCheckpointer::Load(const TrainState& state,
+                                                   const LoadOptions& options) {
   Env& env = *(options_.env != nullptr ? options_.env : Env::Default());
   const bool fallback = options.fallback && options.path.empty();
   // The candidates, newest first, as rank 0 sees the directory; every rank
@@ -454,16 +454,16 @@ absl::StatusOr<LoadResult> Checkpointer::Load(const TrainState& state, const Loa
   }
 }
 
-absl::StatusOr<LoadResult> Checkpointer::LoadFrom(Env& env, const std::string& path,
-                                                  const TrainState& state,
-                                                  const LoadOptions& options, bool* mismatch_out,
-                                                  bool* agreed_out) {
+absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::string& path,
+                                                       const TrainState& state,
+                                                       const LoadOptions& options,
+                                                       bool* mismatch_out, bool* agreed_out) {
   LoadResult result;
   result.path = path;
   // 1. Open and validate, on every rank, against the live model, optimizer
   //    and balancing state — before anything is written.
   std::unique_ptr<CheckpointReader> reader;
-  Named expected;
+  NamedTensors expected;
   std::map<std::string, at::Tensor> targets;
   std::set<std::string> seen;
   OptimizerPlan opt;

@@ -1,4 +1,4 @@
-// Checkpointer over real ranks: a run saved at one world size loads at
+// TrainCheckpointer over real ranks: a run saved at one world size loads at
 // another (reshard 2->3, 3->2, 4->1) with model, optimizer state (SGD, Adam,
 // AdamW, RMSprop, Adagrad), sampler position and user extras bit-identical.
 #include <filesystem>
