@@ -26,11 +26,11 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "evenstep/balanced_step.h"
-#include "evenstep/train_checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
 #include "evenstep/metrics.h"
 #include "evenstep/timeline.h"
+#include "evenstep/train_checkpointer.h"
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
 ABSL_FLAG(int, split_seed, 0, "Seed of random initial shares (0 = equal).");
@@ -95,6 +95,20 @@ torch::Tensor LossSum(torch::nn::Sequential& model, const Data& d,
     total = total + (per_token ? err.sum() : err.mean());
   }
   return total;
+}
+
+// The same losses written the usual way, reduction=mean over the
+// micro-batch: the mean over all its tokens (normalise=tokens) or the mean of
+// its samples' losses (normalise=samples). Used with
+// --evenstep_loss_reduction=mean.
+torch::Tensor LossMean(torch::nn::Sequential& model, const Data& d,
+                       const std::vector<int64_t>& samples, bool per_token) {
+  std::vector<torch::Tensor> parts;
+  for (int64_t i : samples) {
+    const torch::Tensor err = (model->forward(d.x[i]) - d.y[i]).pow(2);
+    parts.push_back(per_token ? err.reshape({-1}) : err.mean().reshape({1}));
+  }
+  return torch::cat(parts).mean();
 }
 
 }  // namespace
@@ -165,9 +179,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<evenstep::TrainCheckpointer> checkpointer;
   if (duty == "evenstep") {
     auto options = evenstep::CheckpointOptionsFromFlags();
-    auto created = options.ok()
-                       ? evenstep::TrainCheckpointer::Create(**ctx, *options)
-                       : absl::StatusOr<std::unique_ptr<evenstep::TrainCheckpointer>>(options.status());
+    auto created =
+        options.ok()
+            ? evenstep::TrainCheckpointer::Create(**ctx, *options)
+            : absl::StatusOr<std::unique_ptr<evenstep::TrainCheckpointer>>(options.status());
     if (!created.ok()) {
       std::cerr << created.status() << "\n";
       return 3;
@@ -200,7 +215,9 @@ int main(int argc, char** argv) {
           if (sleep_ms > 0) {
             std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
           }
-          return LossSum(model, data, samples, per_token);
+          return config->loss_reduction == evenstep::LossReduction::kMean
+                     ? LossMean(model, data, samples, per_token)
+                     : LossSum(model, data, samples, per_token);
         });
     if (!report.ok()) {
       std::cerr << report.status() << "\n";

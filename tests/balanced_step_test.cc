@@ -45,8 +45,9 @@ struct Case {
   std::string mode;
   int world;
   std::string normalize;
+  std::string reduction = "sum";  // what the helper's loss function returns
   friend void PrintTo(const Case& c, std::ostream* os) {
-    *os << c.mode << " world " << c.world << " " << c.normalize;
+    *os << c.mode << " world " << c.world << " " << c.normalize << " " << c.reduction;
   }
 };
 
@@ -58,9 +59,9 @@ TEST_P(BalancedStepExactTest, AppliedGradientEqualsSingleProcessGradient) {
   // then the planner's own (measured) shares; several micro-batches per rank.
   auto results =
       RunHelper(c.world, {"--evenstep_balance=" + c.mode, "--evenstep_normalize=" + c.normalize,
-                          "--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
-                          "--evenstep_warmup_steps=1", "--steps=4",
-                          "--split_seed=" + std::to_string(7 * c.world + 1)});
+                          "--evenstep_loss_reduction=" + c.reduction, "--evenstep_global_batch=37",
+                          "--evenstep_micro_batch_samples=4", "--evenstep_warmup_steps=1",
+                          "--steps=4", "--split_seed=" + std::to_string(7 * c.world + 1)});
   for (const ProcessResult& r : results) {
     ASSERT_EQ(r.exit_code, 0) << Describe(results);
     EXPECT_THAT(r.output, HasSubstr("balance ok"));
@@ -82,9 +83,14 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"static", 1, "samples"}, Case{"static", 3, "samples"},
                       Case{"work", 2, "tokens"}, Case{"work", 4, "samples"},
                       Case{"dynamic", 1, "tokens"}, Case{"dynamic", 2, "samples"},
-                      Case{"dynamic", 3, "tokens"}, Case{"dynamic", 4, "tokens"}),
+                      Case{"dynamic", 3, "tokens"}, Case{"dynamic", 4, "tokens"},
+                      // A loss written as a MEAN over the micro-batch (the
+                      // usual way) with --evenstep_loss_reduction=mean: the
+                      // same gradient as the SUM form.
+                      Case{"work", 3, "tokens", "mean"}, Case{"dynamic", 2, "samples", "mean"}),
     [](const auto& info) {
-      return absl::StrCat(info.param.mode, "_world", info.param.world, "_", info.param.normalize);
+      return absl::StrCat(info.param.mode, "_world", info.param.world, "_", info.param.normalize,
+                          info.param.reduction == "sum" ? "" : "_mean");
     });
 
 TEST(BalancedStepTest, LossTrajectoryIsTheSameForWorldSizes1To3) {

@@ -161,11 +161,18 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
   sync_->set_sync_enabled(last);
   try {
     if (loss_sum.dim() != 0) {
-      return Abandon(index, absl::StrCat("the loss must be a scalar (the sum of the micro-batch's "
-                                         "losses); got shape ",
-                                         c10::str(loss_sum.sizes())));
+      return Abandon(
+          index,
+          absl::StrCat("the loss must be a scalar (the ",
+                       config_.loss_reduction == LossReduction::kMean ? "mean" : "sum",
+                       " of the micro-batch's losses); got shape ", c10::str(loss_sum.sizes())));
     }
-    at::Tensor scaled_loss = loss_sum * scale_;
+    // The factor that makes this micro-batch's loss its share of the global
+    // batch's mean: 1 / (global count) for a SUM; for a MEAN, times the
+    // micro-batch's own count first.
+    const double factor =
+        scale_ * (config_.loss_reduction == LossReduction::kMean ? micro_[index].count : 1.0);
+    at::Tensor scaled_loss = loss_sum * factor;
     if (last) {
       // Parameters the loss cannot reach are ready at once (their buckets
       // are not held back to the end of backward).
@@ -175,7 +182,7 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
     }
     scaled_loss.backward();
     clock_->End();
-    const at::Tensor scaled = loss_sum.detach().to(at::kDouble) * scale_;
+    const at::Tensor scaled = loss_sum.detach().to(at::kDouble) * factor;
     loss_on_device_ = loss_on_device_.defined() ? loss_on_device_ + scaled : scaled;
   } catch (const std::exception& e) {
     return Abandon(index, internal::ErrorText(e));

@@ -74,6 +74,11 @@ ABSL_FLAG(bool, evenstep_drop_last, false,
 ABSL_FLAG(std::string, evenstep_normalize, "samples",
           "Loss normalisation: each sample's (or token's) loss is divided by the global batch's "
           "total count of samples or tokens.");
+ABSL_FLAG(std::string, evenstep_loss_reduction, "sum",
+          "What the micro-batch loss function returns: sum (of the per-sample or per-token "
+          "losses) or mean (over the micro-batch's samples or tokens, by --evenstep_normalize; "
+          "evenstep multiplies it by that count). Either gives the exact mean over the global "
+          "batch.");
 ABSL_FLAG(double, evenstep_cost_quadratic, 0,
           "Cost units of a sample of length L are L + c*L^2 with this c (attention-heavy "
           "models); 0 = tokens.");
@@ -229,6 +234,12 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   }
   config.sampler.normalization =
       normalize == "tokens" ? Normalization::kTokens : Normalization::kSamples;
+  const std::string reduction = absl::GetFlag(FLAGS_evenstep_loss_reduction);
+  if (reduction != "sum" && reduction != "mean") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_loss_reduction=", reduction, ": expected sum or mean"));
+  }
+  config.loss_reduction = reduction == "mean" ? LossReduction::kMean : LossReduction::kSum;
   config.sampler.global_batch = absl::GetFlag(FLAGS_evenstep_global_batch);
   config.sampler.micro_batch_samples = absl::GetFlag(FLAGS_evenstep_micro_batch_samples);
   config.sampler.micro_batch_tokens = absl::GetFlag(FLAGS_evenstep_micro_batch_tokens);

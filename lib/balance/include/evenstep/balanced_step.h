@@ -6,9 +6,12 @@
 // micro-batches (their number is this rank's accumulation count), and drives
 // them: local accumulation for all but the last, GradSync's overlapped
 // bucketed all-reduce on the last (a rank without micro-batches joins with
-// zeros). Each micro-batch's loss must be the SUM of its per-sample (or
-// per-token) losses; BalancedStep scales it by 1 / (the global batch's total
-// count), so the SUM-reduced gradient equals the gradient of the mean loss
+// zeros). Each micro-batch's loss is the SUM of its per-sample (or
+// per-token) losses, or with LossReduction::kMean (--evenstep_loss_reduction
+// =mean) their MEAN over the micro-batch's count (MicroBatch::count: its
+// samples, or its tokens with --evenstep_normalize=tokens), which
+// BalancedStep multiplies by that count; it scales the sum by 1 / (the global
+// batch's total count), so the SUM-reduced gradient equals the gradient of the mean loss
 // over the whole global batch, for any split and any world size. (Averaging
 // per micro-batch and then averaging the averages is the classic mistake this
 // avoids.) Then optional clipping on the synced global gradient, the
@@ -63,7 +66,17 @@ namespace internal {
 class MicroStepClock;
 }
 
+// How the loss a micro-batch's function returns is reduced over its samples
+// (or tokens, by SamplerOptions::normalization).
+enum class LossReduction {
+  kSum,   // the sum of the per-sample (per-token) losses
+  kMean,  // their mean over MicroBatch::count (what reduction=mean computes)
+};
+
 struct BalanceConfig {
+  // What the user's loss is; evenstep turns either into the exact mean over
+  // the global batch.
+  LossReduction loss_reduction = LossReduction::kSum;
   SamplerOptions sampler;
   PlannerOptions planner;
   CostModelOptions cost_model;
