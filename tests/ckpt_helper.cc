@@ -26,10 +26,10 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "evenstep/balanced_step.h"
-#include "evenstep/train_checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
 #include "evenstep/session.h"
+#include "evenstep/train_checkpointer.h"
 
 ABSL_FLAG(std::string, mode, "save", "save, load or session");
 ABSL_FLAG(std::string, run_dir, "", "--mode=session: the run directory.");
@@ -38,6 +38,9 @@ ABSL_FLAG(int, signal_at_step, 0,
 ABSL_FLAG(int, signal_rank, 1, "The rank that raises the signal.");
 ABSL_FLAG(std::string, signal, "TERM",
           "TERM (a preemption notice) or KILL (the rank dies; a launcher restarts the group).");
+ABSL_FLAG(bool, evaluate, false,
+          "--mode=session: after training, Session::Evaluate on 300 held-out lengths, printing "
+          "each evaluation micro-batch's padded tokens and the modes seen inside and after.");
 ABSL_FLAG(std::string, optimizer, "adam", "sgd, adam, adamw, rmsprop or adagrad");
 ABSL_FLAG(int, steps, 3, "Steps before the save.");
 ABSL_FLAG(int64_t, width, 300, "Hidden width (>= 262144: tensors of over 1 MiB, loaded in place).");
@@ -130,6 +133,36 @@ int RunSession(evenstep::DistContext& ctx) {
         ctx.rank() == absl::GetFlag(FLAGS_signal_rank)) {
       raise(absl::GetFlag(FLAGS_signal) == "KILL" ? SIGKILL : SIGTERM);
     }
+  }
+  if (absl::GetFlag(FLAGS_evaluate)) {
+    // A submodule already in eval mode (frozen, like a BatchNorm kept in
+    // eval) must stay so after the evaluation; the rest go back to training.
+    model[1]->eval();
+    std::vector<int64_t> eval_lengths(300);
+    for (size_t i = 0; i < eval_lengths.size(); ++i) eval_lengths[i] = 2 + (i * 7) % 23;
+    auto sums = (*session)->Evaluate(eval_lengths, [&](const std::vector<int64_t>& samples) {
+      int64_t longest = 0;
+      for (int64_t i : samples) longest = std::max(longest, eval_lengths[i]);
+      std::cout << "eval micro-batch samples " << samples.size() << " padded "
+                << samples.size() * longest << std::endl;
+      torch::Tensor x = torch::zeros({static_cast<int64_t>(samples.size()), 4});
+      torch::Tensor loss = model->forward(x).pow(2).sum();
+      return torch::stack({loss, torch::tensor(static_cast<double>(samples.size())),
+                           torch::tensor(torch::GradMode::is_enabled() ? 1.0 : 0.0),
+                           torch::tensor(model->is_training() ? 1.0 : 0.0),
+                           torch::tensor(model[1]->is_training() ? 1.0 : 0.0),
+                           torch::tensor(loss.requires_grad() ? 1.0 : 0.0)});
+    });
+    if (!sums.ok()) {
+      std::cerr << "evaluate: " << sums.status() << std::endl;
+      return 2;
+    }
+    std::cout << "eval samples " << (*sums)[1] << " grad_enabled " << (*sums)[2] << " training "
+              << (*sums)[3] << " frozen_training " << (*sums)[4] << " requires_grad " << (*sums)[5]
+              << std::endl;
+    std::cout << "after eval training " << model->is_training() << " frozen_training "
+              << model[1]->is_training() << " linear_training " << model[0]->is_training()
+              << std::endl;
   }
   if (absl::Status done = (*session)->Finish(); !done.ok()) {
     std::cerr << "finish: " << done << std::endl;

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
@@ -78,6 +79,58 @@ TEST(MetricsTest, EvaluateIsTheSameAtAnyWorldSize) {
   for (size_t w = 1; w < lines.size(); ++w) {
     EXPECT_NEAR(parse(lines[w]).first, parse(lines[0]).first, 1e-6 * parse(lines[0]).first);
     EXPECT_EQ(parse(lines[w]).second, parse(lines[0]).second);  // same token count
+  }
+}
+
+// Session::Evaluate runs with the model in eval mode and without autograd,
+// restores each submodule's own mode after, and caps its micro-batches: by
+// default at a rank's share of one global batch (not the rank's whole share
+// of the set in one padded batch), or at --evenstep_eval_micro_batch_tokens.
+TEST(MetricsTest, SessionEvaluateUsesEvalModeNoGradAndCappedMicroBatches) {
+  struct Run {
+    std::vector<std::string> flags;
+    int64_t max_samples, max_padded;  // the cap each micro-batch must keep
+  };
+  // 300 samples of 2-24 tokens over 2 ranks; global batch 20 samples.
+  const std::vector<Run> runs = {
+      {{"--evenstep_global_batch=20"}, 10, 10 * 24},
+      {{"--evenstep_global_batch=20", "--evenstep_eval_micro_batch_tokens=100"}, 100 / 2, 100}};
+  for (const Run& run : runs) {
+    evenstep::testing::TempDir dir("evenstep_eval");
+    std::vector<std::string> args = {
+        EVENSTEP_CKPT_HELPER, "--mode=session", "--run_dir=" + dir.path(),
+        "--steps=2",          "--evaluate",     "--optimizer=sgd"};
+    args.insert(args.end(), run.flags.begin(), run.flags.end());
+    auto results = evenstep::testing::RunRanks(2, args);
+    for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
+    int micro_batches = 0;
+    for (const ProcessResult& r : results) {
+      for (absl::string_view line : absl::StrSplit(r.output, '\n')) {
+        if (!absl::ConsumePrefix(&line, "eval micro-batch samples ")) continue;
+        std::vector<std::string> f = absl::StrSplit(line, ' ');
+        int64_t samples = 0, padded = 0;
+        ASSERT_TRUE(absl::SimpleAtoi(f[0], &samples) && absl::SimpleAtoi(f[2], &padded)) << line;
+        EXPECT_LE(samples, run.max_samples) << run.flags.back();
+        EXPECT_LE(padded, run.max_padded) << run.flags.back();
+        ++micro_batches;
+      }
+      EXPECT_THAT(r.output, HasSubstr("after eval training 1 frozen_training 0 linear_training 1"));
+    }
+    EXPECT_GE(micro_batches, 300 / run.max_samples) << Describe(results);
+    // The sums over both ranks: every sample once, and inside fn no grad
+    // mode, no training mode and no graph on any micro-batch.
+    EXPECT_THAT(results[0].output, HasSubstr("eval samples 300 grad_enabled 0 training 0 "
+                                             "frozen_training 0 requires_grad 0"));
+  }
+  // A cap below the longest evaluation sample is refused naming the flag.
+  evenstep::testing::TempDir dir("evenstep_eval");
+  auto results = evenstep::testing::RunRanks(
+      2, {EVENSTEP_CKPT_HELPER, "--mode=session", "--run_dir=" + dir.path(), "--steps=1",
+          "--evaluate", "--evenstep_eval_micro_batch_tokens=10"});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 2) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("--evenstep_eval_micro_batch_tokens=10 is below the longest "
+                                    "evaluation sample (24 tokens)"));
   }
 }
 

@@ -191,6 +191,7 @@ absl::StatusOr<std::vector<double>> Evaluate(
     const std::function<at::Tensor(const MicroBatch&)>& fn) {
   const EvalShare share = EvalSplit(eval_set, ctx.rank(), ctx.world_size());
   at::Tensor total;
+  at::NoGradGuard no_grad;  // no autograd graph is kept for metrics
   try {
     for (const MicroBatch& mb : share.micro_batches) {
       at::Tensor m = fn(mb).detach().to(at::kCPU, at::kDouble).reshape({-1});

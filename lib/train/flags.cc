@@ -123,6 +123,10 @@ ABSL_FLAG(std::string, evenstep_preempt_signals, "TERM,USR1",
           "reaching one rank suffices. Give the launcher a grace long enough for the save.");
 ABSL_FLAG(bool, evenstep_timeline, true,
           "Session: write this rank's timeline (RUN_DIR/trace-RRRRR.json) for evenstep-report.");
+ABSL_FLAG(int64_t, evenstep_eval_micro_batch_tokens, 0,
+          "Session::Evaluate: most padded tokens (samples x longest length) per evaluation "
+          "micro-batch; 0 = the training micro-batch caps, or without those a rank's share of "
+          "one global batch.");
 ABSL_FLAG(int, evenstep_log_every, 10,
           "Session: metrics interval in steps (one non-blocking all-reduce per interval); logs "
           "go to RUN_DIR/metrics-*.jsonl.");

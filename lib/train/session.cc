@@ -3,7 +3,9 @@
 
 #include <ATen/ATen.h>
 #include <signal.h>
+#include <torch/nn/module.h>
 
+#include <algorithm>
 #include <csignal>
 #include <iostream>
 
@@ -11,12 +13,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "evenstep/train_checkpointer.h"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
 #include "evenstep/status_macros.h"
 #include "evenstep/timeline.h"
+#include "evenstep/train_checkpointer.h"
 
 namespace evenstep {
 namespace {
@@ -86,6 +88,9 @@ absl::Status ValidateEvenstepFlags() {
       internal::NotBelow("evenstep_ckpt_every", absl::GetFlag(FLAGS_evenstep_ckpt_every), 0));
   EVENSTEP_RETURN_IF_ERROR(
       internal::NotBelow("evenstep_log_every", absl::GetFlag(FLAGS_evenstep_log_every), 1));
+  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow(
+      "evenstep_eval_micro_batch_tokens",
+      static_cast<double>(absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens)), 0));
   EVENSTEP_RETURN_IF_ERROR(ResumeModeFromFlag().status());
   EVENSTEP_RETURN_IF_ERROR(StopAfterFailedSaves().status());
   EVENSTEP_RETURN_IF_ERROR(PreemptSignalsFromFlag().status());
@@ -283,17 +288,78 @@ absl::Status Session::Checkpoint() {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The evaluation set's micro-batch caps (Session::Evaluate): the flag's
+// padded-token cap, else the training caps, else a rank's share of one
+// global batch; never below the longest evaluation sample (with the flag,
+// that is an error naming it).
+absl::Status SetEvalCaps(SamplerOptions& options, const std::vector<int64_t>& lengths, int world) {
+  const int64_t longest = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+  const int64_t flag = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
+  if (flag > 0) {
+    if (flag < longest) {
+      return absl::InvalidArgumentError(absl::StrCat("--evenstep_eval_micro_batch_tokens=", flag,
+                                                     " is below the longest evaluation sample (",
+                                                     longest, " tokens)"));
+    }
+    options.micro_batch_samples = 0;
+    options.micro_batch_tokens = flag;
+    return absl::OkStatus();
+  }
+  if (options.micro_batch_samples > 0 || options.micro_batch_tokens > 0) {
+    if (options.micro_batch_tokens > 0) {
+      options.micro_batch_tokens = std::max(options.micro_batch_tokens, longest);
+    }
+    return absl::OkStatus();
+  }
+  const int64_t share = std::max<int64_t>(1, (options.global_batch + world - 1) / world);
+  if (options.budget_unit == BatchUnit::kTokens) {
+    options.micro_batch_tokens = std::max(share, longest);
+  } else {
+    options.micro_batch_samples = share;
+  }
+  return absl::OkStatus();
+}
+
+// Puts a module and all its submodules in eval mode and restores each one's
+// own mode (some may have been in eval mode already) when destroyed.
+class EvalModeGuard {
+ public:
+  explicit EvalModeGuard(torch::nn::Module& model) {
+    // apply() visits the module, then its children, depth-first: restoring
+    // in the same order leaves every submodule in its own former mode.
+    model.apply([this](torch::nn::Module& m) { modes_.emplace_back(&m, m.is_training()); });
+    model.eval();
+  }
+  ~EvalModeGuard() {
+    for (const auto& [module, training] : modes_) module->train(training);
+  }
+  EvalModeGuard(const EvalModeGuard&) = delete;
+  EvalModeGuard& operator=(const EvalModeGuard&) = delete;
+
+ private:
+  std::vector<std::pair<torch::nn::Module*, bool>> modes_;
+};
+
+}  // namespace
+
 absl::StatusOr<std::vector<double>> Session::Evaluate(
     const std::vector<int64_t>& lengths,
     const std::function<at::Tensor(const std::vector<int64_t>&)>& fn) {
   SamplerOptions options = step_->sampler().options();
   options.shuffle = false;
   options.min_micro_batches = 0;
+  EVENSTEP_RETURN_IF_ERROR(SetEvalCaps(options, lengths, ctx_.world_size()),
+                           "Session::Evaluate, rank ", ctx_.rank());
   EVENSTEP_ASSIGN_OR_RETURN(Sampler set, Sampler::Create(lengths, options),
                             "Session::Evaluate: the evaluation set");
   const absl::Time begin = absl::Now();
-  absl::StatusOr<std::vector<double>> result =
-      evenstep::Evaluate(ctx_, set, [&](const MicroBatch& mb) { return fn(mb.samples); });
+  absl::StatusOr<std::vector<double>> result;
+  {
+    EvalModeGuard eval_mode(model_);
+    result = evenstep::Evaluate(ctx_, set, [&](const MicroBatch& mb) { return fn(mb.samples); });
+  }
   if (timeline_) timeline_->Span("eval", begin, absl::Now(), last_step_);
   return result;
 }

@@ -102,7 +102,9 @@ struct EvalShare {
 EvalShare EvalSplit(const Sampler& eval_set, int rank, int world);
 
 // Runs fn(micro_batch) -> 1-D double tensor of metric sums on this rank's
-// share and returns the element-wise sum over all ranks.
+// share, under a NoGradGuard, and returns the element-wise sum over all
+// ranks. (Session::Evaluate also puts the model in eval mode and caps the
+// micro-batches.)
 absl::StatusOr<std::vector<double>> Evaluate(
     DistContext& ctx, const Sampler& eval_set,
     const std::function<at::Tensor(const MicroBatch&)>& fn);

@@ -43,6 +43,7 @@ ABSL_DECLARE_FLAG(std::string, evenstep_resume);
 ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_on_error);
 ABSL_DECLARE_FLAG(int, evenstep_ckpt_max_failures);
 ABSL_DECLARE_FLAG(bool, evenstep_timeline);
+ABSL_DECLARE_FLAG(int64_t, evenstep_eval_micro_batch_tokens);
 ABSL_DECLARE_FLAG(int, evenstep_log_every);
 ABSL_DECLARE_FLAG(std::string, evenstep_preempt_signals);
 

@@ -80,6 +80,12 @@ class Session {
   // Evaluation split across all ranks by work (Evaluate in metrics.h), with
   // a timeline span; `fn(samples)` returns the metric sums of some of the
   // evaluation set's indices. The sums over the whole set, on every rank.
+  // It runs with the model and every submodule in eval mode (each restored
+  // to its own mode after, also on an error) and without autograd
+  // (NoGradGuard); micro-batches are capped by
+  // --evenstep_eval_micro_batch_tokens (0: the training caps, else a rank's
+  // share of one global batch), so a rank's share is never one huge padded
+  // batch.
   absl::StatusOr<std::vector<double>> Evaluate(
       const std::vector<int64_t>& lengths,
       const std::function<at::Tensor(const std::vector<int64_t>&)>& fn);
