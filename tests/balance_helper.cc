@@ -14,6 +14,8 @@
 // Exit codes: 0 passed, 1 gradient mismatch, 2 BalancedStep error, 3 init.
 #include <torch/torch.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <iostream>
 #include <random>
@@ -44,6 +46,10 @@ ABSL_FLAG(bool, continue_after_failure, false,
 ABSL_FLAG(bool, fail_by_exit, false,
           "With --fail_rank: the failing rank dies (_exit) instead of throwing.");
 ABSL_FLAG(int, samples, 300, "Samples in the synthetic dataset.");
+ABSL_FLAG(int, load_jitter_ms, 0,
+          "The load function sleeps 0..N ms (fixed per micro-batch), so that with data workers "
+          "later micro-batches often finish loading first.");
+ABSL_FLAG(int, fail_load_rank, -1, "Rank whose load function throws on step 2's last micro-batch.");
 ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
 ABSL_FLAG(std::string, duty, "none",
           "Extra duty after every step: none; rank0 (rank 0 alone blocks for --duty_ms, like a "
@@ -199,13 +205,38 @@ int main(int argc, char** argv) {
     }
     metrics = *std::move(created);
   }
+  std::atomic<int> ahead{0}, max_ahead{0};  // loaded and not yet used
+  std::atomic<int> loads{0}, worker_loads{0};
+  const std::thread::id main_thread = std::this_thread::get_id();
   for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
     max_err = 0;
     int calls = 0;
     auto report = (*step)->Step(
-        [&](const evenstep::MicroBatch& mb) { return mb.samples; },
+        [&](const evenstep::MicroBatch& mb) {
+          if (const int jitter = absl::GetFlag(FLAGS_load_jitter_ms); jitter > 0) {
+            const int64_t first = mb.samples.empty() ? 0 : mb.samples.front();
+            std::this_thread::sleep_for(std::chrono::milliseconds((first * 7919) % (jitter + 1)));
+          }
+          if (s == 2 && rank == absl::GetFlag(FLAGS_fail_load_rank) &&
+              &mb == &(*step)->micro_batches().back()) {
+            throw std::runtime_error("injected failure in the load function");
+          }
+          if (std::this_thread::get_id() != main_thread) ++worker_loads;
+          ++loads;
+          const int now = ++ahead;
+          int seen = max_ahead.load();
+          while (now > seen && !max_ahead.compare_exchange_weak(seen, now)) {
+          }
+          return mb.samples;
+        },
         [&](const std::vector<int64_t>& samples) {
+          --ahead;
           ++calls;
+          // The data must be this micro-batch's, in order, whoever loaded it.
+          if (samples != (*step)->micro_batches()[calls - 1].samples) {
+            std::cout << "ORDER MISMATCH at step " << s << " micro-batch " << calls << std::endl;
+            throw std::runtime_error("data of another micro-batch");
+          }
           const int fail_at = std::min<int>(absl::GetFlag(FLAGS_fail_micro_batch),
                                             static_cast<int>((*step)->micro_batches().size()));
           if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
@@ -317,6 +348,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  std::cout << "max_ahead " << max_ahead.load() << " loads " << loads.load() << " on workers "
+            << worker_loads.load() << std::endl;
   std::cout << "balance ok" << std::endl;
   return 0;
 }

@@ -2,10 +2,12 @@
 // equals the single-process gradient of the global batch's mean loss for
 // every mode, world sizes 1-4, uneven and measured splits; the loss
 // trajectory does not depend on the world size; failures name rank and step.
+#include <cstdio>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -19,6 +21,7 @@ namespace {
 using ::evenstep::testing::Describe;
 using ::evenstep::testing::ProcessResult;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::vector<ProcessResult> RunHelper(int world, std::vector<std::string> args) {
   std::vector<std::string> argv = {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s",
@@ -46,6 +49,7 @@ struct Case {
   int world;
   std::string normalize;
   std::string reduction = "sum";  // what the helper's loss function returns
+  std::vector<std::string> extra = {};
   friend void PrintTo(const Case& c, std::ostream* os) {
     *os << c.mode << " world " << c.world << " " << c.normalize << " " << c.reduction;
   }
@@ -57,11 +61,16 @@ TEST_P(BalancedStepExactTest, AppliedGradientEqualsSingleProcessGradient) {
   const Case c = GetParam();
   // Uneven random shares with one idle rank for the first steps (warm-up),
   // then the planner's own (measured) shares; several micro-batches per rank.
-  auto results =
-      RunHelper(c.world, {"--evenstep_balance=" + c.mode, "--evenstep_normalize=" + c.normalize,
-                          "--evenstep_loss_reduction=" + c.reduction, "--evenstep_global_batch=37",
-                          "--evenstep_micro_batch_samples=4", "--evenstep_warmup_steps=1",
-                          "--steps=4", "--split_seed=" + std::to_string(7 * c.world + 1)});
+  std::vector<std::string> args = {"--evenstep_balance=" + c.mode,
+                                   "--evenstep_normalize=" + c.normalize,
+                                   "--evenstep_loss_reduction=" + c.reduction,
+                                   "--evenstep_global_batch=37",
+                                   "--evenstep_micro_batch_samples=4",
+                                   "--evenstep_warmup_steps=1",
+                                   "--steps=4",
+                                   "--split_seed=" + std::to_string(7 * c.world + 1)};
+  args.insert(args.end(), c.extra.begin(), c.extra.end());
+  auto results = RunHelper(c.world, args);
   for (const ProcessResult& r : results) {
     ASSERT_EQ(r.exit_code, 0) << Describe(results);
     EXPECT_THAT(r.output, HasSubstr("balance ok"));
@@ -80,18 +89,74 @@ TEST_P(BalancedStepExactTest, AppliedGradientEqualsSingleProcessGradient) {
 
 INSTANTIATE_TEST_SUITE_P(
     Modes, BalancedStepExactTest,
-    ::testing::Values(Case{"static", 1, "samples"}, Case{"static", 3, "samples"},
-                      Case{"work", 2, "tokens"}, Case{"work", 4, "samples"},
-                      Case{"dynamic", 1, "tokens"}, Case{"dynamic", 2, "samples"},
-                      Case{"dynamic", 3, "tokens"}, Case{"dynamic", 4, "tokens"},
-                      // A loss written as a MEAN over the micro-batch (the
-                      // usual way) with --evenstep_loss_reduction=mean: the
-                      // same gradient as the SUM form.
-                      Case{"work", 3, "tokens", "mean"}, Case{"dynamic", 2, "samples", "mean"}),
+    ::testing::Values(
+        Case{"static", 1, "samples"}, Case{"static", 3, "samples"}, Case{"work", 2, "tokens"},
+        Case{"work", 4, "samples"}, Case{"dynamic", 1, "tokens"}, Case{"dynamic", 2, "samples"},
+        Case{"dynamic", 3, "tokens"}, Case{"dynamic", 4, "tokens"},
+        // A loss written as a MEAN over the micro-batch (the
+        // usual way) with --evenstep_loss_reduction=mean: the
+        // same gradient as the SUM form.
+        Case{"work", 3, "tokens", "mean"}, Case{"dynamic", 2, "samples", "mean"},
+        // Loading on 3 data workers, finishing out of order.
+        Case{"dynamic", 3, "tokens", "sum", {"--evenstep_data_workers=3", "--load_jitter_ms=3"}}),
     [](const auto& info) {
       return absl::StrCat(info.param.mode, "_world", info.param.world, "_", info.param.normalize,
-                          info.param.reduction == "sum" ? "" : "_mean");
+                          info.param.reduction == "sum" ? "" : "_mean",
+                          info.param.extra.empty() ? "" : "_prefetch");
     });
+
+// Loading on data workers changes nothing but who loads: 0, 1 and 4 workers
+// (loads finishing out of order) give the same steps and losses, every load
+// runs on a worker when there are workers, and at most --evenstep_prefetch
+// loaded micro-batches wait (plus the one in use).
+TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
+  std::vector<std::string> runs;
+  for (int workers : {0, 1, 4}) {
+    auto results =
+        RunHelper(2, {"--evenstep_balance=work", "--evenstep_global_batch=37",
+                      "--evenstep_micro_batch_samples=4", "--steps=4", "--load_jitter_ms=4",
+                      absl::StrCat("--evenstep_data_workers=", workers), "--evenstep_prefetch=2"});
+    std::string steps;
+    for (const ProcessResult& r : results) {
+      ASSERT_EQ(r.exit_code, 0) << Describe(results);
+      EXPECT_THAT(r.output, Not(HasSubstr("ORDER MISMATCH")));
+      const size_t at = r.output.find("max_ahead ");
+      ASSERT_NE(at, std::string::npos) << r.output;
+      int max_ahead = 0, loads = 0, on_workers = 0;
+      ASSERT_EQ(std::sscanf(r.output.c_str() + at, "max_ahead %d loads %d on workers %d",
+                            &max_ahead, &loads, &on_workers),
+                3);
+      EXPECT_LE(max_ahead, 2 + 1) << "workers " << workers;
+      EXPECT_GT(loads, 0);
+      EXPECT_EQ(on_workers, workers == 0 ? 0 : loads) << "workers " << workers;
+      // Each rank's step lines without the timing-dependent efficiency.
+      for (absl::string_view line : absl::StrSplit(r.output, '\n')) {
+        if (!absl::StartsWith(line, "step ")) continue;
+        steps += std::string(line.substr(0, line.find(" eff "))) + "\n";
+      }
+    }
+    runs.push_back(steps);
+  }
+  EXPECT_EQ(runs[1], runs[0]);
+  EXPECT_EQ(runs[2], runs[0]);
+}
+
+// A load that throws on a data worker fails its step on every rank like a
+// throwing callback, naming the samples it was loading; the trainer may go on.
+TEST(BalancedStepTest, ALoadFailureOnAWorkerNamesItsSamplesAndEveryRankGoesOn) {
+  auto results = RunHelper(2, {"--fail_load_rank=1", "--steps=4", "--continue_after_failure",
+                               "--evenstep_micro_batch_samples=4", "--evenstep_data_workers=2"});
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("rank(s) 1 failed")) << Describe(results);
+    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 4 rank [01] micro")) << Describe(results);
+  }
+  EXPECT_THAT(results[1].output,
+              ::testing::ContainsRegex("rank 1, step 2, micro-batch [0-9]+ of [0-9]+: loading "
+                                       "samples \\[[0-9, .]+(in all)?\\] on a data worker: "
+                                       "injected failure in the load function"));
+}
 
 TEST(BalancedStepTest, LossTrajectoryIsTheSameForWorldSizes1To3) {
   std::vector<std::map<int, double>> runs;

@@ -20,6 +20,7 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/strings/str_join.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/micro_step_clock.h"
 #include "evenstep/status_macros.h"
@@ -58,6 +59,11 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("BalancedStep: clip_grad_norm=", config.clip_grad_norm, ": must be >= 0"));
   }
+  if (config.data_workers < 0 || config.prefetch < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BalancedStep: data_workers=", config.data_workers,
+                     " (>= 0), prefetch=", config.prefetch, " (>= 1)"));
+  }
   EVENSTEP_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(std::move(lengths), config.sampler,
                                                              config.cost, std::move(counts)));
   // A failed gradient bucket names the ranks that never reached the sync.
@@ -77,6 +83,9 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
                                                       std::move(clock)));
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
+  }
+  if (step->config_.data_workers > 0) {
+    step->workers_ = std::make_unique<WorkerPool>(step->config_.data_workers);
   }
   return step;
 }
@@ -223,6 +232,16 @@ absl::Status BalancedStep::Account() {
   if (!micro_.empty()) report_.sync_wait += times.sync;
   report_.busy = report_.data + report_.compute;
   return absl::OkStatus();
+}
+
+std::string BalancedStep::LoadFailure(size_t micro_batch, const absl::Status& error) const {
+  const std::vector<int64_t>& samples = micro_[micro_batch].samples;
+  constexpr size_t kNamed = 8;
+  std::vector<int64_t> named(samples.begin(), samples.begin() + std::min(samples.size(), kNamed));
+  return absl::StrCat(
+      "loading samples [", absl::StrJoin(named, ", "),
+      samples.size() > kNamed ? absl::StrCat(", ... ", samples.size(), " in all") : "",
+      "] on a data worker: ", error.message());
 }
 
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {

@@ -74,6 +74,12 @@ ABSL_FLAG(bool, evenstep_drop_last, false,
 ABSL_FLAG(std::string, evenstep_normalize, "samples",
           "Loss normalisation: each sample's (or token's) loss is divided by the global batch's "
           "total count of samples or tokens.");
+ABSL_FLAG(int, evenstep_data_workers, 0,
+          "Threads that load micro-batches ahead of the training thread (BalancedStep::Step's "
+          "load function; it must then be thread-safe); 0 = load on the training thread.");
+ABSL_FLAG(int, evenstep_prefetch, 2,
+          "With --evenstep_data_workers: micro-batches loaded ahead of the one computing (at most "
+          "this many wait in memory, plus the one in use).");
 ABSL_FLAG(std::string, evenstep_loss_reduction, "sum",
           "What the micro-batch loss function returns: sum (of the per-sample or per-token "
           "losses) or mean (over the micro-batch's samples or tokens, by --evenstep_normalize; "
@@ -256,6 +262,8 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.plan_interval = absl::GetFlag(FLAGS_evenstep_plan_interval);
   config.cost_model.warmup_steps = absl::GetFlag(FLAGS_evenstep_warmup_steps);
   config.clip_grad_norm = absl::GetFlag(FLAGS_evenstep_clip_grad_norm);
+  config.data_workers = absl::GetFlag(FLAGS_evenstep_data_workers);
+  config.prefetch = absl::GetFlag(FLAGS_evenstep_prefetch);
   const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));
@@ -272,6 +280,8 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_sort_window", static_cast<double>(config.sampler.sort_window), 0));
   EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_clip_grad_norm", config.clip_grad_norm, 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_data_workers", config.data_workers, 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_prefetch", config.prefetch, 1));
   EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_cost_quadratic", quadratic, 0));
   if (!(config.planner.damping > 0 && config.planner.damping <= 1)) {
     return absl::InvalidArgumentError(

@@ -45,6 +45,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,7 @@
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
 #include "evenstep/planner.h"
+#include "evenstep/prefetch.h"
 #include "evenstep/sampler.h"
 #include "evenstep/status_macros.h"
 #include "evenstep/torch_fwd.h"
@@ -90,6 +92,11 @@ struct BalanceConfig {
   // dynamic: the shares used until every rank has measurements (e.g. known
   // device speeds); empty = equal.
   std::vector<double> initial_shares;
+  // Threads that run the micro-batch load function ahead of the training
+  // thread (BalancedStep::Step); 0 = load on the training thread.
+  int data_workers = 0;
+  // Micro-batches loaded ahead of the one computing (with data_workers).
+  int prefetch = 2;
   // Called after the sync with the global gradient in param.grad(), before
   // clipping and the optimizer step (e.g. to log gradient norms).
   std::function<void()> after_sync;
@@ -165,14 +172,41 @@ class BalancedStep {
   // data (timed as data wait); `loss_sum(data)` returns the SUM of its
   // per-sample (or per-token) losses as a scalar tensor (timed as compute,
   // with backward).
+  //
+  // With --evenstep_data_workers=N > 0 (BalanceConfig::data_workers), `load`
+  // runs on N worker threads, up to --evenstep_prefetch micro-batches ahead
+  // of the training thread, while earlier micro-batches compute; the data
+  // time is then what the training thread waits. `load` must then be safe to
+  // call from several threads at once and depend only on its micro-batch
+  // (the results are used in order, so the step is the same for any N). A
+  // load that throws fails the step like a throwing callback, naming the
+  // micro-batch's samples.
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
     EVENSTEP_RETURN_IF_ERROR(BeginStep());
-    for (size_t i = 0; i < micro_batches().size(); ++i) {
+    const std::vector<MicroBatch>& mbs = micro_batches();
+    if (workers_ == nullptr) {
+      for (size_t i = 0; i < mbs.size(); ++i) {
+        try {
+          auto data = load(mbs[i]);
+          DataReady();
+          EVENSTEP_RETURN_IF_ERROR(Backward(loss_sum(data)));
+        } catch (const std::exception& e) {
+          return Abandon(i, e.what());
+        }
+      }
+      return FinishStep();
+    }
+    using Data = std::decay_t<std::invoke_result_t<Load&, const MicroBatch&>>;
+    // Destroyed before `load` and `mbs` go: it waits for the loads in flight.
+    Prefetcher<Data> prefetch(*workers_, config_.prefetch, mbs.size(),
+                              [&](size_t i) -> Data { return load(mbs[i]); });
+    for (size_t i = 0; i < mbs.size(); ++i) {
+      absl::StatusOr<Data> data = prefetch.Take(i);
+      if (!data.ok()) return Abandon(i, LoadFailure(i, data.status()));
       try {
-        auto data = load(micro_batches()[i]);
         DataReady();
-        EVENSTEP_RETURN_IF_ERROR(Backward(loss_sum(data)));
+        EVENSTEP_RETURN_IF_ERROR(Backward(loss_sum(*data)));
       } catch (const std::exception& e) {
         return Abandon(i, e.what());
       }
@@ -216,6 +250,8 @@ class BalancedStep {
                Sampler sampler, BalanceConfig config, std::unique_ptr<GradSync> sync,
                std::unique_ptr<internal::MicroStepClock> clock);
   absl::Status Abandon(size_t micro_batch, const std::string& what);
+  // "loading samples [3, 17, ...] on a data worker: <error>".
+  std::string LoadFailure(size_t micro_batch, const absl::Status& error) const;
   // Reads the step's micro-step times and summed loss into the report and
   // the cost model.
   absl::Status Account();
@@ -228,6 +264,7 @@ class BalancedStep {
   BalanceConfig config_;
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<internal::MicroStepClock> clock_;
+  std::unique_ptr<WorkerPool> workers_;  // data workers; null = load on this thread
   CostModel cost_model_;
   Planner planner_;
 
