@@ -1,7 +1,8 @@
-# Fails when the sample diff in docs/usage.md differs from
-# `diff -u samples/train_fortunes_plain.cc samples/train_fortunes.cc`, or when the
-# diff passes its budget of 20 added or 20 removed lines.
-execute_process(COMMAND diff -u train_fortunes_plain.cc train_fortunes.cc
+# Fails when a sample diff in docs/usage.md differs from
+# `diff -u samples/${PLAIN} samples/${WRAPPED}`, or when the diff passes its
+# budget: BUDGET added or BUDGET removed lines (TOTAL, when given: added +
+# removed).
+execute_process(COMMAND diff -u ${PLAIN} ${WRAPPED}
   WORKING_DIRECTORY "${SAMPLES}" OUTPUT_VARIABLE diff)
 # Drop the two header lines (file names and dates): the body starts at "@@".
 string(FIND "${diff}" "\n@@" at)
@@ -14,7 +15,7 @@ file(READ "${DOC}" readme)
 string(FIND "${readme}" "```diff\n${body}```" at)
 if(at EQUAL -1)
   message(FATAL_ERROR "docs/usage.md's sample diff is stale; paste the output of\n"
-                      "  cd samples && diff -u train_fortunes_plain.cc train_fortunes.cc\n"
+                      "  cd samples && diff -u ${PLAIN} ${WRAPPED}\n"
                       "(without its first two lines) into the ```diff block")
 endif()
 # The diff budget: a user's trainer changes in about a dozen lines.
@@ -22,8 +23,14 @@ string(REGEX MATCHALL "\n\\+" added "\n${body}")
 string(REGEX MATCHALL "\n-" removed "\n${body}")
 list(LENGTH added n_added)
 list(LENGTH removed n_removed)
-if(n_added GREATER 20 OR n_removed GREATER 20)
+if(n_added GREATER ${BUDGET} OR n_removed GREATER ${BUDGET})
   message(FATAL_ERROR "the sample diff grew to ${n_added} added and ${n_removed} removed lines "
-                      "(budget: 20 each)")
+                      "(budget: ${BUDGET} each)")
+endif()
+if(DEFINED TOTAL)
+  math(EXPR n_changed "${n_added} + ${n_removed}")
+  if(n_changed GREATER ${TOTAL})
+    message(FATAL_ERROR "the sample diff changes ${n_changed} lines (budget: ${TOTAL})")
+  endif()
 endif()
 message(STATUS "sample diff: ${n_added} lines added, ${n_removed} removed")

@@ -114,5 +114,34 @@ TEST_F(SampleTest, SameTrajectoryAtWorldSizes1To3) {
   }
 }
 
+// The torch::data port (samples/dist_mnist.cc, the README's example): both
+// it and the loop it was ported from train over 2 ranks; the ported loop
+// runs whole epochs by the session's epoch, and a second run with more
+// epochs resumes where the first stopped and ends after exactly those
+// epochs (512 samples, global batch 64: 8 steps an epoch).
+TEST(TorchDataSampleTest, PortedDistMnistTrainsWholeEpochsAndResumesByEpoch) {
+  evenstep::testing::TempDir dir("evenstep_mnist");
+  auto run = [&](const std::string& program, std::vector<std::string> extra) {
+    std::vector<std::string> argv = {
+        EVENSTEP_RUN, "-n", "2", "--", program, "--samples=512", "--evenstep_timeout=60s"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return evenstep::testing::RunAll({{argv, {}}}, absl::Seconds(240))[0];
+  };
+  const ProcessResult plain = run(EVENSTEP_MNIST_PLAIN, {"--epochs=1"});
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const std::string run_dir = dir.path() + "/run";
+  const ProcessResult first =
+      run(EVENSTEP_MNIST, {"--epochs=1", "--run_dir=" + run_dir, "--evenstep_data_workers=2"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_TRUE(std::filesystem::exists(run_dir + "/ckpt/step-0000000008/manifest.json"))
+      << first.output;
+  const ProcessResult second = run(EVENSTEP_MNIST, {"--epochs=3", "--run_dir=" + run_dir});
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_THAT(second.output, HasSubstr("(step 8)"));  // "[evenstep] resuming from ... (step 8)"
+  EXPECT_TRUE(std::filesystem::exists(run_dir + "/ckpt/step-0000000024/manifest.json"))
+      << second.output;
+  EXPECT_FALSE(std::filesystem::exists(run_dir + "/ckpt/step-0000000025")) << second.output;
+}
+
 }  // namespace
 }  // namespace evenstep

@@ -234,6 +234,11 @@ absl::Status BalancedStep::Account() {
   return absl::OkStatus();
 }
 
+int64_t BalancedStep::epoch() const {
+  const SamplerState at = sampler_.state();
+  return at.step >= sampler_.steps_per_epoch() ? at.epoch + 1 : at.epoch;
+}
+
 std::string BalancedStep::LoadFailure(size_t micro_batch, const absl::Status& error) const {
   const std::vector<int64_t>& samples = micro_[micro_batch].samples;
   constexpr size_t kNamed = 8;

@@ -344,6 +344,8 @@ class EvalModeGuard {
 
 }  // namespace
 
+int64_t Session::epoch() const { return step_->epoch(); }
+
 absl::StatusOr<std::vector<double>> Session::Evaluate(
     const std::vector<int64_t>& lengths,
     const std::function<at::Tensor(const std::vector<int64_t>&)>& fn) {

@@ -225,6 +225,15 @@ class BalancedStep {
   absl::Status Backward(const at::Tensor& loss_sum);
   absl::StatusOr<StepReport> FinishStep();
 
+  // The epoch (0-based) the next step's global batch belongs to. The
+  // sampler's position is part of every checkpoint, so a loop
+  //   while (step->epoch() < epochs) step->Step(...);
+  // trains whole epochs and, resumed, goes on mid-epoch exactly where the
+  // checkpoint was taken.
+  int64_t epoch() const;
+  // Global batches in the current epoch (with a token budget, epochs may
+  // differ by a batch).
+  int64_t steps_per_epoch() const { return sampler_.steps_per_epoch(); }
   const Plan& plan() const { return planner_.plan(); }
   const StepReport& last_report() const { return report_; }
   Sampler& sampler() { return sampler_; }

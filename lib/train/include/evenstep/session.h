@@ -50,6 +50,8 @@ class Session {
 
   // The first step to run: 1, or the resumed checkpoint's step + 1.
   int64_t first_step() const { return first_step_; }
+  // The epoch of the next step (BalancedStep::epoch): restored on resume.
+  int64_t epoch() const;
   BalancedStep& balanced_step() { return *step_; }
 
   // One step (see BalancedStep::Step), then: timeline, log of loss and
