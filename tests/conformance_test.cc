@@ -167,7 +167,7 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
                    // The peer zeroes gradients the way this build's libtorch
                    // does (2.x: zero_grad() resets them to undefined).
                    TORCH_VERSION_MAJOR >= 2 ? " --zero_grad_to_none" : "", " 2>&1"),
-      absl::Seconds(240));
+      evenstep::testing::HangBound(4));
   ASSERT_EQ(code, 0) << output;
   const nlohmann::json ours = ReadJson(dir + "/evenstep.json");
   const nlohmann::json ddp = ReadJson(dir + "/ddp.json");

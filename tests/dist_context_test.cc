@@ -23,7 +23,7 @@ using ::evenstep::testing::RunAll;
 using ::evenstep::testing::TorchrunRanks;
 using ::testing::HasSubstr;
 
-constexpr absl::Duration kHangBound = absl::Seconds(60);
+const absl::Duration kHangBound = evenstep::testing::HangBound();
 // Short timeouts keep failure scenarios quick; generous enough for a loaded CI box.
 const std::vector<std::string> kShortTimeouts = {"--evenstep_rendezvous_timeout=4s",
                                                  "--evenstep_timeout=4s"};

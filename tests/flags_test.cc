@@ -150,6 +150,9 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_normalize", {"bytes"}},
       {"evenstep_cost_quadratic", {"-1", "nan", "inf"}},
       {"evenstep_clip_grad_norm", {"-1", "nan", "inf"}},
+      {"evenstep_loss_reduction", {"avg", ""}},
+      {"evenstep_data_workers", {"-1", "two"}},
+      {"evenstep_prefetch", {"0", "-2"}},
       {"evenstep_ckpt_dir",
        {},
        "any path is a valid value; an unusable one fails TrainCheckpointer::Create naming it "
@@ -164,6 +167,7 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_ckpt_max_failures", {"-1"}},
       {"evenstep_timeline", {"maybe"}},
       {"evenstep_log_every", {"0", "-3"}},
+      {"evenstep_eval_micro_batch_tokens", {"-1", "1e3"}},
   };
   return table;
 }

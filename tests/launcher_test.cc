@@ -26,7 +26,7 @@ using ::evenstep::testing::Subprocess;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-constexpr absl::Duration kHangBound = absl::Seconds(60);
+const absl::Duration kHangBound = evenstep::testing::HangBound();
 
 // Where ranks write their pids ($EVENSTEP_TEST_PID_DIR/rank<R>.pid).
 class PidDir {

@@ -30,7 +30,8 @@ using ::evenstep::testing::TempDir;
 using ::testing::HasSubstr;
 
 std::string RunReport(const std::string& dir) {
-  return evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, dir}, {}}}, absl::Seconds(120))[0]
+  return evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, dir}, {}}},
+                                   evenstep::testing::HangBound(2))[0]
       .output;
 }
 

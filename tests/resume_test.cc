@@ -57,7 +57,7 @@ void WriteAll(const std::string& path, const std::string& text) {
 }
 
 std::pair<int, std::string> Shell(const std::string& command) {
-  return evenstep::testing::RunShell(command, absl::Seconds(60));
+  return evenstep::testing::RunShell(command, evenstep::testing::HangBound());
 }
 
 // ckpt_helper's Session loop in `run_dir` (checkpoints in `ckpt_dir`,
@@ -86,7 +86,7 @@ std::vector<ProcessResult> Train(const std::string& run_dir, int steps,
                                  std::vector<std::string> extra, std::string ckpt_dir = "",
                                  int world = 2) {
   return evenstep::testing::RunRanks(world, SessionArgs(run_dir, steps, extra, ckpt_dir),
-                                     absl::Seconds(120));
+                                     evenstep::testing::HangBound(2));
 }
 
 // Rewrites a manifest's index_xxh3 for its (edited) index: a crafted
@@ -581,7 +581,7 @@ TEST(PreemptionTest, SigtermToTheLauncherAtTenRandomMomentsCommitsTheSignalledSt
   // the order of float sums differs (1e-4 relative here; a wrong batch
   // moves the loss by percent).
   constexpr int kSteps = 16;
-  constexpr absl::Duration kBound = absl::Seconds(120);
+  const absl::Duration kBound = evenstep::testing::HangBound(2);
   std::map<std::string, std::map<int, double>> reference;
   const std::vector<std::string> kBalances = {"static", "work", "dynamic"};
   for (const std::string& balance : kBalances) {
@@ -716,7 +716,7 @@ TEST_P(TorchrunRestartTest, AKilledWorkerRestartsTheGroupWhichResumesFromTheNewe
                    " --nproc_per_node 2 -r 1 -t 1 --log_dir ", dir.path(),
                    "/logs --monitor_interval 1 --max_restarts 1 ", script,
                    prefix.empty() ? "" : "'", " 2>&1"),
-      absl::Seconds(240));
+      evenstep::testing::HangBound(4));
   EXPECT_EQ(code, 0) << output;
   EXPECT_THAT(output, HasSubstr("[default0]:first step 1\n")) << output;
   // The restarted group resumed after a committed checkpoint (step 4 or 6:

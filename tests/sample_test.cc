@@ -43,7 +43,7 @@ class SampleTest : public ::testing::Test {
                                      "--print_losses",
                                      "--evenstep_timeout=60s"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    auto results = evenstep::testing::RunAll({{argv, {}}}, absl::Seconds(240));
+    auto results = evenstep::testing::RunAll({{argv, {}}}, evenstep::testing::HangBound(4));
     if (exit_code != nullptr) *exit_code = results[0].exit_code;
     if (output != nullptr) *output = results[0].output;
     std::map<int, double> losses;
@@ -89,8 +89,8 @@ TEST_F(SampleTest, ResumeAfterSigkillMatchesTheUninterruptedRun) {
         "metrics-00000.jsonl", "metrics-00000.1.jsonl"}) {
     EXPECT_TRUE(std::filesystem::exists(run + "/" + file)) << file;
   }
-  const auto report =
-      evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, run}, {}}}, absl::Seconds(60));
+  const auto report = evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, run}, {}}},
+                                                evenstep::testing::HangBound());
   EXPECT_EQ(report[0].exit_code, 0) << report[0].output;
   // The same checkpoint resumed on 3 ranks: close, not bit-exact.
   std::filesystem::copy(dir_ + "/cut", dir_ + "/cut3", std::filesystem::copy_options::recursive);
@@ -125,7 +125,7 @@ TEST(TorchDataSampleTest, PortedDistMnistTrainsWholeEpochsAndResumesByEpoch) {
     std::vector<std::string> argv = {
         EVENSTEP_RUN, "-n", "2", "--", program, "--samples=512", "--evenstep_timeout=60s"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    return evenstep::testing::RunAll({{argv, {}}}, absl::Seconds(240))[0];
+    return evenstep::testing::RunAll({{argv, {}}}, evenstep::testing::HangBound(4))[0];
   };
   const ProcessResult plain = run(EVENSTEP_MNIST_PLAIN, {"--epochs=1"});
   ASSERT_EQ(plain.exit_code, 0) << plain.output;

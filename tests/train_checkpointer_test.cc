@@ -97,7 +97,7 @@ TEST_P(PyTorchLoadTest, ModelAndOptimizerStateBitForBit) {
   ASSERT_FALSE(expected.empty()) << saved[0].output;
   const auto python = evenstep::testing::RunAll(
       {{{EVENSTEP_TORCH_PYTHON, EVENSTEP_TORCH_LOAD_CHECK, dir, GetParam()}, {}}},
-      absl::Seconds(120));
+      evenstep::testing::HangBound(2));
   ASSERT_EQ(python[0].exit_code, 0) << python[0].output;
   EXPECT_THAT(python[0].output, HasSubstr("torch "));
   EXPECT_EQ(DigestLine(python[0].output), expected) << python[0].output;

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "evenstep/internal/store_server.h"
@@ -22,6 +23,14 @@
 extern char** environ;
 
 namespace evenstep::testing {
+
+absl::Duration HangBound(double units) {
+  double scale = 1;
+  if (const char* env = std::getenv("EVENSTEP_TEST_TIMEOUT_SCALE"); env != nullptr) {
+    if (!absl::SimpleAtod(env, &scale) || scale <= 0) scale = 1;
+  }
+  return absl::Seconds(60) * (units * scale);
+}
 namespace {
 
 bool IsLauncherVariable(const std::string& name) {

@@ -14,6 +14,12 @@
 
 namespace evenstep::testing {
 
+// The one unit every multi-process test's hang bound derives from: `units`
+// times 60 s, times EVENSTEP_TEST_TIMEOUT_SCALE (a factor, default 1, for
+// slow machines or sanitizers). Generous on purpose: it only turns a hang
+// into a failure instead of a blocked ctest, and no test judges timing by it.
+absl::Duration HangBound(double units = 1);
+
 struct ProcessSpec {
   std::vector<std::string> argv;
   // Added to the environment. Launcher variables inherited from the test's
@@ -62,7 +68,7 @@ std::vector<ProcessResult> RunAll(const std::vector<ProcessSpec>& specs, absl::D
 
 // Runs `command` with /bin/sh -c under `timeout`: (exit status, output).
 std::pair<int, std::string> RunShell(const std::string& command,
-                                     absl::Duration timeout = absl::Seconds(120));
+                                     absl::Duration timeout = HangBound(2));
 
 // Specs for `world` ranks of `argv` with the torchrun convention (RANK,
 // WORLD_SIZE = declared_world or world, LOCAL_*, MASTER_ADDR/PORT) against a
@@ -74,7 +80,7 @@ std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<st
 // Hosts a c10d store on a port the OS picks, runs `world` ranks of `argv`
 // against it (TorchrunRanks) and waits for all under `timeout`.
 std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& argv,
-                                    absl::Duration timeout = absl::Seconds(120));
+                                    absl::Duration timeout = HangBound(2));
 
 // A network namespace of the test's own (ip netns), for ranks that must
 // meet on a fixed port: where rank 0 hosts the store on MASTER_PORT (Slurm,
