@@ -7,8 +7,9 @@
 // 2-core machine does not have to give; real CPU-bound decode competes with
 // compute and would need cores of its own.
 //
-// Side by side, modes interleaved step by step (drift hits all alike), each
-// with its own copy of the model and the same static split and micro-batches:
+// Side by side in one run, each mode's steps in a block (so that a mode
+// loading ahead gets no other mode's steps as free time), each with its own
+// copy of the model and the same static split and micro-batches:
 //   compute    the data ready (no preparation): the floor
 //   inline     the load in the training loop (the usual practice)
 //   torchdata  libtorch's own torch::data::make_data_loader with --workers
@@ -16,6 +17,8 @@
 //              evenstep's plan), the loader a C++ user would pick
 //   evenstep   BalancedStep's data workers (--evenstep_data_workers=--workers,
 //              --evenstep_prefetch=--prefetch)
+//   evenstep_next  the same, also loading the next step's micro-batches while
+//              this one finishes (--evenstep_prefetch_next_step)
 // Per mode: median step time, its ratio to compute-only, the data-wait share
 // of the step (training thread waiting for data, the worst rank), and the
 // balance efficiency. Runs 2 and 4 ranks (quick: 2), each under evenstep-run.
@@ -167,16 +170,17 @@ int RunWorker() {
   base->sampler.sort_window = 1;
   base->loss_reduction = evenstep::LossReduction::kMean;
   std::vector<Mode> modes;
-  for (const char* name : {"compute", "inline", "torchdata", "evenstep"}) {
+  for (const char* name : {"compute", "inline", "torchdata", "evenstep", "evenstep_next"}) {
     Mode m;
     m.name = name;
     m.model = MakeModel();
     m.optimizer =
         std::make_unique<torch::optim::SGD>(m.model->parameters(), torch::optim::SGDOptions(0.01));
     evenstep::BalanceConfig config = *base;
-    if (m.name == "evenstep") {
+    if (m.name == "evenstep" || m.name == "evenstep_next") {
       config.data_workers = workers;
       config.prefetch = absl::GetFlag(FLAGS_prefetch);
+      config.prefetch_next_step = m.name == "evenstep_next";
     }
     auto created = evenstep::BalancedStep::Create(**ctx, *m.model, *m.optimizer,
                                                   evenstep::UniformLengths(kSamples), config);
@@ -195,12 +199,14 @@ int RunWorker() {
   const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps)
                                                    : (absl::GetFlag(FLAGS_quick) ? 3 : 20);
   constexpr int kWarmup = 2;
-  for (int s = 0; s < kWarmup + steps; ++s) {
-    for (Mode& m : modes) {
+  // Each mode's steps in a block: a mode that loads the next step early
+  // must not get the other modes' steps as free loading time.
+  for (Mode& m : modes) {
+    for (int s = 0; s < kWarmup + steps; ++s) {
       absl::StatusOr<evenstep::StepReport> report;
       if (m.name == "compute") {
         report = m.step->Step(evenstep::BatchesOf(ready), loss(m));
-      } else if (m.name == "inline" || m.name == "evenstep") {
+      } else if (m.name != "torchdata") {
         report = m.step->Step(evenstep::BatchesOf(prepared), loss(m));
       } else {  // torchdata: the loader's workers load evenstep's micro-batches
         absl::Status begun = m.step->BeginStep();
@@ -295,28 +301,34 @@ int main(int argc, char** argv) {
         if (absl::SimpleAtod(kv[key], &v)) r[kv["mode"]][key] = v;
       }
     });
-    if (r.size() != 4) {
+    if (r.size() != 5) {
       std::cout << "  " << ranks << " ranks: failed (see the output above)\n";
       continue;
     }
     const double floor = r["compute"]["step_s"];
     std::cout << absl::StrFormat("\n  %d ranks    %10s %12s %12s %10s\n", ranks, "step",
                                  "vs compute", "data wait", "balance");
-    for (const char* mode : {"compute", "inline", "torchdata", "evenstep"}) {
-      std::cout << absl::StrFormat("  %-10s %9.1fms %12.3f %11.1f%% %10.3f\n", mode,
+    for (const char* mode : {"compute", "inline", "torchdata", "evenstep", "evenstep_next"}) {
+      std::cout << absl::StrFormat("  %-13s %9.1fms %12.3f %11.1f%% %10.3f\n", mode,
                                    r[mode]["step_s"] * 1e3, r[mode]["step_s"] / floor,
                                    r[mode]["data_share"] * 100, r[mode]["efficiency"]);
     }
     const double vs_peer = r["evenstep"]["step_s"] / r["torchdata"]["step_s"];
-    std::cout << absl::StrFormat("  evenstep / torchdata step: %.3f; inline / evenstep: %.2f\n",
-                                 vs_peer, r["inline"]["step_s"] / r["evenstep"]["step_s"]);
+    const double next_vs_peer = r["evenstep_next"]["step_s"] / r["torchdata"]["step_s"];
+    std::cout << absl::StrFormat(
+        "  evenstep / torchdata step: %.3f (with the next step prefetched: %.3f); inline / "
+        "evenstep: %.2f\n",
+        vs_peer, next_vs_peer, r["inline"]["step_s"] / r["evenstep"]["step_s"]);
     summary = {{"ranks", ranks},
                {"evenstep_vs_compute", r["evenstep"]["step_s"] / floor},
                {"evenstep_data_share", r["evenstep"]["data_share"]},
                {"torchdata_vs_compute", r["torchdata"]["step_s"] / floor},
                {"inline_vs_compute", r["inline"]["step_s"] / floor},
                {"evenstep_vs_torchdata", vs_peer},
-               {"evenstep_balance_efficiency", r["evenstep"]["efficiency"]}};
+               {"evenstep_balance_efficiency", r["evenstep"]["efficiency"]},
+               {"evenstep_next_vs_compute", r["evenstep_next"]["step_s"] / floor},
+               {"evenstep_next_data_share", r["evenstep_next"]["data_share"]},
+               {"evenstep_next_vs_torchdata", next_vs_peer}};
   }
   if (summary.empty()) return 1;
   std::vector<std::string> fields = {"\"bench\": \"input_pipeline\""};

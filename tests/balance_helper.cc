@@ -300,6 +300,13 @@ int main(int argc, char** argv) {
         report->micro_batches, report->samples, report->loss, report->balance_efficiency, max_err);
     for (double share : report->shares) std::cout << absl::StrFormat(" %.3f", share);
     std::cout << std::endl;
+    // What a checkpoint taken now would hold (a step planned ahead for
+    // prefetching must not show in it).
+    const evenstep::BalanceState state = (*step)->state();
+    std::cout << absl::StrFormat("state after step %d: epoch %d batch %d steps %d next epoch %d", s,
+                                 state.sampler.epoch, state.sampler.step, state.steps,
+                                 (*step)->epoch())
+              << std::endl;
     if (!(max_err <= 1e-5)) {
       std::cerr << "gradient mismatch: max relative error " << max_err << " > 1e-5\n";
       return 1;

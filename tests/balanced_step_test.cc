@@ -3,6 +3,7 @@
 // every mode, world sizes 1-4, uneven and measured splits; the loss
 // trajectory does not depend on the world size; failures name rank and step.
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -111,11 +112,15 @@ INSTANTIATE_TEST_SUITE_P(
 // loaded micro-batches wait (plus the one in use).
 TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
   std::vector<std::string> runs;
-  for (int workers : {0, 1, 4}) {
-    auto results =
-        RunHelper(2, {"--evenstep_balance=work", "--evenstep_global_batch=37",
-                      "--evenstep_micro_batch_samples=4", "--steps=4", "--load_jitter_ms=4",
-                      absl::StrCat("--evenstep_data_workers=", workers), "--evenstep_prefetch=2"});
+  // The last run (-4) also loads each next step's micro-batches while the
+  // current one finishes (--evenstep_prefetch_next_step); 30 samples and a
+  // global batch of 11 make epochs of 3 steps, so steps cross epochs.
+  for (int workers : {0, 1, 4, -4}) {
+    auto results = RunHelper(
+        2, {"--evenstep_balance=work", "--evenstep_global_batch=11", "--samples=30",
+            "--evenstep_micro_batch_samples=2", "--steps=7", "--load_jitter_ms=4",
+            absl::StrCat("--evenstep_data_workers=", std::abs(workers)), "--evenstep_prefetch=2",
+            absl::StrCat("--evenstep_prefetch_next_step=", workers < 0 ? "true" : "false")});
     std::string steps;
     for (const ProcessResult& r : results) {
       ASSERT_EQ(r.exit_code, 0) << Describe(results);
@@ -126,12 +131,14 @@ TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
       ASSERT_EQ(std::sscanf(r.output.c_str() + at, "max_ahead %d loads %d on workers %d",
                             &max_ahead, &loads, &on_workers),
                 3);
-      EXPECT_LE(max_ahead, 2 + 1) << "workers " << workers;
+      // --evenstep_prefetch=2 waiting, plus as many for the next step when
+      // it is loaded ahead, plus the one in use.
+      EXPECT_LE(max_ahead, (workers < 0 ? 2 * 2 : 2) + 1) << "workers " << workers;
       EXPECT_GT(loads, 0);
       EXPECT_EQ(on_workers, workers == 0 ? 0 : loads) << "workers " << workers;
       // Each rank's step lines without the timing-dependent efficiency.
       for (absl::string_view line : absl::StrSplit(r.output, '\n')) {
-        if (!absl::StartsWith(line, "step ")) continue;
+        if (!absl::StartsWith(line, "step ") && !absl::StartsWith(line, "state ")) continue;
         steps += std::string(line.substr(0, line.find(" eff "))) + "\n";
       }
     }
@@ -139,6 +146,10 @@ TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
   }
   EXPECT_EQ(runs[1], runs[0]);
   EXPECT_EQ(runs[2], runs[0]);
+  EXPECT_EQ(runs[3], runs[0]);
+  // What a checkpoint would hold after the last step of epoch 0, planned
+  // ahead or not.
+  EXPECT_THAT(runs[0], HasSubstr("state after step 3: epoch 0 batch 3 steps 3 next epoch 1"));
 }
 
 // A load that throws on a data worker fails its step on every rank like a

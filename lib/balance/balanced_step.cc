@@ -104,7 +104,25 @@ BalancedStep::BalancedStep(DistContext& ctx, torch::nn::Module& model,
       cost_model_(config_.cost_model),
       planner_(ctx.world_size(), config_.planner) {}
 
-BalancedStep::~BalancedStep() = default;
+BalancedStep::~BalancedStep() { CancelPrefetch(); }
+
+void BalancedStep::PlanNextStep(int64_t steps_done) {
+  NextStep next;
+  next.sampler_before = sampler_.state();
+  next.shares_before = planner_.plan().shares;
+  next.batch = sampler_.Next();
+  if (!fits_.empty() && steps_done % config_.plan_interval == 0) {
+    planner_.Update(fits_, next.batch.cost, sampler_.micro_batch_cost_cap());
+  }
+  std::vector<std::vector<int64_t>> parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
+  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]));
+  planned_ = std::move(next);
+}
+
+void BalancedStep::CancelPrefetch() {
+  carried_.reset();  // waits for the loads in flight
+  carried_data_ = carried_load_ = nullptr;
+}
 
 absl::Status BalancedStep::BeginStep() {
   if (!abandoned_.ok()) {
@@ -124,13 +142,11 @@ absl::Status BalancedStep::BeginStep() {
   report_ = StepReport{};
   report_.begin = absl::Now();
   cost_model_.BeginStep();
-  batch_ = sampler_.Next();
-  if (!fits_.empty() && steps_ % config_.plan_interval == 0) {
-    planner_.Update(fits_, batch_.cost, sampler_.micro_batch_cost_cap());
-  }
+  if (!planned_) PlanNextStep(steps_);
+  batch_ = std::move(planned_->batch);
+  micro_ = std::move(planned_->micro);
+  planned_.reset();
   const Plan& plan = planner_.plan();
-  std::vector<std::vector<int64_t>> parts = SplitGlobalBatch(sampler_, batch_, plan);
-  micro_ = sampler_.Pack(std::move(parts[ctx_.rank()]));
   next_micro_ = 0;
   scale_ = batch_.count > 0 ? 1.0 / batch_.count : 0.0;
   loss_sum_ = 0;
@@ -142,6 +158,12 @@ absl::Status BalancedStep::BeginStep() {
   report_.epoch = batch_.epoch;
   report_.epoch_step = batch_.step;
   report_.micro_batches = static_cast<int>(micro_.size());
+  // Static and work plans do not depend on the exchange: the next step is
+  // planned now, so that its loads can run during this one.
+  if (workers_ != nullptr && config_.prefetch_next_step &&
+      config_.planner.mode != BalanceMode::kDynamic) {
+    PlanNextStep(steps_ + 1);
+  }
   report_.global_count = batch_.count;
   report_.global_tokens = batch_.tokens;
   report_.shares = plan.shares;
@@ -235,6 +257,7 @@ absl::Status BalancedStep::Account() {
 }
 
 int64_t BalancedStep::epoch() const {
+  if (planned_) return planned_->batch.epoch;
   const SamplerState at = sampler_.state();
   return at.step >= sampler_.steps_per_epoch() ? at.epoch + 1 : at.epoch;
 }
@@ -318,6 +341,9 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
   report_.step = steps_;
   EVENSTEP_RETURN_IF_ERROR(Exchange(), "BalancedStep: step ", steps_,
                            ", exchanging cost fits for the next plan");
+  // Dynamic plans need the exchanged fits: with prefetching across steps the
+  // next step is planned now, so that its loads can start.
+  if (workers_ != nullptr && config_.prefetch_next_step && !planned_) PlanNextStep(steps_);
   report_.end = absl::Now();
   return report_;
 }
@@ -363,8 +389,10 @@ absl::Status BalancedStep::Exchange() {
 
 BalanceState BalancedStep::state() const {
   BalanceState state;
-  state.sampler = sampler_.state();
-  state.shares = planner_.plan().shares;
+  // A step planned ahead (for prefetching) has not run: the state is the
+  // one before it.
+  state.sampler = planned_ ? planned_->sampler_before : sampler_.state();
+  state.shares = planned_ ? planned_->shares_before : planner_.plan().shares;
   state.steps = steps_;
   return state;
 }
@@ -389,6 +417,8 @@ absl::Status BalancedStep::Restore(const BalanceState& state) {
   if (in_step_) {
     return absl::FailedPreconditionError("BalancedStep::Restore: a step is open");
   }
+  CancelPrefetch();
+  planned_.reset();
   EVENSTEP_RETURN_IF_ERROR(sampler_.Restore(state.sampler));
   if (static_cast<int>(state.shares.size()) == ctx_.world_size()) {
     EVENSTEP_RETURN_IF_ERROR(planner_.SetShares(state.shares));

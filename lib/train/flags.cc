@@ -80,6 +80,10 @@ ABSL_FLAG(int, evenstep_data_workers, 0,
 ABSL_FLAG(int, evenstep_prefetch, 2,
           "With --evenstep_data_workers: micro-batches loaded ahead of the one computing (at most "
           "this many wait in memory, plus the one in use).");
+ABSL_FLAG(bool, evenstep_prefetch_next_step, false,
+          "With --evenstep_data_workers: start loading the next step's micro-batches as soon as "
+          "its plan is known (end of the current step), with a copy of the load function, which "
+          "is then called after Step returns: what it refers to must outlive the training loop.");
 ABSL_FLAG(std::string, evenstep_loss_reduction, "sum",
           "What the micro-batch loss function returns: sum (of the per-sample or per-token "
           "losses) or mean (over the micro-batch's samples or tokens, by --evenstep_normalize; "
@@ -264,6 +268,7 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.clip_grad_norm = absl::GetFlag(FLAGS_evenstep_clip_grad_norm);
   config.data_workers = absl::GetFlag(FLAGS_evenstep_data_workers);
   config.prefetch = absl::GetFlag(FLAGS_evenstep_prefetch);
+  config.prefetch_next_step = absl::GetFlag(FLAGS_evenstep_prefetch_next_step);
   const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));

@@ -369,6 +369,7 @@ absl::StatusOr<std::vector<double>> Session::Evaluate(
 absl::Status Session::Finish() {
   if (!created_ || finished_) return absl::OkStatus();
   finished_ = true;
+  step_->CancelPrefetch();  // loads started for a step that will not run
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();
   int64_t final_step = -1;

@@ -44,8 +44,10 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -97,6 +99,14 @@ struct BalanceConfig {
   int data_workers = 0;
   // Micro-batches loaded ahead of the one computing (with data_workers).
   int prefetch = 2;
+  // With data_workers: Step also loads the next step's first micro-batches
+  // ahead: with static and work balance from the start of this step (queued
+  // behind its own loads; the next plan does not depend on the exchange),
+  // with dynamic balance once this step's exchange ends. A copy of the load
+  // function does it, called after Step returns: what it refers to must
+  // outlive the BalancedStep (or call CancelPrefetch first). Memory: up to
+  // twice `prefetch` loaded micro-batches wait.
+  bool prefetch_next_step = false;
   // Called after the sync with the global gradient in param.grad(), before
   // clipping and the optimizer step (e.g. to log gradient norms).
   std::function<void()> after_sync;
@@ -198,11 +208,37 @@ class BalancedStep {
       return FinishStep();
     }
     using Data = std::decay_t<std::invoke_result_t<Load&, const MicroBatch&>>;
-    // Destroyed before `load` and `mbs` go: it waits for the loads in flight.
-    Prefetcher<Data> prefetch(*workers_, config_.prefetch, mbs.size(),
-                              [&](size_t i) -> Data { return load(mbs[i]); });
+    using LoadCopy = std::decay_t<Load>;
+    // This step's loads: started by the previous Step (prefetch_next_step,
+    // the same load type) for exactly these micro-batches, or now.
+    std::shared_ptr<Prefetcher<Data>> prefetch;
+    if (carried_ != nullptr && *carried_data_ == typeid(Data) &&
+        *carried_load_ == typeid(LoadCopy)) {
+      prefetch = std::static_pointer_cast<Prefetcher<Data>>(carried_);
+    }
+    CancelPrefetch();  // another load's leftovers: wait for them and drop them
+    if (prefetch == nullptr) {
+      // Destroyed before `load` and `mbs` go: it waits for the loads in flight.
+      prefetch = std::make_shared<Prefetcher<Data>>(*workers_, config_.prefetch, mbs.size(),
+                                                    [&](size_t i) -> Data { return load(mbs[i]); });
+    }
+    // The next step's loads, queued behind this step's (static and work
+    // plans are made at BeginStep; dynamic ones after the exchange).
+    auto start_next = [&] {
+      if constexpr (std::is_copy_constructible_v<LoadCopy> &&
+                    std::is_invocable_v<const LoadCopy&, const MicroBatch&>) {
+        if (!planned_ || carried_ != nullptr) return;
+        auto next = std::make_shared<const std::vector<MicroBatch>>(planned_->micro);
+        carried_ = std::make_shared<Prefetcher<Data>>(
+            *workers_, config_.prefetch, next->size(),
+            [next, copy = LoadCopy(load)](size_t i) -> Data { return copy((*next)[i]); });
+        carried_data_ = &typeid(Data);
+        carried_load_ = &typeid(LoadCopy);
+      }
+    };
+    start_next();
     for (size_t i = 0; i < mbs.size(); ++i) {
-      absl::StatusOr<Data> data = prefetch.Take(i);
+      absl::StatusOr<Data> data = prefetch->Take(i);
       if (!data.ok()) return Abandon(i, LoadFailure(i, data.status()));
       try {
         DataReady();
@@ -211,8 +247,12 @@ class BalancedStep {
         return Abandon(i, e.what());
       }
     }
-    return FinishStep();
+    absl::StatusOr<StepReport> report = FinishStep();
+    if (report.ok()) start_next();
+    return report;
   }
+  // Drops loads started ahead for the next step (waiting for those running).
+  void CancelPrefetch();
 
   // The same step, piece by piece, for loops that cannot be written as two
   // callbacks: BeginStep(); for each micro_batches()[i]: load it, DataReady(),
@@ -274,6 +314,21 @@ class BalancedStep {
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<internal::MicroStepClock> clock_;
   std::unique_ptr<WorkerPool> workers_;  // data workers; null = load on this thread
+  // The next step, planned ahead when its loads start early (prefetch_next_step).
+  struct NextStep {
+    SamplerState sampler_before;        // where the sampler stood before it
+    std::vector<double> shares_before;  // the plan before it
+    GlobalBatch batch;
+    std::vector<MicroBatch> micro;
+  };
+  std::optional<NextStep> planned_;
+  // Draws and splits the next global batch into planned_; `steps_done`:
+  // the steps completed when it runs (for plan_interval).
+  void PlanNextStep(int64_t steps_done);
+  // A Prefetcher<Data> already loading the planned step, and its types.
+  std::shared_ptr<void> carried_;
+  const std::type_info* carried_data_ = nullptr;
+  const std::type_info* carried_load_ = nullptr;
   CostModel cost_model_;
   Planner planner_;
 

@@ -31,6 +31,7 @@ ABSL_DECLARE_FLAG(uint64_t, evenstep_seed);
 ABSL_DECLARE_FLAG(int64_t, evenstep_sort_window);
 ABSL_DECLARE_FLAG(int, evenstep_data_workers);
 ABSL_DECLARE_FLAG(int, evenstep_prefetch);
+ABSL_DECLARE_FLAG(bool, evenstep_prefetch_next_step);
 ABSL_DECLARE_FLAG(bool, evenstep_drop_last);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
 ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);
