@@ -103,9 +103,9 @@ class PlanSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
  public:
   explicit PlanSampler(std::shared_ptr<std::vector<std::vector<size_t>>> plan)
       : plan_(std::move(plan)) {}
-  void reset(torch::optional<size_t> = torch::nullopt) override { next_ = 0; }
+  void reset(torch::optional<size_t> = {}) override { next_ = 0; }
   torch::optional<std::vector<size_t>> next(size_t) override {
-    if (next_ >= plan_->size()) return torch::nullopt;
+    if (next_ >= plan_->size()) return {};
     return (*plan_)[next_++];
   }
   void save(torch::serialize::OutputArchive&) const override {}
