@@ -204,17 +204,21 @@ absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path, 
 }
 
 absl::Status CreateDirsDurably(Env& env, const std::string& dir) {
-  std::vector<std::filesystem::path> created;  // innermost first
-  std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
-  if (!p.has_filename()) p = p.parent_path();  // "a/b/" -> "a/b"
-  for (; !p.empty() && p != p.root_path() && !env.Exists(p.string()); p = p.parent_path()) {
-    created.push_back(p);
+  std::filesystem::path leaf = std::filesystem::path(dir).lexically_normal();
+  if (!leaf.has_filename()) leaf = leaf.parent_path();  // "a/b/" -> "a/b"
+  // `dir` itself, always (a peer may have just created it and not synced
+  // yet; one more sync is cheap, and the count of syncs does not depend on
+  // who came first), then every missing ancestor, innermost first.
+  std::vector<std::filesystem::path> entries = {leaf};
+  for (std::filesystem::path p = leaf.parent_path();
+       !p.empty() && p != p.root_path() && !env.Exists(p.string()); p = p.parent_path()) {
+    entries.push_back(p);
   }
   EVENSTEP_RETURN_IF_ERROR(env.CreateDirs(dir));
-  for (auto it = created.rbegin(); it != created.rend(); ++it) {
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
     const std::filesystem::path parent = it->has_parent_path() ? it->parent_path() : ".";
-    EVENSTEP_RETURN_IF_ERROR(env.SyncDir(parent.string()), "making the new directory ",
-                             it->string(), " durable");
+    EVENSTEP_RETURN_IF_ERROR(env.SyncDir(parent.string()), "making the directory ", it->string(),
+                             " durable");
   }
   return absl::OkStatus();
 }

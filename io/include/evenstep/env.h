@@ -108,9 +108,10 @@ absl::Status ErrnoStatus(int error, const std::string& operation, const std::str
 // anything is allocated, when it holds more than `max_bytes`.
 absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
                                              int64_t max_bytes = int64_t{64} << 20);
-// CreateDirs(dir), then SyncDir of the parent of every directory it created
-// (top down), so that a crash cannot lose `dir` and with it what is later
-// written and synced inside it.
+// CreateDirs(dir), then SyncDir of the parent of every directory it found
+// missing and of `dir`'s own parent, always (top down; a peer may have
+// created `dir` a moment ago without syncing yet), so that a crash cannot
+// lose `dir` and with it what is later written and synced inside it.
 absl::Status CreateDirsDurably(Env& env, const std::string& dir);
 // Writes `data` to `path` crash-safely: `path`.tmp (in writes of at most
 // 64 MiB), fsync, rename over `path`, fsync of the directory; a crash leaves
