@@ -45,9 +45,9 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "bench/relaunch.h"
-#include "evenstep/train_checkpointer.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/train_checkpointer.h"
 
 ABSL_FLAG(bool, quick, false, "32 MiB state, 1 and 2 ranks (the smoke test).");
 ABSL_FLAG(std::string, dir, "", "Directory on the storage to measure (default: a temp dir).");

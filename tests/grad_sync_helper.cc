@@ -314,7 +314,7 @@ int Hook(evenstep::DistContext& dist, const std::string& name) {
     evenstep::CommHook base = evenstep::SumHook();
     (*sync)->set_comm_hook([base](const evenstep::CommHookContext& ctx, at::Tensor& bucket) {
       return evenstep::BucketFuture::Then(base(ctx, bucket),
-                                           [](at::Tensor reduced) { return reduced.mul(2); });
+                                          [](at::Tensor reduced) { return reduced.mul(2); });
     });
     factor = 2;
     tolerance = 1e-5;
