@@ -148,6 +148,7 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_sort_window", {"-1"}},
       {"evenstep_drop_last", {"maybe"}},
       {"evenstep_prefetch_next_step", {"maybe"}},
+      {"evenstep_pin_memory", {"sometimes"}},
       {"evenstep_normalize", {"bytes"}},
       {"evenstep_cost_quadratic", {"-1", "nan", "inf"}},
       {"evenstep_clip_grad_norm", {"-1", "nan", "inf"}},

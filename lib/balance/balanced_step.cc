@@ -86,6 +86,10 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   }
   if (step->config_.data_workers > 0) {
     step->workers_ = std::make_unique<WorkerPool>(step->config_.data_workers);
+    const c10::Device device = ModelDevice(model);
+    if (step->config_.pin_memory && !device.is_cpu()) {
+      step->feeder_ = std::make_unique<DeviceFeeder>(device, /*pinned=*/true);
+    }
   }
   return step;
 }

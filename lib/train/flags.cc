@@ -84,6 +84,11 @@ ABSL_FLAG(bool, evenstep_prefetch_next_step, false,
           "With --evenstep_data_workers: start loading the next step's micro-batches as soon as "
           "its plan is known (end of the current step), with a copy of the load function, which "
           "is then called after Step returns: what it refers to must outlive the training loop.");
+ABSL_FLAG(bool, evenstep_pin_memory, true,
+          "With --evenstep_data_workers and a model on an accelerator: the workers move each "
+          "loaded micro-batch's CPU tensors to the model's device (page-locked staging buffers, "
+          "non-blocking copies on a side stream); false = the data stays where the load function "
+          "put it. No effect on a CPU model.");
 ABSL_FLAG(std::string, evenstep_loss_reduction, "sum",
           "What the micro-batch loss function returns: sum (of the per-sample or per-token "
           "losses) or mean (over the micro-batch's samples or tokens, by --evenstep_normalize; "
@@ -269,6 +274,7 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.data_workers = absl::GetFlag(FLAGS_evenstep_data_workers);
   config.prefetch = absl::GetFlag(FLAGS_evenstep_prefetch);
   config.prefetch_next_step = absl::GetFlag(FLAGS_evenstep_prefetch_next_step);
+  config.pin_memory = absl::GetFlag(FLAGS_evenstep_pin_memory);
   const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));

@@ -57,6 +57,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "evenstep/cost_model.h"
+#include "evenstep/device_feed.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
 #include "evenstep/planner.h"
@@ -107,6 +108,13 @@ struct BalanceConfig {
   // outlive the BalancedStep (or call CancelPrefetch first). Memory: up to
   // twice `prefetch` loaded micro-batches wait.
   bool prefetch_next_step = false;
+  // With data_workers and a model on an accelerator: the workers also move
+  // each loaded micro-batch's CPU tensors (those TensorWalk<Data> finds) to
+  // the model's device, through reusable page-locked buffers and
+  // non-blocking copies on a side stream (DeviceFeeder), so the training
+  // thread finds them there. Off, or on a CPU model: the data stays as the
+  // load function returns it.
+  bool pin_memory = true;
   // Called after the sync with the global gradient in param.grad(), before
   // clipping and the optimizer step (e.g. to log gradient norms).
   std::function<void()> after_sync;
@@ -219,8 +227,9 @@ class BalancedStep {
     CancelPrefetch();  // another load's leftovers: wait for them and drop them
     if (prefetch == nullptr) {
       // Destroyed before `load` and `mbs` go: it waits for the loads in flight.
-      prefetch = std::make_shared<Prefetcher<Data>>(*workers_, config_.prefetch, mbs.size(),
-                                                    [&](size_t i) -> Data { return load(mbs[i]); });
+      prefetch = std::make_shared<Prefetcher<Data>>(
+          *workers_, config_.prefetch, mbs.size(),
+          [&, feeder = feeder_.get()](size_t i) -> Data { return ToDevice(feeder, load(mbs[i])); });
     }
     // The next step's loads, queued behind this step's (static and work
     // plans are made at BeginStep; dynamic ones after the exchange).
@@ -231,7 +240,9 @@ class BalancedStep {
         auto next = std::make_shared<const std::vector<MicroBatch>>(planned_->micro);
         carried_ = std::make_shared<Prefetcher<Data>>(
             *workers_, config_.prefetch, next->size(),
-            [next, copy = LoadCopy(load)](size_t i) -> Data { return copy((*next)[i]); });
+            [next, copy = LoadCopy(load), feeder = feeder_.get()](size_t i) -> Data {
+              return ToDevice(feeder, copy((*next)[i]));
+            });
         carried_data_ = &typeid(Data);
         carried_load_ = &typeid(LoadCopy);
       }
@@ -241,6 +252,9 @@ class BalancedStep {
       absl::StatusOr<Data> data = prefetch->Take(i);
       if (!data.ok()) return Abandon(i, LoadFailure(i, data.status()));
       try {
+        if constexpr (TensorWalk<Data>::kKnown) {
+          if (feeder_ != nullptr) feeder_->Adopt(TensorsIn(*data));
+        }
         DataReady();
         EVENSTEP_RETURN_IF_ERROR(Backward(loss_sum(*data)));
       } catch (const std::exception& e) {
@@ -299,6 +313,15 @@ class BalancedStep {
                Sampler sampler, BalanceConfig config, std::unique_ptr<GradSync> sync,
                std::unique_ptr<internal::MicroStepClock> clock);
   absl::Status Abandon(size_t micro_batch, const std::string& what);
+  // On a data worker: `data`'s CPU tensors moved to the model's device by
+  // `feeder` (null: as it is).
+  template <typename Data>
+  static Data ToDevice(DeviceFeeder* feeder, Data data) {
+    if constexpr (TensorWalk<Data>::kKnown) {
+      if (feeder != nullptr) feeder->Feed(TensorsIn(data));
+    }
+    return data;
+  }
   // "loading samples [3, 17, ...] on a data worker: <error>".
   std::string LoadFailure(size_t micro_batch, const absl::Status& error) const;
   // Reads the step's micro-step times and summed loss into the report and
@@ -314,6 +337,8 @@ class BalancedStep {
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<internal::MicroStepClock> clock_;
   std::unique_ptr<WorkerPool> workers_;  // data workers; null = load on this thread
+  // Moves loaded data to the model's device on the workers; null = leave it.
+  std::unique_ptr<DeviceFeeder> feeder_;
   // The next step, planned ahead when its loads start early (prefetch_next_step).
   struct NextStep {
     SamplerState sampler_before;        // where the sampler stood before it
