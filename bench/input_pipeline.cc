@@ -30,9 +30,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -51,6 +54,7 @@
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
 #include "evenstep/torch_data.h"
+#include "samples/sample_file.h"
 
 ABSL_FLAG(bool, quick, false, "A few steps on 2 ranks (the smoke test).");
 ABSL_FLAG(bool, worker, false, "(internal) run as one rank of the benchmark.");
@@ -65,18 +69,38 @@ ABSL_FLAG(double, slow_factor, 2.0, "How much slower (plus 0-50 % jitter per sam
 ABSL_FLAG(int64_t, batch, 128, "Global batch (samples per step).");
 ABSL_FLAG(int64_t, micro, 16, "Samples per micro-batch.");
 ABSL_FLAG(int, hidden, 1024, "MLP width (the compute per micro-batch).");
+ABSL_FLAG(std::string, data_dir, ".",
+          "Where each rank writes its sample file (removed at the end); 'memory' = no file.");
 
 namespace {
 
 constexpr int kDim = 256;
 constexpr int64_t kSamples = 8192;
 
-// A map-style torch::data dataset: sample i's features are fixed; get(i)
-// first waits its preparation time (when `prepare`).
+using evenstep::samples::SampleFile;
+
+// Sample i as bytes: its kDim features (float) then its label (int64).
+std::string SampleBytes(const torch::Tensor& x, const torch::Tensor& y, int64_t i) {
+  std::string out(kDim * sizeof(float) + sizeof(int64_t), '\0');
+  std::memcpy(out.data(), x[i].contiguous().data_ptr<float>(), kDim * sizeof(float));
+  const int64_t label = y[i].item<int64_t>();
+  std::memcpy(out.data() + kDim * sizeof(float), &label, sizeof(label));
+  return out;
+}
+
+// A map-style torch::data dataset: sample i's features are fixed, read
+// from `file` when there is one (else from memory); get(i) also waits its
+// preparation time (when `prepare`).
 class PrepDataset : public torch::data::datasets::Dataset<PrepDataset> {
  public:
-  PrepDataset(torch::Tensor x, torch::Tensor y, bool prepare, double factor, bool jitter)
-      : x_(std::move(x)), y_(std::move(y)), prepare_(prepare), factor_(factor), jitter_(jitter) {}
+  PrepDataset(torch::Tensor x, torch::Tensor y, bool prepare, double factor, bool jitter,
+              const SampleFile* file = nullptr)
+      : x_(std::move(x)),
+        y_(std::move(y)),
+        prepare_(prepare),
+        factor_(factor),
+        jitter_(jitter),
+        file_(file) {}
   torch::data::Example<> get(size_t index) override {
     if (prepare_) {
       std::mt19937_64 rng(index * 0x9E3779B97F4A7C15ull + 1);
@@ -87,7 +111,14 @@ class PrepDataset : public torch::data::datasets::Dataset<PrepDataset> {
       std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(ms * 1000)));
     }
     const auto i = static_cast<int64_t>(index);
-    return {x_[i], y_[i]};
+    if (file_ == nullptr) return {x_[i], y_[i]};
+    absl::StatusOr<std::string> bytes = file_->Read(i);
+    if (!bytes.ok()) throw std::runtime_error(bytes.status().ToString());
+    torch::Tensor x = torch::empty({kDim});
+    std::memcpy(x.data_ptr<float>(), bytes->data(), kDim * sizeof(float));
+    int64_t label = 0;
+    std::memcpy(&label, bytes->data() + kDim * sizeof(float), sizeof(label));
+    return {x, torch::tensor(label, torch::kLong)};
   }
   torch::optional<size_t> size() const override { return x_.size(0); }
 
@@ -96,6 +127,7 @@ class PrepDataset : public torch::data::datasets::Dataset<PrepDataset> {
   bool prepare_;
   double factor_;
   bool jitter_;
+  const SampleFile* file_;
 };
 
 // Hands a torch::data loader the micro-batches of the current step, in order.
@@ -151,12 +183,33 @@ int RunWorker() {
   const torch::Tensor y = torch::randint(0, 10, {kSamples}, torch::kLong);
   const bool slow = rank == absl::GetFlag(FLAGS_slow_rank);
   const double factor = slow ? absl::GetFlag(FLAGS_slow_factor) : 1.0;
+  // This rank's samples on real storage: written once, read with pread.
+  std::unique_ptr<SampleFile> file;
+  const std::string dir = absl::GetFlag(FLAGS_data_dir);
+  const std::string path = absl::StrCat(dir, "/evenstep_input_pipeline.rank", rank, ".samples");
+  if (dir != "memory") {
+    std::vector<std::string> samples;
+    for (int64_t i = 0; i < kSamples; ++i) samples.push_back(SampleBytes(x, y, i));
+    absl::Status written = evenstep::samples::WriteSampleFile(path, samples);
+    auto opened = written.ok() ? SampleFile::Open(path)
+                               : absl::StatusOr<std::unique_ptr<SampleFile>>(written);
+    if (!opened.ok()) {
+      std::cerr << "--data_dir=" << dir << ": " << opened.status() << "\n";
+      return 1;
+    }
+    file = *std::move(opened);
+  }
+  struct Remove {
+    std::string path;
+    ~Remove() { std::remove(path.c_str()); }
+  } remove_file{file ? path : ""};
   auto ready = PrepDataset(x, y, false, 1, false).map(torch::data::transforms::Stack<>());
-  auto prepared = PrepDataset(x, y, true, factor, slow).map(torch::data::transforms::Stack<>());
+  auto prepared =
+      PrepDataset(x, y, true, factor, slow, file.get()).map(torch::data::transforms::Stack<>());
   auto plan = std::make_shared<std::vector<std::vector<size_t>>>();
   const int workers = absl::GetFlag(FLAGS_workers);
   auto loader = torch::data::make_data_loader(
-      PrepDataset(x, y, true, factor, slow).map(torch::data::transforms::Stack<>()),
+      PrepDataset(x, y, true, factor, slow, file.get()).map(torch::data::transforms::Stack<>()),
       PlanSampler(plan), torch::data::DataLoaderOptions().batch_size(1).workers(workers));
 
   auto base = evenstep::BalanceConfig::FromFlags();
@@ -202,6 +255,18 @@ int RunWorker() {
   // Each mode's steps in a block: a mode that loads the next step early
   // must not get the other modes' steps as free loading time.
   for (Mode& m : modes) {
+    // Cold reads for every mode: the file's cached pages are dropped.
+    if (file != nullptr) {
+      absl::Status dropped = file->DropCache();
+      if (!dropped.ok()) {
+        std::cerr << dropped << "\n";
+        return 1;
+      }
+      if (rank == 0) {
+        std::cout << absl::StrFormat("RESIDENT mode=%s fraction=%.3f\n", m.name,
+                                     file->ResidentFraction());
+      }
+    }
     for (int s = 0; s < kWarmup + steps; ++s) {
       absl::StatusOr<evenstep::StepReport> report;
       if (m.name == "compute") {
@@ -274,18 +339,30 @@ int main(int argc, char** argv) {
   const std::string self = evenstep::bench::SelfExecutable();
   std::cout << absl::StrFormat(
       "input_pipeline: prep lognormal median %.1f ms sigma %.1f per sample, rank %d's storage "
-      "%.1fx slower (+0-50%% jitter), %d loader workers, global batch %d, micro-batch %d\n",
+      "%.1fx slower (+0-50%% jitter), samples from %s, %d loader workers, global batch %d, "
+      "micro-batch %d\n",
       absl::GetFlag(FLAGS_prep_ms), absl::GetFlag(FLAGS_prep_sigma), absl::GetFlag(FLAGS_slow_rank),
-      absl::GetFlag(FLAGS_slow_factor), absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_batch),
-      absl::GetFlag(FLAGS_micro));
+      absl::GetFlag(FLAGS_slow_factor),
+      absl::GetFlag(FLAGS_data_dir) == "memory" ? "memory" : "files (pread, cold)",
+      absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_micro));
   std::map<std::string, double> summary;
   for (int ranks : rank_counts) {
     std::map<std::string, std::map<std::string, double>> r;
+    double resident = -1;  // the file's cached fraction after each drop, the largest
     const std::string command =
         absl::StrCat(EVENSTEP_RUN, " -n ", ranks, " -- ", self, " --worker ",
                      absl::StrJoin(pass, " "), " --evenstep_timeout=10m");
     evenstep::bench::RunLines(command, [&](const std::string& line) {
       absl::string_view rest = line;
+      if (const size_t r = rest.find("RESIDENT "); r != absl::string_view::npos) {
+        rest = rest.substr(r);
+        const size_t eq = rest.rfind('=');
+        double v = 0;
+        if (eq != absl::string_view::npos && absl::SimpleAtod(rest.substr(eq + 1), &v)) {
+          resident = std::max(resident, v);
+        }
+        return;
+      }
       const size_t at = rest.find("RESULT ");
       if (at == absl::string_view::npos) {
         if (line.find("[Gloo]") == std::string::npos) std::cout << "    " << line << "\n";
@@ -306,6 +383,13 @@ int main(int argc, char** argv) {
       continue;
     }
     const double floor = r["compute"]["step_s"];
+    if (absl::GetFlag(FLAGS_data_dir) != "memory") {
+      std::cout << absl::StrFormat(
+          "  samples read with pread from %s (one file per rank); page cache dropped before "
+          "each mode: at most %.1f%% of a file cached after the drop%s\n",
+          absl::GetFlag(FLAGS_data_dir), 100 * resident,
+          resident > 0.5 ? " (this filesystem keeps files in memory: the reads are not cold)" : "");
+    }
     std::cout << absl::StrFormat("\n  %d ranks    %10s %12s %12s %10s\n", ranks, "step",
                                  "vs compute", "data wait", "balance");
     for (const char* mode : {"compute", "inline", "torchdata", "evenstep", "evenstep_next"}) {
@@ -328,7 +412,8 @@ int main(int argc, char** argv) {
                {"evenstep_balance_efficiency", r["evenstep"]["efficiency"]},
                {"evenstep_next_vs_compute", r["evenstep_next"]["step_s"] / floor},
                {"evenstep_next_data_share", r["evenstep_next"]["data_share"]},
-               {"evenstep_next_vs_torchdata", next_vs_peer}};
+               {"evenstep_next_vs_torchdata", next_vs_peer},
+               {"resident_after_drop", resident}};
   }
   if (summary.empty()) return 1;
   std::vector<std::string> fields = {"\"bench\": \"input_pipeline\""};
