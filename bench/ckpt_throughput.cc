@@ -209,18 +209,12 @@ Raw MeasureRaw(const std::string& dir, int64_t bytes) {
 
 // Adds the key=value pairs of a "RESULT k=v ..." line to *out; echoes other lines.
 void ParseResult(const std::string& line, std::map<std::string, double>* out) {
-  const size_t at = line.find("RESULT ");
-  if (at == std::string::npos) {
+  const auto fields = evenstep::bench::TaggedFields(line);
+  if (!fields) {
     std::cerr << "    " << line << "\n";
     return;
   }
-  for (absl::string_view kv : absl::StrSplit(line.substr(at + 7), ' ', absl::SkipEmpty())) {
-    std::vector<std::string> pair = absl::StrSplit(kv, '=');
-    double value = 0;
-    if (pair.size() == 2 && absl::SimpleAtod(absl::StripAsciiWhitespace(pair[1]), &value)) {
-      (*out)[pair[0]] = value;
-    }
-  }
+  for (const auto& [k, v] : evenstep::bench::NumericFields(*fields)) (*out)[k] = v;
 }
 
 std::map<std::string, double> RunRanks(const std::string& self, int ranks, int64_t size_mb,

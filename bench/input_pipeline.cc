@@ -353,30 +353,18 @@ int main(int argc, char** argv) {
         absl::StrCat(EVENSTEP_RUN, " -n ", ranks, " -- ", self, " --worker ",
                      absl::StrJoin(pass, " "), " --evenstep_timeout=10m");
     evenstep::bench::RunLines(command, [&](const std::string& line) {
-      absl::string_view rest = line;
-      if (const size_t r = rest.find("RESIDENT "); r != absl::string_view::npos) {
-        rest = rest.substr(r);
-        const size_t eq = rest.rfind('=');
-        double v = 0;
-        if (eq != absl::string_view::npos && absl::SimpleAtod(rest.substr(eq + 1), &v)) {
-          resident = std::max(resident, v);
-        }
+      if (const auto cached = evenstep::bench::TaggedFields(line, "RESIDENT ")) {
+        const auto f = evenstep::bench::NumericFields(*cached);
+        if (f.count("fraction")) resident = std::max(resident, f.at("fraction"));
         return;
       }
-      const size_t at = rest.find("RESULT ");
-      if (at == absl::string_view::npos) {
+      const auto fields = evenstep::bench::TaggedFields(line);
+      if (!fields) {
         if (line.find("[Gloo]") == std::string::npos) std::cout << "    " << line << "\n";
         return;
       }
-      std::map<std::string, std::string> kv;
-      for (absl::string_view f : absl::StrSplit(rest.substr(at + 7), ' ', absl::SkipEmpty())) {
-        std::pair<std::string, std::string> p = absl::StrSplit(f, absl::MaxSplits('=', 1));
-        kv[p.first] = p.second;
-      }
-      for (const char* key : {"step_s", "data_share", "efficiency"}) {
-        double v = 0;
-        if (absl::SimpleAtod(kv[key], &v)) r[kv["mode"]][key] = v;
-      }
+      const std::string mode = fields->count("mode") ? fields->at("mode") : "";
+      for (const auto& [k, v] : evenstep::bench::NumericFields(*fields)) r[mode][k] = v;
     });
     if (r.size() != 5) {
       std::cout << "  " << ranks << " ranks: failed (see the output above)\n";

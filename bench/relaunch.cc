@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
 namespace evenstep::bench {
 
 std::string SelfExecutable() {
@@ -48,6 +52,28 @@ int RunLines(const std::string& command, const std::function<void(const std::str
   if (!line.empty()) on_line(line);
   const int status = pclose(p);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::optional<std::map<std::string, std::string>> TaggedFields(const std::string& line,
+                                                               const std::string& tag) {
+  const size_t at = line.find(tag);
+  if (at == std::string::npos) return std::nullopt;
+  std::map<std::string, std::string> out;
+  for (absl::string_view f :
+       absl::StrSplit(absl::string_view(line).substr(at + tag.size()), ' ', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(f, absl::MaxSplits('=', 1));
+    out[kv.first] = std::string(absl::StripAsciiWhitespace(kv.second));
+  }
+  return out;
+}
+
+std::map<std::string, double> NumericFields(const std::map<std::string, std::string>& fields) {
+  std::map<std::string, double> out;
+  for (const auto& [k, v] : fields) {
+    double x = 0;
+    if (absl::SimpleAtod(v, &x)) out[k] = x;
+  }
+  return out;
 }
 
 }  // namespace evenstep::bench

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
 
 namespace evenstep::bench {
@@ -19,5 +21,13 @@ int RelaunchUnlessLaunched(int ranks, int argc, char** argv);
 // line to `on_line` as it comes; returns the command's exit status (-1 when
 // it could not start or was killed by a signal).
 int RunLines(const std::string& command, const std::function<void(const std::string&)>& on_line);
+
+// A rank's measurements come back as one line "<tag>key=value key=value
+// ..." (evenstep-run may put "[rank] " in front): the fields, or nullopt
+// when `line` holds no `tag`.
+std::optional<std::map<std::string, std::string>> TaggedFields(const std::string& line,
+                                                               const std::string& tag = "RESULT ");
+// The same fields that read as numbers.
+std::map<std::string, double> NumericFields(const std::map<std::string, std::string>& fields);
 
 }  // namespace evenstep::bench
