@@ -203,22 +203,35 @@ absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path, 
   return data;
 }
 
+std::string NormalPath(const std::string& path) {
+  std::filesystem::path p = std::filesystem::path(path).lexically_normal();
+  if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
+  return p.empty() ? "." : p.string();
+}
+
+std::string ParentDir(const std::string& path) {
+  const std::filesystem::path p(NormalPath(path));
+  return p.has_parent_path() ? p.parent_path().string() : ".";
+}
+
+std::vector<std::string> MissingDirs(Env& env, const std::string& dir) {
+  std::vector<std::string> missing;
+  for (std::string p = NormalPath(dir); p != "." && p != "/" && !env.Exists(p); p = ParentDir(p)) {
+    missing.push_back(p);
+  }
+  return missing;
+}
+
 absl::Status CreateDirsDurably(Env& env, const std::string& dir) {
-  std::filesystem::path leaf = std::filesystem::path(dir).lexically_normal();
-  if (!leaf.has_filename()) leaf = leaf.parent_path();  // "a/b/" -> "a/b"
   // `dir` itself, always (a peer may have just created it and not synced
   // yet; one more sync is cheap, and the count of syncs does not depend on
   // who came first), then every missing ancestor, innermost first.
-  std::vector<std::filesystem::path> entries = {leaf};
-  for (std::filesystem::path p = leaf.parent_path();
-       !p.empty() && p != p.root_path() && !env.Exists(p.string()); p = p.parent_path()) {
-    entries.push_back(p);
-  }
+  const std::string leaf = NormalPath(dir);
+  std::vector<std::string> entries = MissingDirs(env, ParentDir(leaf));
+  entries.insert(entries.begin(), leaf);
   EVENSTEP_RETURN_IF_ERROR(env.CreateDirs(dir));
   for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
-    const std::filesystem::path parent = it->has_parent_path() ? it->parent_path() : ".";
-    EVENSTEP_RETURN_IF_ERROR(env.SyncDir(parent.string()), "making the directory ", it->string(),
-                             " durable");
+    EVENSTEP_RETURN_IF_ERROR(env.SyncDir(ParentDir(*it)), "making the directory ", *it, " durable");
   }
   return absl::OkStatus();
 }

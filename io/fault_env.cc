@@ -73,17 +73,6 @@ void FaultEnv::Reset() {
 
 // A directory's one spelling ("a/./b/" -> "a/b"), so that the directory of a
 // path and the argument of SyncDir compare equal.
-std::string FaultEnv::Normal(const std::string& path) {
-  std::filesystem::path p = std::filesystem::path(path).lexically_normal();
-  if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
-  return p.empty() ? "." : p.string();
-}
-
-std::string FaultEnv::DirOf(const std::string& path) {
-  const std::filesystem::path p(Normal(path));
-  return p.has_parent_path() ? p.parent_path().string() : ".";
-}
-
 absl::Status FaultEnv::Point(const std::string& what, const std::string& path) {
   std::lock_guard<std::mutex> lock(mu_);
   ++points_;
@@ -165,7 +154,7 @@ absl::Status FaultEnv::Rename(const std::string& from, const std::string& to) {
   absl::Status s = target()->Rename(from, to);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    renames_[DirOf(to)].push_back({from, to, std::move(replaced)});
+    renames_[ParentDir(to)].push_back({from, to, std::move(replaced)});
     auto node = files_.extract(from);
     if (!node.empty()) {
       node.key() = to;
@@ -180,12 +169,12 @@ absl::Status FaultEnv::SyncDir(const std::string& dir) {
   absl::Status s = target()->SyncDir(dir);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    const std::string key = Normal(dir);
+    const std::string key = NormalPath(dir);
     renames_.erase(key);
     removes_.erase(key);
     new_dirs_.erase(key);
     for (auto& [path, t] : files_) {
-      if (DirOf(path) == key) t.created_since_dir_sync = false;
+      if (ParentDir(path) == key) t.created_since_dir_sync = false;
     }
   }
   return s;
@@ -215,21 +204,18 @@ absl::Status FaultEnv::Remove(const std::string& path) {
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     files_.erase(path);
-    if (pending) removes_[DirOf(path)].push_back(*std::move(pending));
+    if (pending) removes_[ParentDir(path)].push_back(*std::move(pending));
   }
   return s;
 }
 
 absl::Status FaultEnv::CreateDirs(const std::string& dir) {
   if (absl::Status s = Point("create directory", dir); !s.ok()) return s;
-  std::vector<std::string> missing;
-  for (std::string p = Normal(dir); p != "." && p != "/" && !target()->Exists(p); p = DirOf(p)) {
-    missing.push_back(p);
-  }
+  const std::vector<std::string> missing = MissingDirs(*target(), dir);
   absl::Status s = target()->CreateDirs(dir);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& m : missing) new_dirs_[DirOf(m)].push_back(m);
+    for (const std::string& m : missing) new_dirs_[ParentDir(m)].push_back(m);
   }
   return s;
 }

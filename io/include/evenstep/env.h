@@ -108,6 +108,13 @@ absl::Status ErrnoStatus(int error, const std::string& operation, const std::str
 // anything is allocated, when it holds more than `max_bytes`.
 absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
                                              int64_t max_bytes = int64_t{64} << 20);
+// `path` lexically normalised, without a trailing slash ("." when empty).
+std::string NormalPath(const std::string& path);
+// The directory holding `path` ("." for a bare name).
+std::string ParentDir(const std::string& path);
+// `dir` and those of its ancestors that do not exist, innermost first,
+// normalised: up to the first that exists (or the root, or ".").
+std::vector<std::string> MissingDirs(Env& env, const std::string& dir);
 // CreateDirs(dir), then SyncDir of the parent of every directory it found
 // missing and of `dir`'s own parent, always (top down; a peer may have
 // created `dir` a moment ago without syncing yet), so that a crash cannot

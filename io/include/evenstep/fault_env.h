@@ -82,8 +82,6 @@ class FaultEnv : public EnvWrapper {
   };
   // Counts a write point named `what` on `path`; non-OK when it must fail.
   absl::Status Point(const std::string& what, const std::string& path);
-  static std::string Normal(const std::string& path);
-  static std::string DirOf(const std::string& path);
 
   mutable std::mutex mu_;
   int64_t points_ = 0;
