@@ -54,6 +54,7 @@ void OnSignal(int sig) { g_signal = sig; }
 struct Options {
   int nproc = 0;
   int master_port = 0;
+  int nodes = 1;  // simulated nodes: the ranks split into this many groups
   absl::Duration grace = absl::Seconds(120);     // after a forwarded signal or a preemption
   absl::Duration stop_grace = absl::Seconds(3);  // survivors of a failed rank
   std::vector<std::string> command;
@@ -66,6 +67,9 @@ int Usage(const std::string& error) {
          " -- PROGRAM [ARGS...]\n"
          "  -n, --nproc-per-node N  number of local ranks to start (>= 1)\n"
          "  --master-port P         port of the c10d store (default: chosen by the OS)\n"
+         "  --nodes K               simulate K nodes on this host (tests, preflight): ranks\n"
+         "                          split into K contiguous groups, each with its own\n"
+         "                          GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE (K divides N)\n"
          "  --grace DURATION        after SIGTERM/SIGINT/SIGUSR1 (forwarded to every rank) or a\n"
          "                          rank's preemption exit (83): time the ranks get to save and\n"
          "                          stop before SIGKILL (120s; keep it below the scheduler's\n"
@@ -116,6 +120,11 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
         *error = "--master-port " + value + ": expected a port number";
         return false;
       }
+    } else if (take("--nodes")) {
+      if (!absl::SimpleAtoi(value, &options->nodes) || options->nodes < 1) {
+        *error = "--nodes " + value + ": expected a positive integer";
+        return false;
+      }
     } else if (take("--grace")) {
       if (!duration("--grace", &options->grace)) return false;
     } else if (take("--stop-grace") || take("--stop_grace")) {
@@ -134,6 +143,11 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
   }
   if (options->command.empty()) {
     *error = "no program given after --";
+    return false;
+  }
+  if (options->nproc % options->nodes != 0) {
+    *error = "--nodes " + std::to_string(options->nodes) + " does not divide -n " +
+             std::to_string(options->nproc);
     return false;
   }
   return true;
@@ -265,11 +279,12 @@ int main(int argc, char** argv) {
       dup2(out_pipe[1], STDOUT_FILENO);
       dup2(err_pipe[1], STDERR_FILENO);
       setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("GROUP_RANK", "0", 1);
+      const int per_node = options.nproc / options.nodes;
+      setenv("LOCAL_RANK", std::to_string(r % per_node).c_str(), 1);
+      setenv("GROUP_RANK", std::to_string(r / per_node).c_str(), 1);
       setenv("ROLE_RANK", std::to_string(r).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(per_node).c_str(), 1);
       setenv("ROLE_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);

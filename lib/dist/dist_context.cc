@@ -225,13 +225,16 @@ absl::Status DistContext::Rendezvous() {
   return absl::OkStatus();
 }
 
-absl::Status DistContext::CreateGroups() {
-  std::string device;
+std::string DistContext::GlooDevice() const {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-    device = absl::StrCat("if:", ifname);
-  } else if (env_.world_size == 1 || IsLoopback(env_.master_addr)) {
-    device = "127.0.0.1";
+    return absl::StrCat("if:", ifname);
   }
+  if (env_.world_size == 1 || IsLoopback(env_.master_addr)) return "127.0.0.1";
+  return "";
+}
+
+absl::Status DistContext::CreateGroups() {
+  const std::string device = GlooDevice();
   const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
   try {
     groups_->control =
@@ -441,6 +444,74 @@ absl::Status DistContext::Broadcast(at::Tensor& tensor, int root) {
 
 absl::Status DistContext::Barrier() {
   return Run("barrier", [&] { return groups_->control->barrier(); });
+}
+
+// ---------------------------------------------------------------------------
+// Subgroup
+
+struct Subgroup::Impl {
+  compat::ProcessGroupPtr group;
+};
+
+Subgroup::Subgroup(std::string name, std::vector<int> ranks, int index, int global_rank,
+                   absl::Duration timeout, std::unique_ptr<Impl> impl)
+    : name_(std::move(name)),
+      ranks_(std::move(ranks)),
+      index_(index),
+      global_rank_(global_rank),
+      timeout_(timeout),
+      impl_(std::move(impl)) {}
+
+Subgroup::~Subgroup() = default;
+
+template <typename Launch>
+absl::Status Subgroup::Run(const std::string& what, Launch&& launch) {
+  const internal::CollectiveWait outcome =
+      internal::RunCollective(std::forward<Launch>(launch), timeout_);
+  if (!outcome.failed) return absl::OkStatus();
+  return internal::CollectiveFailed(
+      global_rank_, absl::StrCat(what, " in group ", name_, " (ranks ", absl::StrJoin(ranks_, ","),
+                                 ")"),
+      outcome, timeout_);
+}
+
+absl::Status Subgroup::AllReduce(at::Tensor& tensor) {
+  EVENSTEP_RETURN_IF_ERROR(RequireContiguous(tensor, global_rank_, "all_reduce"));
+  return Run(absl::StrCat("all_reduce of ", DescribeTensor(tensor)), [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    return impl_->group->allreduce(tensors);
+  });
+}
+
+absl::Status Subgroup::Barrier() {
+  return Run("barrier", [&] { return impl_->group->barrier(); });
+}
+
+absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewSubgroup(const std::string& name,
+                                                                   std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  const auto me = std::find(ranks.begin(), ranks.end(), env_.rank);
+  if (ranks.empty() || ranks.front() < 0 || ranks.back() >= env_.world_size ||
+      std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() || me == ranks.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", env_.rank, ": subgroup ", name, " of ranks [", absl::StrJoin(ranks, ","),
+        "]: the ranks must be distinct, below the world size ", env_.world_size,
+        " and include this rank"));
+  }
+  const int index = static_cast<int>(me - ranks.begin());
+  auto impl = std::make_unique<Subgroup::Impl>();
+  try {
+    impl->group = compat::MakeGlooGroup(
+        compat::MakePrefixStore(absl::StrCat("evenstep/sub/", name), groups_->store), index,
+        static_cast<int>(ranks.size()), internal::ToChronoMillis(options_.collective_timeout),
+        GlooDevice());
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": creating subgroup ", name,
+                                               " (ranks ", absl::StrJoin(ranks, ","),
+                                               "): ", internal::ErrorText(e)));
+  }
+  return std::unique_ptr<Subgroup>(new Subgroup(name, std::move(ranks), index, env_.rank,
+                                                options_.collective_timeout, std::move(impl)));
 }
 
 // ---------------------------------------------------------------------------

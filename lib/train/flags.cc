@@ -7,6 +7,8 @@
 #include <iostream>
 #include <vector>
 
+#include <c10/core/Device.h>
+
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
@@ -19,6 +21,7 @@
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
 #include "evenstep/internal/flag_checks.h"
+#include "evenstep/preflight.h"
 #include "evenstep/status_macros.h"
 
 ABSL_FLAG(std::string, evenstep_backend, "auto",
@@ -145,6 +148,19 @@ ABSL_FLAG(int64_t, evenstep_eval_micro_batch_tokens, 0,
 ABSL_FLAG(int, evenstep_log_every, 10,
           "Session: metrics interval in steps (one non-blocking all-reduce per interval); logs "
           "go to RUN_DIR/metrics-*.jsonl.");
+ABSL_FLAG(std::string, evenstep_preflight, "off",
+          "Session::Create: run the preflight on the job's ranks first (per-rank compute, copy, "
+          "disk, memory and link figures; see evenstep-preflight): off, report (rank 0 prints the "
+          "table), warn (rank 0 prints each outlier) or fail (stop naming the outliers). With "
+          "--evenstep_balance=dynamic its compute figures seed the first shares.");
+ABSL_FLAG(bool, evenstep_preflight_quick, false,
+          "Preflight: a few seconds instead of up to ~30 (smaller sizes, fewer repeats).");
+ABSL_FLAG(std::string, evenstep_preflight_data_dir, "",
+          "Preflight: also measure the cold read bandwidth of this directory (where the "
+          "training data lives); empty = not measured.");
+ABSL_FLAG(std::string, evenstep_device, "",
+          "Preflight: the training device (cpu, cuda, cuda:1, ...); empty = CUDA when present, "
+          "else CPU.");
 
 namespace evenstep {
 
@@ -229,6 +245,23 @@ absl::Status InRange(const char* flag, double value, double lo, double hi, bool 
 }  // namespace internal
 
 using internal::NotBelow;
+
+absl::StatusOr<PreflightOptions> PreflightOptions::FromFlags() {
+  PreflightOptions options;
+  options.quick = absl::GetFlag(FLAGS_evenstep_preflight_quick);
+  options.ckpt_dir = absl::GetFlag(FLAGS_evenstep_ckpt_dir);
+  options.data_dir = absl::GetFlag(FLAGS_evenstep_preflight_data_dir);
+  options.device = absl::GetFlag(FLAGS_evenstep_device);
+  if (!options.device.empty()) {
+    try {
+      (void)c10::Device(options.device);
+    } catch (const std::exception&) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--evenstep_device=", options.device, ": not a device (cpu, cuda, cuda:1, ...)"));
+    }
+  }
+  return options;
+}
 
 absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   BalanceConfig config;

@@ -11,11 +11,13 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
+#include "evenstep/preflight.h"
 #include "evenstep/status_macros.h"
 #include "evenstep/timeline.h"
 #include "evenstep/train_checkpointer.h"
@@ -80,6 +82,51 @@ absl::StatusOr<int> StopAfterFailedSaves() {
 
 }  // namespace
 
+enum class PreflightMode { kOff, kReport, kWarn, kFail };
+
+absl::StatusOr<PreflightMode> PreflightModeFromFlag() {
+  const std::string mode = absl::GetFlag(FLAGS_evenstep_preflight);
+  if (mode == "off" || mode == "false" || mode == "0") return PreflightMode::kOff;
+  if (mode == "report") return PreflightMode::kReport;
+  if (mode == "warn") return PreflightMode::kWarn;
+  if (mode == "fail") return PreflightMode::kFail;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--evenstep_preflight=", mode, ": expected off, report, warn or fail"));
+}
+
+// The preflight of --evenstep_preflight (a collective), before training:
+// prints what the mode asks for on rank 0, fails with fail and outliers, and
+// seeds dynamic balancing's first shares with the ranks' compute speeds.
+absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode,
+                                 const std::string& ckpt_dir, BalanceConfig* config) {
+  EVENSTEP_ASSIGN_OR_RETURN(PreflightOptions options, PreflightOptions::FromFlags());
+  options.ckpt_dir = ckpt_dir;
+  EVENSTEP_ASSIGN_OR_RETURN(PreflightReport report, RunPreflight(ctx, options),
+                            "Session::Create, rank ", ctx.rank(), ": preflight");
+  std::vector<std::string> outliers;
+  for (const PreflightFinding& f : report.findings) {
+    if (f.metric != "note") outliers.push_back(f.text);
+  }
+  if (ctx.rank() == 0) {
+    if (mode == PreflightMode::kReport) {
+      std::cout << report.Table() << std::flush;
+    } else {
+      for (const std::string& o : outliers) std::cout << "[evenstep] preflight: " << o << "\n";
+      std::cout << std::flush;
+    }
+  }
+  if (mode == PreflightMode::kFail && !outliers.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", ctx.rank(), ": preflight (--evenstep_preflight=fail) named ", outliers.size(),
+        " outlier(s): ", absl::StrJoin(outliers, "; "),
+        ". Fix or exclude them, or start with --evenstep_preflight=warn"));
+  }
+  if (config->planner.mode == BalanceMode::kDynamic && config->initial_shares.empty()) {
+    config->initial_shares = report.ComputeShares();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateEvenstepFlags() {
   EVENSTEP_RETURN_IF_ERROR(DistOptions::FromFlags().status());
   EVENSTEP_RETURN_IF_ERROR(BalanceConfig::FromFlags().status());
@@ -92,6 +139,8 @@ absl::Status ValidateEvenstepFlags() {
       "evenstep_eval_micro_batch_tokens",
       static_cast<double>(absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens)), 0));
   EVENSTEP_RETURN_IF_ERROR(ResumeModeFromFlag().status());
+  EVENSTEP_RETURN_IF_ERROR(PreflightModeFromFlag().status());
+  EVENSTEP_RETURN_IF_ERROR(PreflightOptions::FromFlags().status());
   EVENSTEP_RETURN_IF_ERROR(StopAfterFailedSaves().status());
   EVENSTEP_RETURN_IF_ERROR(PreemptSignalsFromFlag().status());
   return absl::OkStatus();
@@ -118,13 +167,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
   EVENSTEP_ASSIGN_OR_RETURN(s->stop_after_failures_, StopAfterFailedSaves());
   EVENSTEP_ASSIGN_OR_RETURN(const std::vector<int> preempt_signals, PreemptSignalsFromFlag());
   EVENSTEP_ASSIGN_OR_RETURN(BalanceConfig config, BalanceConfig::FromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(CheckpointOptions options, CheckpointOptionsFromFlags());
+  if (options.dir.empty()) options.dir = run_dir + "/ckpt";
+  EVENSTEP_ASSIGN_OR_RETURN(const PreflightMode preflight, PreflightModeFromFlag());
+  if (preflight != PreflightMode::kOff) {
+    EVENSTEP_RETURN_IF_ERROR(RunSessionPreflight(ctx, preflight, options.dir, &config));
+  }
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
                             BalancedStep::Create(ctx, model, optimizer, std::move(lengths),
                                                  std::move(config), std::move(counts)),
                             "Session::Create, rank ", ctx.rank(),
                             ": balanced steps and gradient sync");
-  EVENSTEP_ASSIGN_OR_RETURN(CheckpointOptions options, CheckpointOptionsFromFlags());
-  if (options.dir.empty()) options.dir = run_dir + "/ckpt";
   EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, TrainCheckpointer::Create(ctx, options),
                             "Session::Create, rank ", ctx.rank(), ": checkpoints in ", options.dir);
   if (absl::GetFlag(FLAGS_evenstep_timeline)) {

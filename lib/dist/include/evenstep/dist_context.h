@@ -60,6 +60,40 @@ struct DistOptions {
 
 enum class ReduceOp { kSum, kProduct, kMin, kMax };
 
+class DistContext;
+
+// A process group of some of the job's ranks (Gloo, CPU tensors): for
+// measurements over node-local, cross-node or pairs of ranks.
+class Subgroup {
+ public:
+  ~Subgroup();
+  Subgroup(const Subgroup&) = delete;
+  Subgroup& operator=(const Subgroup&) = delete;
+  const std::string& name() const { return name_; }
+  // This rank's index in the group, and the group's size.
+  int rank() const { return index_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  const std::vector<int>& ranks() const { return ranks_; }
+  // Sum over the group, up to the context's collective timeout; a failure
+  // names this rank, the group and its ranks.
+  absl::Status AllReduce(at::Tensor& tensor);
+  absl::Status Barrier();
+
+ private:
+  friend class DistContext;
+  struct Impl;
+  Subgroup(std::string name, std::vector<int> ranks, int index, int global_rank,
+           absl::Duration timeout, std::unique_ptr<Impl> impl);
+  template <typename Launch>
+  absl::Status Run(const std::string& what, Launch&& launch);
+  std::string name_;
+  std::vector<int> ranks_;
+  int index_ = 0;
+  int global_rank_ = 0;
+  absl::Duration timeout_;
+  std::unique_ptr<Impl> impl_;
+};
+
 class DistContext {
  public:
   // Rendezvous with the environment of this process (DetectLaunchEnv()).
@@ -103,6 +137,12 @@ class DistContext {
   absl::Status Broadcast(at::Tensor& tensor, int root);
   absl::Status Barrier();
 
+  // A group of `ranks` (distinct, each < world_size; this rank among them),
+  // created by exactly those ranks with the same `name` and `ranks`; a name
+  // is used once per job. InvalidArgument for bad ranks.
+  absl::StatusOr<std::unique_ptr<Subgroup>> NewSubgroup(const std::string& name,
+                                                        std::vector<int> ranks);
+
   // For lower layers that launch their own c10d work: records that this rank
   // arrived at operation `what` (call before launching it), so a failure can be
   // diagnosed. Returns the operation's sequence number.
@@ -123,6 +163,8 @@ class DistContext {
   absl::Status Connect();
   absl::Status Rendezvous();
   absl::Status CreateGroups();
+  // The Gloo transport device: GLOO_SOCKET_IFNAME, loopback, or the default.
+  std::string GlooDevice() const;
   template <typename Launch>
   absl::Status Run(const std::string& what, Launch&& launch);
 

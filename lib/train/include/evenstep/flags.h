@@ -48,6 +48,10 @@ ABSL_DECLARE_FLAG(int, evenstep_ckpt_max_failures);
 ABSL_DECLARE_FLAG(bool, evenstep_timeline);
 ABSL_DECLARE_FLAG(int64_t, evenstep_eval_micro_batch_tokens);
 ABSL_DECLARE_FLAG(int, evenstep_log_every);
+ABSL_DECLARE_FLAG(std::string, evenstep_preflight);
+ABSL_DECLARE_FLAG(bool, evenstep_preflight_quick);
+ABSL_DECLARE_FLAG(std::string, evenstep_preflight_data_dir);
+ABSL_DECLARE_FLAG(std::string, evenstep_device);
 ABSL_DECLARE_FLAG(std::string, evenstep_preempt_signals);
 
 namespace evenstep {

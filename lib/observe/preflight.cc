@@ -1,0 +1,838 @@
+#include "evenstep/preflight.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "evenstep/status_macros.h"
+
+namespace evenstep {
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// A per-rank figure: how it is named and judged.
+struct Metric {
+  const char* name;
+  const char* label;
+  const char* unit;
+  double threshold;  // named below this ratio to the reference
+};
+
+const std::vector<Metric>& Metrics() {
+  static const std::vector<Metric> metrics = {
+      {"matmul_fp32_gflops", "matmul fp32", "GFLOP/s", 0.7},
+      {"matmul_bf16_gflops", "matmul bf16", "GFLOP/s", 0.7},
+      {"memcpy_gbps", "host memcpy", "GB/s", 0.5},
+      {"h2d_pinned_gbps", "host-to-device pinned", "GB/s", 0.5},
+      {"h2d_pageable_gbps", "host-to-device pageable", "GB/s", 0.5},
+      {"ckpt_write_gbps", "checkpoint dir write+fsync", "GB/s", 0.5},
+      {"ckpt_read_gbps", "checkpoint dir cold read", "GB/s", 0.5},
+      {"data_read_gbps", "data dir cold read", "GB/s", 0.5},
+      {"free_memory_gb", "free memory", "GB", 0.5},
+  };
+  return metrics;
+}
+
+// Pair links below this ratio to the median pair are named.
+constexpr double kPairThreshold = 0.5;
+// Cross-node bandwidth below this fraction of the intra-node one is noted.
+constexpr double kCrossThreshold = 0.25;
+// Clock offsets beyond this are noted (the report's arrival times shift).
+constexpr double kClockOffsetMs = 10;
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+void SyncDevice(const c10::Device& device) {
+  if (device.is_cpu()) return;
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  guard.synchronizeStream(guard.getStream(device));
+}
+
+// Matrix products of n x n per second, as GFLOP/s, for about `budget`.
+double MatmulGflops(const c10::Device& device, at::ScalarType dtype, int64_t n,
+                    absl::Duration budget, double slowdown) {
+  const auto options = at::TensorOptions().device(device).dtype(dtype);
+  const at::Tensor a = at::randn({n, n}, options);
+  const at::Tensor b = at::randn({n, n}, options);
+  at::Tensor c = at::mm(a, b);
+  SyncDevice(device);
+  int64_t counted = 0;
+  const absl::Time begin = absl::Now();
+  while (counted < 3 || absl::Now() - begin < budget) {
+    for (int k = 0; k < 4; ++k, ++counted) {
+      for (double w = 0; w < slowdown; w += 1) at::mm_out(c, a, b);
+    }
+    SyncDevice(device);
+  }
+  const double s = Seconds(begin);
+  return 2.0 * static_cast<double>(n * n * n) * static_cast<double>(counted) / s / 1e9;
+}
+
+// Runs `f` with this thread on the `index`-th (mod count) of the CPUs it may
+// use, then restores its affinity: on a CPU device each round measures on
+// another core, so one busy or slow core (a neighbour's, the hypervisor's)
+// does not mark a rank slow, while a rank confined to slow cores still shows.
+template <typename F>
+auto OnCpu(int index, F&& f) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return f();
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  if (cpus.size() < 2) return f();
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[static_cast<size_t>(index) % cpus.size()], &one);
+  ::sched_setaffinity(0, sizeof(one), &one);
+  struct Restore {
+    cpu_set_t mask;
+    ~Restore() { ::sched_setaffinity(0, sizeof(mask), &mask); }
+  } restore{allowed};
+  return f();
+}
+
+double MemcpyGbps(size_t bytes) {
+  std::vector<char> from(bytes, 1), to(bytes, 0);
+  std::memcpy(to.data(), from.data(), bytes);  // touch both
+  double best = 0;
+  for (int k = 0; k < 3; ++k) {
+    const absl::Time begin = absl::Now();
+    std::memcpy(to.data(), from.data(), bytes);
+    best = std::max(best, static_cast<double>(bytes) / Seconds(begin) / 1e9);
+    from[k] = to[bytes - 1 - k];  // keep the copies observable
+  }
+  return best;
+}
+
+double HostToDeviceGbps(const c10::Device& device, size_t bytes, bool pinned) {
+  const at::Tensor host = at::ones({static_cast<int64_t>(bytes)},
+                                   at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+  at::Tensor dev = at::empty_like(host, at::TensorOptions().device(device).pinned_memory(false));
+  dev.copy_(host, pinned);
+  SyncDevice(device);
+  double best = 0;
+  for (int k = 0; k < 3; ++k) {
+    const absl::Time begin = absl::Now();
+    dev.copy_(host, pinned);
+    SyncDevice(device);
+    best = std::max(best, static_cast<double>(bytes) / Seconds(begin) / 1e9);
+  }
+  return best;
+}
+
+// Write + fsync, then a cold read (cached pages dropped), of a test file in
+// `dir`, in GB/s. A failure is a note and NaNs.
+std::pair<double, double> DiskGbps(const std::string& dir, size_t bytes, int rank,
+                                   std::vector<std::string>* notes) {
+  const std::string path =
+      absl::StrCat(dir, "/.evenstep_preflight.rank", rank, ".", ::getpid(), ".tmp");
+  auto fail = [&](const std::string& what) {
+    notes->push_back(absl::StrCat("rank ", rank, ": ", what, " ", path, ": ",
+                                  std::strerror(errno), " (not measured)"));
+    ::unlink(path.c_str());
+    return std::make_pair(kNaN, kNaN);
+  };
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  constexpr size_t kChunk = size_t{1} << 20;
+  std::vector<char> chunk(kChunk);
+  for (size_t i = 0; i < kChunk; ++i) chunk[i] = static_cast<char>(i * 2654435761u >> 13);
+  const absl::Time begin = absl::Now();
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return fail("creating");
+  for (size_t done = 0; done < bytes; done += kChunk) {
+    const size_t n = std::min(kChunk, bytes - done);
+    if (::write(fd, chunk.data(), n) != static_cast<ssize_t>(n)) {
+      ::close(fd);
+      return fail("writing");
+    }
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    return fail("syncing");
+  }
+  ::close(fd);
+  const double write = static_cast<double>(bytes) / Seconds(begin) / 1e9;
+  fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return fail("opening");
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  const absl::Time read_begin = absl::Now();
+  for (size_t done = 0; done < bytes; done += kChunk) {
+    if (::pread(fd, chunk.data(), kChunk, static_cast<off_t>(done)) <= 0) {
+      ::close(fd);
+      return fail("reading");
+    }
+  }
+  const double read = static_cast<double>(bytes) / Seconds(read_begin) / 1e9;
+  ::close(fd);
+  ::unlink(path.c_str());
+  return {write, read};
+}
+
+// A number from a "Key:   value kB" line of a /proc file; -1 when absent.
+double ProcKb(const std::string& file, const std::string& key) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view v = line;
+    if (!absl::ConsumePrefix(&v, key + ":")) continue;
+    v = absl::StripAsciiWhitespace(v);
+    absl::ConsumeSuffix(&v, " kB");
+    double kb = 0;
+    if (absl::SimpleAtod(v, &kb)) return kb;
+  }
+  return -1;
+}
+
+double ReadNumber(const std::string& file) {
+  std::ifstream in(file);
+  std::string s;
+  double v = 0;
+  if (!(in >> s) || !absl::SimpleAtod(s, &v)) return -1;
+  return v;
+}
+
+// The memory this process may still use, in GB: the least of the host's
+// MemAvailable, its cgroup's room (v2) and its address-space limit's room.
+double FreeMemoryGb() {
+  double free_bytes = ProcKb("/proc/meminfo", "MemAvailable") * 1024;
+  std::ifstream cgroup("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(cgroup, line)) {
+    if (!absl::StartsWith(line, "0::")) continue;
+    const std::string dir = absl::StrCat("/sys/fs/cgroup", line.substr(3));
+    const double max = ReadNumber(dir + "/memory.max");  // "max" reads as -1
+    const double current = ReadNumber(dir + "/memory.current");
+    if (max > 0 && current >= 0) free_bytes = std::min(free_bytes, max - current);
+  }
+  rlimit as{};
+  if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY) {
+    const double used = ProcKb("/proc/self/status", "VmSize") * 1024;
+    free_bytes = std::min(free_bytes, static_cast<double>(as.rlim_cur) - used);
+  }
+  return std::max(0.0, free_bytes) / 1e9;
+}
+
+// This rank's node: the host name, with the launcher's node index when it
+// gives one (torchrun's GROUP_RANK, Slurm's SLURM_NODEID), so that ranks on
+// one host split into several nodes (evenstep-run --nodes) count as such.
+std::string NodeKey() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  for (const char* var : {"GROUP_RANK", "SLURM_NODEID"}) {
+    if (const char* v = std::getenv(var); v != nullptr && *v) return absl::StrCat(host, "#", v);
+  }
+  return host;
+}
+
+double Median(std::vector<double> v) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());
+  if (v.empty()) return kNaN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Bus bandwidth of an all-reduce of `bytes` over a group of `n` ranks
+// (nccl-tests: algbw x 2(n-1)/n), timed by `reduce`: the fastest of `iters`
+// (one slow iteration is noise, not a slow link).
+template <typename Reduce>
+absl::StatusOr<double> BusBandwidth(int n, size_t bytes, int iters, Reduce&& reduce) {
+  at::Tensor t = at::ones({static_cast<int64_t>(bytes / sizeof(float))});
+  EVENSTEP_RETURN_IF_ERROR(reduce(t));  // warm-up
+  double per = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < iters; ++i) {
+    const absl::Time begin = absl::Now();
+    EVENSTEP_RETURN_IF_ERROR(reduce(t));
+    per = std::min(per, Seconds(begin));
+  }
+  const double algbw = static_cast<double>(bytes) / per / 1e9;
+  return n > 1 ? algbw * 2.0 * (n - 1) / n : algbw;
+}
+
+// Every rank's value of `mine` (NaN allowed), through the control group.
+absl::StatusOr<std::vector<double>> GatherDoubles(DistContext& ctx,
+                                                  const std::vector<double>& mine) {
+  at::Tensor in = at::tensor(mine, at::kDouble);
+  std::vector<at::Tensor> all;
+  EVENSTEP_RETURN_IF_ERROR(ctx.AllGather(in, &all));
+  std::vector<double> out;
+  for (const at::Tensor& t : all) {
+    for (int64_t i = 0; i < t.numel(); ++i) out.push_back(t[i].item<double>());
+  }
+  return out;
+}
+
+int RunCounter() {
+  static int runs = 0;
+  return runs++;
+}
+
+std::string Ratio(double r) { return std::isnan(r) ? "-" : absl::StrFormat("%.2fx", r); }
+
+}  // namespace
+
+absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOptions& options) {
+  const absl::Time begin = absl::Now();
+  const int rank = ctx.rank(), world = ctx.world_size();
+  const int run = RunCounter();
+  const std::string ns = absl::StrCat("evenstep/preflight/", run, "/");
+  c10::Device device(c10::kCPU);
+  try {
+    device = options.device.empty() ? (at::hasCUDA() ? c10::Device(c10::kCUDA, 0)
+                                                     : c10::Device(c10::kCPU))
+                                    : c10::Device(options.device);
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("preflight: device '", options.device, "' is not a device"));
+  }
+  double slowdown = options.compute_slowdown;
+  if (slowdown <= 0) {
+    slowdown = 1;
+    if (const char* v = std::getenv("EVENSTEP_PREFLIGHT_TEST_SLOWDOWN"); v != nullptr) {
+      std::pair<std::string, std::string> rf = absl::StrSplit(v, absl::MaxSplits(':', 1));
+      double f = 1;
+      bool ok = absl::SimpleAtod(rf.second, &f) && f >= 1;
+      bool mine = false;
+      for (absl::string_view part : absl::StrSplit(rf.first, ',')) {
+        int r = -1;
+        ok = ok && absl::SimpleAtoi(part, &r);
+        mine = mine || r == rank;
+      }
+      if (!ok) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("EVENSTEP_PREFLIGHT_TEST_SLOWDOWN='", v,
+                         "': expected RANK[,RANK...]:FACTOR with FACTOR >= 1"));
+      }
+      if (mine) slowdown = f;
+    }
+  }
+  PreflightReport report;
+  report.world_size = world;
+  std::vector<std::string> notes;
+
+  // Nodes: every rank's key (up to 127 bytes) through an all-gather.
+  {
+    std::string key = NodeKey().substr(0, 127);
+    at::Tensor in = at::zeros({128}, at::kByte);
+    std::memcpy(in.data_ptr<uint8_t>(), key.data(), key.size());
+    std::vector<at::Tensor> all;
+    EVENSTEP_RETURN_IF_ERROR(ctx.AllGather(in, &all), "preflight: exchanging node names");
+    for (const at::Tensor& t : all) {
+      report.nodes.emplace_back(reinterpret_cast<const char*>(t.data_ptr<uint8_t>()));
+    }
+  }
+  // Display names: host names when they differ, else node0, node1, ...
+  std::vector<std::string> keys_in_order;
+  for (const std::string& k : report.nodes) {
+    if (std::find(keys_in_order.begin(), keys_in_order.end(), k) == keys_in_order.end()) {
+      keys_in_order.push_back(k);
+    }
+  }
+  std::set<std::string> hosts;
+  for (const std::string& k : keys_in_order) hosts.insert(k.substr(0, k.find('#')));
+  std::vector<int> node_of(world);
+  for (int r = 0; r < world; ++r) {
+    node_of[r] = static_cast<int>(std::find(keys_in_order.begin(), keys_in_order.end(),
+                                            report.nodes[r]) -
+                                  keys_in_order.begin());
+  }
+  for (int r = 0; r < world; ++r) {
+    const std::string& k = report.nodes[r];
+    report.nodes[r] = hosts.size() == keys_in_order.size() ? k.substr(0, k.find('#'))
+                                                           : absl::StrCat("node", node_of[r]);
+  }
+  const int nodes = static_cast<int>(keys_in_order.size());
+  std::vector<std::vector<int>> node_ranks(nodes);
+  for (int r = 0; r < world; ++r) node_ranks[node_of[r]].push_back(r);
+  int turns = 0, my_turn = 0;
+  for (const auto& members : node_ranks) turns = std::max<int>(turns, members.size());
+  {
+    const auto& mine = node_ranks[node_of[rank]];
+    my_turn = static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+  }
+
+  // Per-rank figures, kept as the best seen so far.
+  const bool quick = options.quick;
+  const int64_t n = device.is_cpu() ? (quick ? 192 : 384) : (quick ? 2048 : 4096);
+  const absl::Duration budget = absl::Milliseconds(quick ? 80 : 200);
+  const size_t copy_bytes = (quick ? size_t{32} : size_t{64}) << 20;
+  const size_t disk_bytes = (quick ? size_t{8} : size_t{64}) << 20;
+  const int iters = quick ? 5 : 8;
+  const size_t group_bytes = (quick ? size_t{1} : size_t{4}) << 20;
+  std::map<std::string, double> mine;
+  for (const Metric& m : Metrics()) mine[m.name] = kNaN;
+  auto best = [&](const char* name, double v) {
+    if (std::isnan(v)) return;
+    double& slot = mine[name];
+    slot = std::isnan(slot) ? v : std::max(slot, v);
+  };
+  const bool gpu = !device.is_cpu();
+  bool bf16 = gpu;
+  bool ckpt_ok = !options.ckpt_dir.empty(), data_ok = !options.data_dir.empty();
+  // One round: device compute at once, then the host resources in turns.
+  int round_index = 0;
+  auto measure_round = [&](bool first) -> absl::Status {
+    const int cpu = rank + round_index++;
+    if (gpu) {
+      best("matmul_fp32_gflops", MatmulGflops(device, at::kFloat, n, budget, slowdown));
+      if (bf16) {
+        try {
+          best("matmul_bf16_gflops", MatmulGflops(device, at::kBFloat16, n, budget, slowdown));
+        } catch (const std::exception&) {
+          bf16 = false;
+          notes.push_back(absl::StrCat("rank ", rank, ": bf16 matrix products not supported"));
+        }
+      }
+    }
+    for (int turn = 0; turn < turns; ++turn) {
+      if (turn == my_turn) {
+        if (!gpu) {
+          best("matmul_fp32_gflops", OnCpu(cpu, [&] {
+                 return MatmulGflops(device, at::kFloat, n, budget, slowdown);
+               }));
+        }
+        best("memcpy_gbps", OnCpu(cpu, [&] { return MemcpyGbps(copy_bytes); }));
+        if (gpu) {
+          best("h2d_pinned_gbps", HostToDeviceGbps(device, copy_bytes, true));
+          best("h2d_pageable_gbps", HostToDeviceGbps(device, copy_bytes, false));
+        }
+        // A directory that failed once is not tried again.
+        if (ckpt_ok) {
+          auto [w, r] = DiskGbps(options.ckpt_dir, disk_bytes, rank, &notes);
+          ckpt_ok = !std::isnan(w);
+          best("ckpt_write_gbps", w);
+          best("ckpt_read_gbps", r);
+        }
+        if (data_ok) {
+          const double r = DiskGbps(options.data_dir, disk_bytes, rank, &notes).second;
+          data_ok = !std::isnan(r);
+          best("data_read_gbps", r);
+        }
+        if (first) mine["free_memory_gb"] = FreeMemoryGb();
+      }
+      EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight turn ", turn);
+    }
+    return absl::OkStatus();
+  };
+  // Pairs: round k pairs rank i with i xor 2^k; the pairs whose lower rank
+  // is on one node take turns (they share its host and network interface),
+  // the nodes go at once.
+  std::vector<std::unique_ptr<Subgroup>> pair_groups;
+  std::vector<double> pair_bw;
+  auto measure_pairs = [&]() -> absl::Status {
+    int k = 0;
+    for (int bit = 1; bit < world; bit <<= 1, ++k) {
+      const int partner = rank ^ bit;
+      const int low = std::min(rank, partner);
+      std::vector<int> lows;  // lower ranks of this round's pairs on low's node
+      if (partner < world) {
+        for (int r : node_ranks[node_of[low]]) {
+          if ((r ^ bit) < world && r < (r ^ bit)) lows.push_back(r);
+        }
+      }
+      int pair_turns = 0;
+      for (const auto& members : node_ranks) {
+        int count = 0;
+        for (int r : members) count += (r ^ bit) < world && r < (r ^ bit);
+        pair_turns = std::max(pair_turns, count);
+      }
+      if (pair_bw.size() <= static_cast<size_t>(k)) {
+        pair_bw.push_back(kNaN);
+        pair_groups.emplace_back();
+        if (partner < world) {
+          EVENSTEP_ASSIGN_OR_RETURN(
+              pair_groups[k],
+              ctx.NewSubgroup(absl::StrCat(ns, "pair", low, "_", std::max(rank, partner)),
+                              {rank, partner}));
+        }
+      }
+      const int my_pair_turn =
+          static_cast<int>(std::find(lows.begin(), lows.end(), low) - lows.begin());
+      for (int turn = 0; turn < pair_turns; ++turn) {
+        if (partner < world && turn == my_pair_turn) {
+          Subgroup& g = *pair_groups[k];
+          EVENSTEP_ASSIGN_OR_RETURN(double bw, BusBandwidth(2, group_bytes, iters, [&](at::Tensor& t) {
+                                      return g.AllReduce(t);
+                                    }));
+          pair_bw[k] = std::isnan(pair_bw[k]) ? bw : std::max(pair_bw[k], bw);
+        }
+        EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight after a turn of pairs");
+      }
+    }
+    return absl::OkStatus();
+  };
+  // Everyone's figures into the report, judged.
+  auto gather = [&]() -> absl::Status {
+    std::vector<double> values;
+    for (const Metric& m : Metrics()) values.push_back(mine[m.name]);
+    values.insert(values.end(), pair_bw.begin(), pair_bw.end());
+    EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> all, GatherDoubles(ctx, values));
+    const size_t per = values.size();
+    for (size_t m = 0; m < Metrics().size(); ++m) {
+      std::vector<double> column(world);
+      bool any = false;
+      for (int r = 0; r < world; ++r) {
+        column[r] = all[r * per + m];
+        any = any || !std::isnan(column[r]);
+      }
+      if (any) report.per_rank[Metrics()[m].name] = column;
+    }
+    for (int r = 0; r < world; ++r) {
+      for (size_t k = 0; k < pair_bw.size(); ++k) {
+        const int partner = r ^ (1 << k);
+        if (partner < world && r < partner) {
+          report.pairs[{r, partner}] = all[r * per + Metrics().size() + k];
+        }
+      }
+    }
+    JudgePreflight(&report);
+    return absl::OkStatus();
+  };
+
+  for (int round = 0; round < 3; ++round) EVENSTEP_RETURN_IF_ERROR(measure_round(round == 0));
+
+  // Clock offsets from rank 0: the median over rounds of the clocks read
+  // right after a barrier.
+  std::vector<std::vector<double>> offsets(world);
+  for (int k = 0; k < 5; ++k) {
+    EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight clock round");
+    const double now_ms = absl::ToDoubleMilliseconds(absl::Now() - absl::UnixEpoch());
+    EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> clocks, GatherDoubles(ctx, {now_ms}));
+    for (int r = 0; r < world; ++r) offsets[r].push_back(clocks[r] - clocks[0]);
+  }
+  std::vector<double> clock(world);
+  for (int r = 0; r < world; ++r) clock[r] = Median(offsets[r]);
+  report.per_rank["clock_offset_ms"] = clock;
+
+  // Collectives over all ranks.
+  if (world > 1) {
+    std::vector<double> lat;
+    at::Tensor one = at::ones({1});
+    for (int i = 0; i < (quick ? 10 : 20); ++i) {
+      const absl::Time t = absl::Now();
+      EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(one));
+      lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - t));
+    }
+    report.group["allreduce_latency_us"] = Median(lat);
+    for (size_t mb : quick ? std::vector<size_t>{1} : std::vector<size_t>{1, 16}) {
+      EVENSTEP_ASSIGN_OR_RETURN(
+          double bw, BusBandwidth(world, mb << 20, iters,
+                                  [&](at::Tensor& t) { return ctx.AllReduce(t); }));
+      report.group[absl::StrCat("allreduce_busbw_gbps_", mb, "mb")] = bw;
+      report.group["allreduce_busbw_gbps"] = bw;
+    }
+  }
+  // Within each node and across nodes (ranks with the same place in their
+  // node), all such groups at once; the worst group is reported.
+  if (nodes > 1) {
+    std::vector<double> sub = {kNaN, kNaN};
+    const auto& local = node_ranks[node_of[rank]];
+    if (local.size() > 1) {
+      EVENSTEP_ASSIGN_OR_RETURN(auto g,
+                                ctx.NewSubgroup(absl::StrCat(ns, "node", node_of[rank]), local));
+      EVENSTEP_ASSIGN_OR_RETURN(sub[0],
+                                BusBandwidth(g->size(), group_bytes, iters,
+                                             [&](at::Tensor& t) { return g->AllReduce(t); }));
+    }
+    std::vector<int> across;
+    for (const auto& members : node_ranks) {
+      if (my_turn < static_cast<int>(members.size())) across.push_back(members[my_turn]);
+    }
+    if (across.size() > 1) {
+      EVENSTEP_ASSIGN_OR_RETURN(auto g, ctx.NewSubgroup(absl::StrCat(ns, "cross", my_turn), across));
+      EVENSTEP_ASSIGN_OR_RETURN(sub[1],
+                                BusBandwidth(g->size(), group_bytes, iters,
+                                             [&](at::Tensor& t) { return g->AllReduce(t); }));
+    }
+    EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> groups, GatherDoubles(ctx, sub));
+    double local_min = kNaN, cross_min = kNaN;
+    for (int r = 0; r < world; ++r) {
+      const double l = groups[2 * r], c = groups[2 * r + 1];
+      if (!std::isnan(l)) local_min = std::isnan(local_min) ? l : std::min(local_min, l);
+      if (!std::isnan(c)) cross_min = std::isnan(cross_min) ? c : std::min(cross_min, c);
+    }
+    if (!std::isnan(local_min)) report.group["local_busbw_gbps"] = local_min;
+    if (!std::isnan(cross_min)) report.group["cross_node_busbw_gbps"] = cross_min;
+  }
+  EVENSTEP_RETURN_IF_ERROR(measure_pairs());
+  EVENSTEP_RETURN_IF_ERROR(gather());
+  // An outlier is measured again before it is named: up to two more rounds
+  // (every rank, so the turns stay the same), keeping the best figures. The
+  // findings are the same on every rank, so every rank decides alike.
+  auto outliers = [&] {
+    for (const PreflightFinding& f : report.findings) {
+      if (f.metric != "clock_offset_ms" && f.metric != "cross_node_busbw_gbps") return true;
+    }
+    return false;
+  };
+  for (int again = 0; again < 2 && outliers(); ++again) {
+    EVENSTEP_RETURN_IF_ERROR(measure_round(false));
+    EVENSTEP_RETURN_IF_ERROR(measure_pairs());
+    EVENSTEP_RETURN_IF_ERROR(gather());
+  }
+  report.elapsed = absl::Now() - begin;
+  for (const std::string& note : notes) {
+    report.findings.push_back({"note", {rank}, "", 1, note});
+  }
+  return report;
+}
+
+void JudgePreflight(PreflightReport* report) {
+  const int world = report->world_size;
+  std::vector<PreflightFinding>& out = report->findings;
+  out.erase(std::remove_if(out.begin(), out.end(),
+                           [](const PreflightFinding& f) { return f.metric != "note"; }),
+            out.end());
+  auto node_ranks = [&](const std::string& node) {
+    std::vector<int> r;
+    for (int i = 0; i < world; ++i) {
+      if (report->nodes.size() == static_cast<size_t>(world) && report->nodes[i] == node) {
+        r.push_back(i);
+      }
+    }
+    return r;
+  };
+  std::set<std::string> distinct(report->nodes.begin(), report->nodes.end());
+  for (const Metric& m : Metrics()) {
+    auto it = report->per_rank.find(m.name);
+    if (it == report->per_rank.end()) continue;
+    const std::vector<double>& v = it->second;
+    std::vector<double> present;
+    for (double x : v) {
+      if (!std::isnan(x)) present.push_back(x);
+    }
+    if (present.size() < 2) continue;
+    const bool two = present.size() == 2;
+    const double ref = two ? *std::max_element(present.begin(), present.end()) : Median(present);
+    if (!(ref > 0)) continue;
+    const std::string ref_name = two ? "the other rank" : "the median";
+    std::vector<int> slow;
+    for (int r = 0; r < world; ++r) {
+      if (!std::isnan(v[r]) && v[r] / ref < m.threshold) slow.push_back(r);
+    }
+    // A node all of whose ranks are slow (with more than one node) is named
+    // as the node.
+    std::set<int> done;
+    if (distinct.size() > 1) {
+      for (const std::string& node : distinct) {
+        std::vector<int> members = node_ranks(node);
+        const bool all = !members.empty() && std::all_of(members.begin(), members.end(), [&](int r) {
+          return std::find(slow.begin(), slow.end(), r) != slow.end();
+        });
+        if (!all || members.size() < 2) continue;
+        double worst = 1;
+        for (int r : members) worst = std::min(worst, v[r] / ref);
+        out.push_back({m.name, members, node, worst,
+                       absl::StrFormat("node %s: %s %.2fx %s (ranks %s)", node, m.label, worst,
+                                       ref_name, absl::StrJoin(members, ","))});
+        done.insert(members.begin(), members.end());
+      }
+    }
+    for (int r : slow) {
+      if (done.count(r)) continue;
+      const std::string where =
+          report->nodes.size() == static_cast<size_t>(world) && distinct.size() > 1
+              ? absl::StrCat(" (node ", report->nodes[r], ")")
+              : "";
+      out.push_back({m.name, {r}, "", v[r] / ref,
+                     absl::StrFormat("rank %d%s: %s %.2fx %s (%.3g vs %.3g %s)", r, where, m.label,
+                                     v[r] / ref, ref_name, v[r], ref, m.unit)});
+    }
+  }
+  // Links: pairs well below the median pair; a rank all of whose pairs are
+  // slow is named instead of its links.
+  if (report->pairs.size() >= 2) {
+    std::vector<double> bws;
+    for (const auto& [p, bw] : report->pairs) bws.push_back(bw);
+    const double median = Median(bws);
+    std::map<int, std::pair<int, int>> per_rank;  // rank -> (slow pairs, pairs)
+    for (const auto& [p, bw] : report->pairs) {
+      const bool slow = median > 0 && bw / median < kPairThreshold;
+      for (int r : {p.first, p.second}) {
+        per_rank[r].second += 1;
+        per_rank[r].first += slow;
+      }
+    }
+    std::set<int> slow_ranks;
+    for (const auto& [r, c] : per_rank) {
+      if (c.second >= 2 && c.first == c.second) slow_ranks.insert(r);
+    }
+    for (int r : slow_ranks) {
+      double worst = 1;
+      for (const auto& [p, bw] : report->pairs) {
+        if (p.first == r || p.second == r) worst = std::min(worst, bw / median);
+      }
+      out.push_back({"pair_busbw_gbps", {r}, "", worst,
+                     absl::StrFormat("rank %d: every link measured is slow, down to %.2fx the "
+                                     "median pair (its network interface or its host?)",
+                                     r, worst)});
+    }
+    for (const auto& [p, bw] : report->pairs) {
+      if (!(median > 0) || bw / median >= kPairThreshold) continue;
+      if (slow_ranks.count(p.first) || slow_ranks.count(p.second)) continue;
+      out.push_back({"pair_busbw_gbps", {p.first, p.second}, "", bw / median,
+                     absl::StrFormat("link %d-%d: all-reduce %.2fx the median pair (%.3g vs %.3g "
+                                     "GB/s)",
+                                     p.first, p.second, bw / median, bw, median)});
+    }
+  }
+  const auto local = report->group.find("local_busbw_gbps");
+  const auto cross = report->group.find("cross_node_busbw_gbps");
+  if (local != report->group.end() && cross != report->group.end() && local->second > 0 &&
+      cross->second / local->second < kCrossThreshold) {
+    out.push_back({"cross_node_busbw_gbps", {}, "", cross->second / local->second,
+                   absl::StrFormat("cross-node all-reduce %.2fx intra-node (%.3g vs %.3g GB/s)",
+                                   cross->second / local->second, cross->second, local->second)});
+  }
+  if (auto c = report->per_rank.find("clock_offset_ms"); c != report->per_rank.end()) {
+    for (int r = 0; r < world; ++r) {
+      const double off = c->second[r];
+      if (std::isnan(off) || std::abs(off) <= kClockOffsetMs) continue;
+      out.push_back({"clock_offset_ms", {r}, "", 1,
+                     absl::StrFormat("rank %d: clock %.1f ms %s rank 0's: arrival times in the "
+                                     "report are off by as much (synchronise the clocks: "
+                                     "chrony/PTP)",
+                                     r, std::abs(off), off > 0 ? "ahead of" : "behind")});
+    }
+  }
+}
+
+std::string PreflightReport::Table() const {
+  std::ostringstream s;
+  std::set<std::string> distinct(nodes.begin(), nodes.end());
+  s << absl::StrFormat("evenstep preflight: %d ranks on %d node%s, %.1f s\n", world_size,
+                       distinct.size(), distinct.size() == 1 ? "" : "s",
+                       absl::ToDoubleSeconds(elapsed));
+  const bool columns = world_size <= 8;
+  s << absl::StrFormat("  %-28s %-8s", "figure", "unit");
+  if (columns) {
+    for (int r = 0; r < world_size; ++r) s << absl::StrFormat(" %17s", absl::StrCat("rank ", r));
+  } else {
+    s << absl::StrFormat(" %12s %12s %10s", "median", "worst", "worst rank");
+  }
+  s << "\n";
+  auto row = [&](const std::string& label, const std::string& unit, const std::vector<double>& v,
+                 bool ratios) {
+    s << absl::StrFormat("  %-28s %-8s", label, unit);
+    std::vector<double> present;
+    for (double x : v) {
+      if (!std::isnan(x)) present.push_back(x);
+    }
+    const double ref = present.size() == 2 ? std::max(present[0], present[1]) : Median(present);
+    if (columns) {
+      for (double x : v) {
+        s << absl::StrFormat(" %17s", std::isnan(x) ? "-"
+                                      : ratios     ? absl::StrFormat("%.3g (%s)", x, Ratio(x / ref))
+                                                   : absl::StrFormat("%.3g", x));
+      }
+    } else {
+      int worst = -1;
+      for (int r = 0; r < world_size; ++r) {
+        if (!std::isnan(v[r]) && (worst < 0 || v[r] < v[worst])) worst = r;
+      }
+      s << absl::StrFormat(" %12.3g %12.3g %10d", ref, worst >= 0 ? v[worst] : kNaN, worst);
+    }
+    s << "\n";
+  };
+  for (const Metric& m : Metrics()) {
+    if (auto it = per_rank.find(m.name); it != per_rank.end()) row(m.label, m.unit, it->second, true);
+  }
+  if (auto it = per_rank.find("clock_offset_ms"); it != per_rank.end()) {
+    row("clock offset from rank 0", "ms", it->second, false);
+  }
+  if (columns && distinct.size() > 1) {
+    s << absl::StrFormat("  %-28s %-8s", "node", "");
+    for (const std::string& n : nodes) s << absl::StrFormat(" %17s", n);
+    s << "\n";
+  }
+  for (const auto& [k, v] : group) s << absl::StrFormat("  %-37s %.4g\n", k, v);
+  if (!pairs.empty()) {
+    double lo = std::numeric_limits<double>::infinity();
+    std::pair<int, int> worst;
+    std::vector<double> bws;
+    for (const auto& [p, bw] : pairs) {
+      bws.push_back(bw);
+      if (bw < lo) lo = bw, worst = p;
+    }
+    s << absl::StrFormat("  %d pair links: median %.3g GB/s, slowest %d-%d %.3g GB/s\n",
+                         pairs.size(), Median(bws), worst.first, worst.second, lo);
+  }
+  int named = 0;
+  for (const PreflightFinding& f : findings) {
+    if (f.metric == "note") continue;
+    s << "  OUTLIER " << f.text << "\n";
+    ++named;
+  }
+  for (const PreflightFinding& f : findings) {
+    if (f.metric == "note") s << "  note: " << f.text << "\n";
+  }
+  if (named == 0) s << "  no outliers\n";
+  return s.str();
+}
+
+std::string PreflightReport::Json() const {
+  auto num = [](double x) { return std::isnan(x) ? nlohmann::json(nullptr) : nlohmann::json(x); };
+  nlohmann::json j;
+  j["world_size"] = world_size;
+  j["nodes"] = nodes;
+  j["elapsed_s"] = absl::ToDoubleSeconds(elapsed);
+  for (const auto& [k, v] : per_rank) {
+    nlohmann::json col = nlohmann::json::array();
+    for (double x : v) col.push_back(num(x));
+    j["per_rank"][k] = col;
+  }
+  for (const auto& [k, v] : group) j["group"][k] = num(v);
+  j["pairs"] = nlohmann::json::array();
+  for (const auto& [p, bw] : pairs) j["pairs"].push_back({{"ranks", {p.first, p.second}}, {"busbw_gbps", num(bw)}});
+  j["findings"] = nlohmann::json::array();
+  for (const PreflightFinding& f : findings) {
+    j["findings"].push_back({{"metric", f.metric},
+                             {"ranks", f.ranks},
+                             {"node", f.node},
+                             {"ratio", num(f.ratio)},
+                             {"text", f.text}});
+  }
+  return j.dump();
+}
+
+std::vector<double> PreflightReport::ComputeShares() const {
+  std::vector<double> shares(world_size, 1.0 / world_size);
+  auto it = per_rank.find("matmul_bf16_gflops");
+  if (it == per_rank.end()) it = per_rank.find("matmul_fp32_gflops");
+  if (it == per_rank.end()) return shares;
+  double sum = 0;
+  for (double x : it->second) {
+    if (std::isnan(x) || x <= 0) return shares;
+    sum += x;
+  }
+  for (int r = 0; r < world_size; ++r) shares[r] = it->second[r] / sum;
+  return shares;
+}
+
+}  // namespace evenstep
