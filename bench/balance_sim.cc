@@ -35,7 +35,7 @@ ABSL_FLAG(int, ranks, 0, "Simulated ranks (default 1024, quick 64).");
 ABSL_FLAG(int, steps, 0, "Steps per mode (default 40, quick 12).");
 ABSL_FLAG(int, samples_per_rank, 64, "Global batch = this x ranks samples.");
 ABSL_FLAG(int64_t, micro_batch_tokens, 4096, "Per-micro-batch cap in padded bytes.");
-ABSL_FLAG(int64_t, sort_window, 0, "Sampler sort window (0 = the sampler's default).");
+ABSL_FLAG(int64_t, sort_window, 0, "Sampler sort window (0 = 50 global batches, 1 = none).");
 ABSL_FLAG(double, speed_sigma, 0.3, "Sigma of the lognormal rank speeds.");
 ABSL_FLAG(double, fixed_ms, 0.5,
           "Fixed cost of a micro-step (launch, data hand-off) on a speed-1 rank; a full "

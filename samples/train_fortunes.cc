@@ -11,7 +11,7 @@ using namespace evenstep::samples;
 
 int main(int argc, char** argv) {
   evenstep::SetFlagDefaults(
-      "global_batch=32 micro_batch_tokens=2048 normalize=tokens ckpt_every=50");
+      "global_batch=32 micro_batch_tokens=2048 normalize=tokens ckpt_every=50 sort_window=0");
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
   auto ctx = evenstep::DistContext::CreateFromFlags();

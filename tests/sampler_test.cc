@@ -144,8 +144,10 @@ TEST(SamplerTest, LengthSortingReducesPadding) {
   SamplerOptions sorted;
   sorted.global_batch = 64;
   sorted.micro_batch_samples = 8;
+  sorted.sort_window = 0;  // 50 global batches
   SamplerOptions plain = sorted;
-  plain.sort_window = 1;
+  plain.sort_window = 1;  // the default
+  EXPECT_EQ(SamplerOptions().sort_window, 1);
   auto padding = [](const SamplerOptions& options) {
     auto sampler = Sampler::Create(Lengths(4096), options);
     double padded = 0, real = 0;

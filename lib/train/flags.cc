@@ -69,9 +69,12 @@ ABSL_FLAG(double, evenstep_plan_damping, 0.3,
 ABSL_FLAG(int, evenstep_warmup_steps, 2,
           "Optimizer steps whose timings the cost model ignores (allocator and cache warm-up).");
 ABSL_FLAG(uint64_t, evenstep_seed, 0, "Seed of the sample order (shuffle and batch order).");
-ABSL_FLAG(int64_t, evenstep_sort_window, 0,
-          "Samples per length-sorting window (micro-batches of similar lengths, little "
-          "padding); 0 = 50 global batches, 1 = no sorting.");
+ABSL_FLAG(int64_t, evenstep_sort_window, 1,
+          "Samples per length-sorting window across global batches: 1 = none (every global "
+          "batch a plain shuffle's: no cost in model quality; each rank's share is still packed "
+          "longest first), 0 = 50 global batches, N = N samples. Larger windows pad less but "
+          "make each global batch's lengths alike, which costs held-out quality at equal steps "
+          "(docs/benchmarks.md#sorting-window).");
 ABSL_FLAG(bool, evenstep_drop_last, false,
           "Drop the smaller last global batch of each epoch instead of keeping it.");
 ABSL_FLAG(std::string, evenstep_normalize, "samples",
