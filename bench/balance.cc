@@ -6,6 +6,9 @@
 // Scenarios:
 //   steady  rank 3 is slowed by --slow (default 2x) per cost unit throughout
 //   change  every rank starts equal; rank 3 becomes --slow x slower halfway
+//   startup rank 3 --slow x slower from the first step: dynamic balancing from
+//           equal shares vs seeded by a preflight (which sees the same
+//           slowdown through its test switch); steps until efficiency >= 0.95
 //   model   a real byte-level model (embedding + MLP, next-byte loss) instead
 //           of calibrated sleep, rank 3 slowed by an injected per-unit delay
 //
@@ -32,7 +35,7 @@
 // under the scenario's name, the others' under "<scenario>_batch<N>".
 //
 //   evenstep_bench_balance [--quick] [--steps N] [--slow F] [--batches 64,256]
-//                          [--scenarios steady,change,model]
+//                          [--scenarios startup,steady,change,model]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -45,6 +48,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -53,6 +57,7 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/preflight.h"
 #include "samples/fortunes.h"
 
 ABSL_FLAG(bool, quick, false, "Few steps, less work per step (the smoke test).");
@@ -62,7 +67,7 @@ ABSL_FLAG(int, slow_rank, 3, "The slowed rank.");
 ABSL_FLAG(double, us_per_byte, 0, "Sleep per cost unit (default 40 us, quick 10 us).");
 ABSL_FLAG(double, fixed_ms, 1.0, "Sleep per micro-step.");
 ABSL_FLAG(bool, verbose, false, "Print every step: shares, micro-batches and busy time per rank.");
-ABSL_FLAG(std::string, scenarios, "steady,change,model", "Scenarios to run.");
+ABSL_FLAG(std::string, scenarios, "startup,steady,change,model", "Scenarios to run.");
 ABSL_FLAG(std::string, batches, "",
           "Global batches (samples per step) to run steady and change at; default 64,256 "
           "(quick: 64). The first also sets --evenstep_global_batch for the model scenario.");
@@ -83,6 +88,7 @@ struct RunResult {
   // step time / (ideal + the communication floor: a step with no work).
   double floor_ratio = 0;
   int rebalance_steps = -1;  // change: steps after the change until efficiency >= 0.95
+  int settle_steps = -1;     // startup: steps from the start until efficiency >= 0.95
 };
 
 // Byte-level next-byte model for the `model` scenario.
@@ -126,8 +132,11 @@ double Mean(const std::vector<double>& v) {
 // `floor_ms`: the mean step time with no work at all (scenario "floor"):
 // the gradient all-reduce, the optimizer and the exchange of cost fits,
 // which no split of the work can remove.
+// `initial_shares`: dynamic balancing's first shares (startup: from the
+// preflight), empty = equal.
 absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, BalanceMode mode,
-                              const std::string& scenario, int steps, double floor_ms = 0) {
+                              const std::string& scenario, int steps, double floor_ms = 0,
+                              std::vector<double> initial_shares = {}) {
   const int rank = ctx.rank();
   const double slow = absl::GetFlag(FLAGS_slow);
   const int slow_rank = absl::GetFlag(FLAGS_slow_rank);
@@ -143,11 +152,13 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
   auto factor = [&](int r, int step) {
     if (r != slow_rank) return 1.0;
     if (scenario == "change") return step > change_at ? slow : 1.0;
+    // startup and steady: slow from the first step
     return slow;
   };
 
   EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig config, evenstep::BalanceConfig::FromFlags());
   config.planner.mode = mode;
+  config.initial_shares = std::move(initial_shares);
   torch::manual_seed(0);
   ByteModel model;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01));
@@ -216,6 +227,7 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
           1e3 * *std::max_element(report->rank_busy_s.begin(), report->rank_busy_s.end()) /
           ideal_ms);
     }
+    if (result.settle_steps < 0 && report->balance_efficiency >= 0.95) result.settle_steps = s;
     if (scenario == "change" && s > change_at && result.rebalance_steps < 0 &&
         report->balance_efficiency >= 0.95) {
       result.rebalance_steps = s - change_at;
@@ -293,13 +305,62 @@ int main(int argc, char** argv) {
         "fits)\n",
         floor_ms);
   }
+  // Startup: dynamic balancing from equal shares against dynamic balancing
+  // seeded by the preflight's compute figures, with rank --slow_rank slowed
+  // as in `steady` from the first step (the preflight sees the same
+  // slowdown through its test switch: that rank does --slow times the work
+  // per product). Steps until the efficiency first reaches 0.95.
+  std::string startup_json;
+  if (absl::StrContains(absl::GetFlag(FLAGS_scenarios), "startup")) {
+    absl::SetFlag(&FLAGS_evenstep_global_batch, batches[0]);
+    evenstep::PreflightOptions pf;
+    pf.quick = true;
+    pf.compute_slowdown =
+        (*ctx)->rank() == absl::GetFlag(FLAGS_slow_rank) ? absl::GetFlag(FLAGS_slow) : 1;
+    const absl::Time pf_begin = absl::Now();
+    absl::StatusOr<evenstep::PreflightReport> preflight = evenstep::RunPreflight(**ctx, pf);
+    if (!preflight.ok()) {
+      std::cerr << "rank " << (*ctx)->rank() << ": " << preflight.status() << "\n";
+      return 1;
+    }
+    const double pf_s = absl::ToDoubleSeconds(absl::Now() - pf_begin);
+    const std::vector<double> seeded = preflight->ComputeShares();
+    absl::StatusOr<RunResult> plain =
+        Run(**ctx, data, BalanceMode::kDynamic, "startup", steps, floor_ms);
+    absl::StatusOr<RunResult> seed =
+        Run(**ctx, data, BalanceMode::kDynamic, "startup", steps, floor_ms, seeded);
+    if (!plain.ok() || !seed.ok()) {
+      std::cerr << "rank " << (*ctx)->rank() << ": "
+                << (plain.ok() ? seed.status() : plain.status()) << "\n";
+      return 1;
+    }
+    if (print) {
+      std::vector<std::string> shares;
+      for (double x : seeded) shares.push_back(absl::StrFormat("%.3f", x));
+      auto settle = [](const RunResult& r) {
+        return r.settle_steps < 0 ? std::string("never") : absl::StrCat(r.settle_steps);
+      };
+      std::cout << absl::StrFormat(
+          "startup (global batch %d, rank %d %.1fx slower from step 1): preflight %.1f s, seeded "
+          "shares [%s]\n  dynamic, equal first shares:   efficiency >= 0.95 at step %s, mean "
+          "efficiency %.3f\n  dynamic, seeded by preflight:  efficiency >= 0.95 at step %s, mean "
+          "efficiency %.3f\n",
+          batches[0], absl::GetFlag(FLAGS_slow_rank), absl::GetFlag(FLAGS_slow), pf_s,
+          absl::StrJoin(shares, ", "), settle(*plain), plain->efficiency, settle(*seed),
+          seed->efficiency);
+    }
+    startup_json = absl::StrFormat(
+        "\"startup\": {\"unseeded_settle_steps\": %d, \"seeded_settle_steps\": %d, "
+        "\"preflight_s\": %.2f}",
+        plain->settle_steps, seed->settle_steps, pf_s);
+  }
   // Results by "<scenario>" (first batch) or "<scenario>_batch<N>".
   std::map<std::string, std::map<std::string, RunResult>> all;
   for (size_t bi = 0; bi < batches.size(); ++bi) {
     absl::SetFlag(&FLAGS_evenstep_global_batch, batches[bi]);
     for (absl::string_view sv : absl::StrSplit(absl::GetFlag(FLAGS_scenarios), ',')) {
       const std::string scenario(sv);
-      if (bi > 0 && scenario == "model") continue;
+      if (scenario == "startup" || (bi > 0 && scenario == "model")) continue;
       const std::string key = bi == 0 ? scenario : absl::StrCat(scenario, "_batch", batches[bi]);
       if (print) {
         std::cout << absl::StrFormat(
@@ -342,6 +403,7 @@ int main(int argc, char** argv) {
           modes.at("static").step_ms / d.step_ms, modes.at("work").step_ms / d.step_ms,
           d.rebalance_steps));
     }
+    if (!startup_json.empty()) fields.push_back(startup_json);
     fields.push_back(absl::StrFormat("\"floor_ms\": %.2f", floor_ms));
     fields.push_back(absl::StrFormat("\"global_batches\": [%s]", absl::StrJoin(batches, ", ")));
     fields.push_back(absl::StrFormat("\"quick\": %s", quick ? "true" : "false"));

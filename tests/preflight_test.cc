@@ -40,13 +40,13 @@ struct ToolRun {
 // Runs the tool on `ranks` ranks under evenstep-run (`launcher_args`
 // before --), with `env` in front and `args` after the tool.
 ToolRun Preflight(int ranks, const std::string& args, const std::string& env = "",
-              const std::string& launcher_args = "", const std::string& wrap = "") {
+                  const std::string& launcher_args = "", const std::string& wrap = "") {
   TempDir dir("evenstep_preflight");
   const std::string json = dir / "report.json";
   const std::string tool = wrap.empty() ? std::string(EVENSTEP_PREFLIGHT) : wrap;
-  auto [code, output] = RunShell(absl::StrCat(env, " ", EVENSTEP_RUN, " -n ", ranks, " ",
-                                              launcher_args, " -- ", tool, " --json=", json, " ",
-                                              args, " 2>&1"));
+  auto [code, output] =
+      RunShell(absl::StrCat(env, " ", EVENSTEP_RUN, " -n ", ranks, " ", launcher_args, " -- ", tool,
+                            " --json=", json, " ", args, " 2>&1"));
   ToolRun run;
   run.exit_code = code;
   run.output = output;
@@ -168,7 +168,8 @@ TEST(PreflightTest, ASimulatedTwoNodeLayoutMeasuresWithinAndAcrossNodesAndNamesA
   EXPECT_GT(even.json["group"]["local_busbw_gbps"].get<double>(), 0);
   EXPECT_GT(even.json["group"]["cross_node_busbw_gbps"].get<double>(), 0);
   // Both ranks of node1 slow: the node is named, not its ranks one by one.
-  const ToolRun slow = Preflight(4, "--quick", "EVENSTEP_PREFLIGHT_TEST_SLOWDOWN=2,3:3", "--nodes 2");
+  const ToolRun slow =
+      Preflight(4, "--quick", "EVENSTEP_PREFLIGHT_TEST_SLOWDOWN=2,3:3", "--nodes 2");
   EXPECT_EQ(slow.exit_code, 3) << Describe(slow);
   ASSERT_EQ(slow.outliers.size(), 1u) << Describe(slow);
   EXPECT_THAT(slow.outliers[0], HasSubstr("node node1: matmul fp32 0."));
@@ -270,12 +271,12 @@ TEST(PreflightSessionTest, FailStopsNamingTheOutlierWarnGoesOnAndOffRunsNothing)
   }
   // A bad mode is refused naming the flag.
   TempDir dir("evenstep_preflight_session");
-  auto [code, output] =
-      RunShell(absl::StrCat(EVENSTEP_RUN, " -n 1 -- ", EVENSTEP_CKPT_HELPER,
-                            " --mode=session --steps=1 --run_dir=", dir.path(),
-                            " --evenstep_preflight=sometimes 2>&1"));
+  auto [code, output] = RunShell(absl::StrCat(EVENSTEP_RUN, " -n 1 -- ", EVENSTEP_CKPT_HELPER,
+                                              " --mode=session --steps=1 --run_dir=", dir.path(),
+                                              " --evenstep_preflight=sometimes 2>&1"));
   EXPECT_NE(code, 0);
-  EXPECT_THAT(output, HasSubstr("--evenstep_preflight=sometimes: expected off, report, warn or fail"));
+  EXPECT_THAT(output,
+              HasSubstr("--evenstep_preflight=sometimes: expected off, report, warn or fail"));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -42,8 +43,10 @@ std::string RunReport(const std::string& dir) {
 // is a "checkpoint" span of that many ms after the step on that rank: a
 // blocking one delays the rank's next step; a background one
 // (`background`) overlaps the next step and delays nothing.
+// `health(rank, step)`, when given, is each rank's online health score.
 template <typename Duty>
-void ScriptedRun(const std::string& dir, Duty duty, bool background = false) {
+void ScriptedRun(const std::string& dir, Duty duty, bool background = false,
+                 std::function<double(int, int)> health = nullptr) {
   constexpr int kRanks = 3, kSteps = 12;
   std::vector<std::unique_ptr<Timeline>> timelines;
   for (int r = 0; r < kRanks; ++r) {
@@ -81,6 +84,9 @@ void ScriptedRun(const std::string& dir, Duty duty, bool background = false) {
       rep.optimizer_begin = synced;
       rep.optimizer = absl::Milliseconds(5);
       rep.end = end;
+      if (health) {
+        for (int h = 0; h < kRanks; ++h) rep.rank_health.push_back(health(h, step));
+      }
       timelines[r]->AddStep(rep);
       begin[r] = end;
       if (const int ms = duty(r, step); ms > 0) {
@@ -144,6 +150,30 @@ TEST(ReportTest, NamesRank0WithTheUsualDuties) {
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("straggler: rank 0 arrives last")) << out;
   EXPECT_THAT(out, HasSubstr("loses the time in io")) << out;
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("degrading"))) << out;
+}
+
+TEST(ReportTest, NamesARankThatSlowedAgainstItsOwnBest) {
+  // Rank 1's health falls from step 6 to 0.6 at step 12; rank 2 dips to
+  // 0.85 (above the 0.8 line) and recovers.
+  const TempDir temp("evenstep_report");
+  const std::string& dir = temp.path();
+  ScriptedRun(
+      dir, [](int, int) { return 0; }, false,
+      [](int rank, int step) {
+        if (rank == 1) return step < 6 ? 1.0 : 1.0 - 0.4 * (step - 5) / 7.0;
+        if (rank == 2) return step == 4 ? 0.85 : 1.0;
+        return 1.0;
+      });
+  const std::string out = RunReport(dir);
+  EXPECT_THAT(out, HasSubstr("degrading: rank 1 slowed to 0.60x its own best speed (step 12)"))
+      << out;
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("degrading: rank 2"))) << out;
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("degrading: rank 0"))) << out;
+  std::ifstream in(dir + "/report.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  ASSERT_EQ(j["health"].size(), 1u) << j.dump();
+  EXPECT_EQ(j["health"][0]["rank"], 1);
 }
 
 TEST(ReportTest, NamesRank2WhenItCarriesTheDuty) {

@@ -85,7 +85,9 @@ TEST(SamplerTest, EverySampleExactlyOncePerEpochTailKept) {
     for (int epoch = 0; epoch < 2; ++epoch) {
       std::vector<int> seen(n, 0);
       int smaller = 0;
-      const int64_t steps = sampler->steps_per_epoch();
+      // Epochs of a token budget differ in their number of batches: each
+      // epoch's own count, also before its first batch is drawn.
+      const int64_t steps = sampler->steps_in_epoch(epoch);
       for (int64_t s = 0; s < steps; ++s) {
         const GlobalBatch batch = sampler->Next();
         EXPECT_EQ(batch.epoch, epoch);

@@ -61,6 +61,10 @@ struct RankTrace {
   // counts as the later run only.
   std::map<int64_t, int> segment_of;
   double peak_rss_mb = 0;
+  // Online health: its lowest individual score (speed vs its own best) and
+  // the step it was seen.
+  double min_health = 1;
+  int64_t min_health_step = 0;
 };
 
 double Percentile(std::vector<double> v, double q) {
@@ -150,6 +154,12 @@ int main(int argc, char** argv) {
             {name, e["ts"].get<double>(), e.value("dur", 0.0), step, segment});
       } else if (name == "arrive") {
         ranks[rank].arrive[step] = e["ts"].get<double>();
+      } else if (name == "health" && e.contains("args")) {
+        const double h = e["args"].value("health", 1.0);
+        if (h < ranks[rank].min_health) {
+          ranks[rank].min_health = h;
+          ranks[rank].min_health_step = step;
+        }
       } else if (name == "peak_rss_mb" && e.contains("args")) {
         ranks[rank].peak_rss_mb =
             std::max(ranks[rank].peak_rss_mb, e["args"].value("peak_rss_mb", 0.0));
@@ -358,6 +368,18 @@ int main(int argc, char** argv) {
   if (!periodic.empty()) {
     std::cout << "  periodic stall: " << periodic << "\n";
     report["periodic"] = periodic;
+  }
+  // Online health: ranks that became slower than 0.8x their own best speed
+  // (evenstep's --evenstep_health_warn default) at some step.
+  report["health"] = nlohmann::json::array();
+  for (const auto& [r, t] : ranks) {
+    if (t.min_health >= 0.8) continue;
+    std::cout << absl::StrFormat(
+        "  degrading: rank %d slowed to %.2fx its own best speed (step %d): heat, clocks or a "
+        "noisy neighbour?\n",
+        r, t.min_health, t.min_health_step);
+    report["health"].push_back(
+        {{"rank", r}, {"min_health", t.min_health}, {"step", t.min_health_step}});
   }
   std::ofstream(dir + "/report.json") << report.dump(1);
   std::cout << "  wrote " << dir

@@ -20,6 +20,7 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/micro_step_clock.h"
@@ -388,7 +389,53 @@ absl::Status BalancedStep::Exchange() {
   }
   report_.loss = loss;
   report_.balance_efficiency = busy_max > 0 ? busy_sum / world / busy_max : 1.0;
+  UpdateHealth();
   return absl::OkStatus();
+}
+
+void BalancedStep::UpdateHealth() {
+  const size_t world = fits_.size();
+  report_.rank_health.assign(world, 1.0);
+  report_.rank_relative_speed.assign(world, 1.0);
+  report_.health_alerts.clear();
+  if (best_micro_s_.size() != world) {
+    best_micro_s_.assign(world, 0);
+    unhealthy_.assign(world, false);
+  }
+  // A typical micro-batch: the cap's cost units (or the mean global batch's
+  // share of one rank when uncapped).
+  double units = sampler_.micro_batch_cost_cap();
+  if (!std::isfinite(units)) units = batch_.cost / std::max<size_t>(world, 1);
+  std::vector<double> time(world, 0), valid;
+  for (size_t r = 0; r < world; ++r) {
+    if (!fits_[r].valid()) continue;
+    time[r] = fits_[r].Predict(1, units);
+    if (time[r] > 0) valid.push_back(time[r]);
+  }
+  if (valid.empty()) return;
+  std::sort(valid.begin(), valid.end());
+  const double median = valid[(valid.size() - 1) / 2];  // of two, the faster
+  for (size_t r = 0; r < world; ++r) {
+    if (!(time[r] > 0)) continue;
+    report_.rank_relative_speed[r] = median / time[r];
+    // A fit of few micro-steps may split fixed and per-unit cost badly: the
+    // best counts from kSettled observations on.
+    constexpr int64_t kSettled = 32;
+    if (fits_[r].observations < kSettled) continue;
+    if (best_micro_s_[r] <= 0 || time[r] < best_micro_s_[r]) best_micro_s_[r] = time[r];
+    const double health = best_micro_s_[r] / time[r];
+    report_.rank_health[r] = health;
+    if (config_.health_warn <= 0) continue;
+    if (!unhealthy_[r] && health < config_.health_warn) {
+      unhealthy_[r] = true;
+      report_.health_alerts.push_back(absl::StrFormat(
+          "rank %d's micro-steps take %.2fx its own best (%.2fx speed) at step %d, and %.2fx the "
+          "median rank's: a slowing device (heat, clocks, a noisy neighbour)?",
+          r, 1 / health, health, steps_ + 1, time[r] / median));
+    } else if (unhealthy_[r] && health >= config_.health_warn + 0.05) {
+      unhealthy_[r] = false;  // recovered: a later fall is named again
+    }
+  }
 }
 
 BalanceState BalancedStep::state() const {

@@ -135,7 +135,16 @@ Sampler::Sampler(std::vector<int64_t> lengths, std::vector<double> costs,
 void Sampler::BuildEpoch(int64_t epoch) {
   epoch_ = epoch;
   step_ = 0;
-  epoch_batches_.clear();
+  epoch_batches_ = BatchesOfEpoch(epoch);
+}
+
+int64_t Sampler::steps_in_epoch(int64_t epoch) const {
+  if (epoch == epoch_) return steps_per_epoch();
+  return static_cast<int64_t>(BatchesOfEpoch(epoch).size());
+}
+
+std::vector<std::vector<int64_t>> Sampler::BatchesOfEpoch(int64_t epoch) const {
+  std::vector<std::vector<int64_t>> batches;
   SplitMix64 rng(EpochSeed(options_.seed, epoch));
   std::vector<int64_t> order(lengths_.size());
   std::iota(order.begin(), order.end(), 0);
@@ -165,7 +174,7 @@ void Sampler::BuildEpoch(int64_t epoch) {
                           ? static_cast<int64_t>(current.size()) >= options_.global_batch
                           : !current.empty() && tokens + lengths_[i] > options_.global_batch;
     if (full) {
-      epoch_batches_.push_back(std::move(current));
+      batches.push_back(std::move(current));
       current.clear();
       tokens = 0;
     }
@@ -175,8 +184,8 @@ void Sampler::BuildEpoch(int64_t epoch) {
   const bool tail_full = options_.budget_unit == BatchUnit::kSamples
                              ? static_cast<int64_t>(current.size()) == options_.global_batch
                              : 2 * tokens >= options_.global_batch;
-  if (!current.empty() && (tail_full || !options_.drop_last || epoch_batches_.empty())) {
-    epoch_batches_.push_back(std::move(current));
+  if (!current.empty() && (tail_full || !options_.drop_last || batches.empty())) {
+    batches.push_back(std::move(current));
   }
 
   // Shuffle the order of the global batches within each window's worth, so
@@ -184,17 +193,18 @@ void Sampler::BuildEpoch(int64_t epoch) {
   if (options_.shuffle && window > 1) {
     size_t per_window = 0;
     int64_t seen = 0;
-    while (per_window < epoch_batches_.size() && seen < window) {
-      seen += static_cast<int64_t>(epoch_batches_[per_window++].size());
+    while (per_window < batches.size() && seen < window) {
+      seen += static_cast<int64_t>(batches[per_window++].size());
     }
     per_window = std::max<size_t>(per_window, 1);
-    for (size_t begin = 0; begin < epoch_batches_.size(); begin += per_window) {
-      const size_t end = std::min(epoch_batches_.size(), begin + per_window);
+    for (size_t begin = 0; begin < batches.size(); begin += per_window) {
+      const size_t end = std::min(batches.size(), begin + per_window);
       for (size_t i = end - begin; i > 1; --i) {
-        std::swap(epoch_batches_[begin + i - 1], epoch_batches_[begin + rng.Below(i)]);
+        std::swap(batches[begin + i - 1], batches[begin + rng.Below(i)]);
       }
     }
   }
+  return batches;
 }
 
 GlobalBatch Sampler::Next() {

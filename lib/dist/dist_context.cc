@@ -470,9 +470,9 @@ absl::Status Subgroup::Run(const std::string& what, Launch&& launch) {
       internal::RunCollective(std::forward<Launch>(launch), timeout_);
   if (!outcome.failed) return absl::OkStatus();
   return internal::CollectiveFailed(
-      global_rank_, absl::StrCat(what, " in group ", name_, " (ranks ", absl::StrJoin(ranks_, ","),
-                                 ")"),
-      outcome, timeout_);
+      global_rank_,
+      absl::StrCat(what, " in group ", name_, " (ranks ", absl::StrJoin(ranks_, ","), ")"), outcome,
+      timeout_);
 }
 
 absl::Status Subgroup::AllReduce(at::Tensor& tensor) {

@@ -152,8 +152,8 @@ std::pair<double, double> DiskGbps(const std::string& dir, size_t bytes, int ran
   const std::string path =
       absl::StrCat(dir, "/.evenstep_preflight.rank", rank, ".", ::getpid(), ".tmp");
   auto fail = [&](const std::string& what) {
-    notes->push_back(absl::StrCat("rank ", rank, ": ", what, " ", path, ": ",
-                                  std::strerror(errno), " (not measured)"));
+    notes->push_back(absl::StrCat("rank ", rank, ": ", what, " ", path, ": ", std::strerror(errno),
+                                  " (not measured)"));
     ::unlink(path.c_str());
     return std::make_pair(kNaN, kNaN);
   };
@@ -304,9 +304,9 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
   const std::string ns = absl::StrCat("evenstep/preflight/", run, "/");
   c10::Device device(c10::kCPU);
   try {
-    device = options.device.empty() ? (at::hasCUDA() ? c10::Device(c10::kCUDA, 0)
-                                                     : c10::Device(c10::kCPU))
-                                    : c10::Device(options.device);
+    device = options.device.empty()
+                 ? (at::hasCUDA() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU))
+                 : c10::Device(options.device);
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("preflight: device '", options.device, "' is not a device"));
@@ -358,9 +358,9 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
   for (const std::string& k : keys_in_order) hosts.insert(k.substr(0, k.find('#')));
   std::vector<int> node_of(world);
   for (int r = 0; r < world; ++r) {
-    node_of[r] = static_cast<int>(std::find(keys_in_order.begin(), keys_in_order.end(),
-                                            report.nodes[r]) -
-                                  keys_in_order.begin());
+    node_of[r] =
+        static_cast<int>(std::find(keys_in_order.begin(), keys_in_order.end(), report.nodes[r]) -
+                         keys_in_order.begin());
   }
   for (int r = 0; r < world; ++r) {
     const std::string& k = report.nodes[r];
@@ -413,9 +413,8 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
     for (int turn = 0; turn < turns; ++turn) {
       if (turn == my_turn) {
         if (!gpu) {
-          best("matmul_fp32_gflops", OnCpu(cpu, [&] {
-                 return MatmulGflops(device, at::kFloat, n, budget, slowdown);
-               }));
+          best("matmul_fp32_gflops",
+               OnCpu(cpu, [&] { return MatmulGflops(device, at::kFloat, n, budget, slowdown); }));
         }
         best("memcpy_gbps", OnCpu(cpu, [&] { return MemcpyGbps(copy_bytes); }));
         if (gpu) {
@@ -477,9 +476,9 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
       for (int turn = 0; turn < pair_turns; ++turn) {
         if (partner < world && turn == my_pair_turn) {
           Subgroup& g = *pair_groups[k];
-          EVENSTEP_ASSIGN_OR_RETURN(double bw, BusBandwidth(2, group_bytes, iters, [&](at::Tensor& t) {
-                                      return g.AllReduce(t);
-                                    }));
+          EVENSTEP_ASSIGN_OR_RETURN(
+              double bw,
+              BusBandwidth(2, group_bytes, iters, [&](at::Tensor& t) { return g.AllReduce(t); }));
           pair_bw[k] = std::isnan(pair_bw[k]) ? bw : std::max(pair_bw[k], bw);
         }
         EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight after a turn of pairs");
@@ -541,9 +540,9 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
     }
     report.group["allreduce_latency_us"] = Median(lat);
     for (size_t mb : quick ? std::vector<size_t>{1} : std::vector<size_t>{1, 16}) {
-      EVENSTEP_ASSIGN_OR_RETURN(
-          double bw, BusBandwidth(world, mb << 20, iters,
-                                  [&](at::Tensor& t) { return ctx.AllReduce(t); }));
+      EVENSTEP_ASSIGN_OR_RETURN(double bw, BusBandwidth(world, mb << 20, iters, [&](at::Tensor& t) {
+                                  return ctx.AllReduce(t);
+                                }));
       report.group[absl::StrCat("allreduce_busbw_gbps_", mb, "mb")] = bw;
       report.group["allreduce_busbw_gbps"] = bw;
     }
@@ -565,7 +564,8 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
       if (my_turn < static_cast<int>(members.size())) across.push_back(members[my_turn]);
     }
     if (across.size() > 1) {
-      EVENSTEP_ASSIGN_OR_RETURN(auto g, ctx.NewSubgroup(absl::StrCat(ns, "cross", my_turn), across));
+      EVENSTEP_ASSIGN_OR_RETURN(auto g,
+                                ctx.NewSubgroup(absl::StrCat(ns, "cross", my_turn), across));
       EVENSTEP_ASSIGN_OR_RETURN(sub[1],
                                 BusBandwidth(g->size(), group_bytes, iters,
                                              [&](at::Tensor& t) { return g->AllReduce(t); }));
@@ -642,9 +642,10 @@ void JudgePreflight(PreflightReport* report) {
     if (distinct.size() > 1) {
       for (const std::string& node : distinct) {
         std::vector<int> members = node_ranks(node);
-        const bool all = !members.empty() && std::all_of(members.begin(), members.end(), [&](int r) {
-          return std::find(slow.begin(), slow.end(), r) != slow.end();
-        });
+        const bool all =
+            !members.empty() && std::all_of(members.begin(), members.end(), [&](int r) {
+              return std::find(slow.begin(), slow.end(), r) != slow.end();
+            });
         if (!all || members.size() < 2) continue;
         double worst = 1;
         for (int r : members) worst = std::min(worst, v[r] / ref);
@@ -660,7 +661,10 @@ void JudgePreflight(PreflightReport* report) {
           report->nodes.size() == static_cast<size_t>(world) && distinct.size() > 1
               ? absl::StrCat(" (node ", report->nodes[r], ")")
               : "";
-      out.push_back({m.name, {r}, "", v[r] / ref,
+      out.push_back({m.name,
+                     {r},
+                     "",
+                     v[r] / ref,
                      absl::StrFormat("rank %d%s: %s %.2fx %s (%.3g vs %.3g %s)", r, where, m.label,
                                      v[r] / ref, ref_name, v[r], ref, m.unit)});
     }
@@ -688,7 +692,10 @@ void JudgePreflight(PreflightReport* report) {
       for (const auto& [p, bw] : report->pairs) {
         if (p.first == r || p.second == r) worst = std::min(worst, bw / median);
       }
-      out.push_back({"pair_busbw_gbps", {r}, "", worst,
+      out.push_back({"pair_busbw_gbps",
+                     {r},
+                     "",
+                     worst,
                      absl::StrFormat("rank %d: every link measured is slow, down to %.2fx the "
                                      "median pair (its network interface or its host?)",
                                      r, worst)});
@@ -696,7 +703,10 @@ void JudgePreflight(PreflightReport* report) {
     for (const auto& [p, bw] : report->pairs) {
       if (!(median > 0) || bw / median >= kPairThreshold) continue;
       if (slow_ranks.count(p.first) || slow_ranks.count(p.second)) continue;
-      out.push_back({"pair_busbw_gbps", {p.first, p.second}, "", bw / median,
+      out.push_back({"pair_busbw_gbps",
+                     {p.first, p.second},
+                     "",
+                     bw / median,
                      absl::StrFormat("link %d-%d: all-reduce %.2fx the median pair (%.3g vs %.3g "
                                      "GB/s)",
                                      p.first, p.second, bw / median, bw, median)});
@@ -706,7 +716,10 @@ void JudgePreflight(PreflightReport* report) {
   const auto cross = report->group.find("cross_node_busbw_gbps");
   if (local != report->group.end() && cross != report->group.end() && local->second > 0 &&
       cross->second / local->second < kCrossThreshold) {
-    out.push_back({"cross_node_busbw_gbps", {}, "", cross->second / local->second,
+    out.push_back({"cross_node_busbw_gbps",
+                   {},
+                   "",
+                   cross->second / local->second,
                    absl::StrFormat("cross-node all-reduce %.2fx intra-node (%.3g vs %.3g GB/s)",
                                    cross->second / local->second, cross->second, local->second)});
   }
@@ -714,7 +727,10 @@ void JudgePreflight(PreflightReport* report) {
     for (int r = 0; r < world; ++r) {
       const double off = c->second[r];
       if (std::isnan(off) || std::abs(off) <= kClockOffsetMs) continue;
-      out.push_back({"clock_offset_ms", {r}, "", 1,
+      out.push_back({"clock_offset_ms",
+                     {r},
+                     "",
+                     1,
                      absl::StrFormat("rank %d: clock %.1f ms %s rank 0's: arrival times in the "
                                      "report are off by as much (synchronise the clocks: "
                                      "chrony/PTP)",
@@ -748,8 +764,8 @@ std::string PreflightReport::Table() const {
     if (columns) {
       for (double x : v) {
         s << absl::StrFormat(" %17s", std::isnan(x) ? "-"
-                                      : ratios     ? absl::StrFormat("%.3g (%s)", x, Ratio(x / ref))
-                                                   : absl::StrFormat("%.3g", x));
+                                      : ratios ? absl::StrFormat("%.3g (%s)", x, Ratio(x / ref))
+                                               : absl::StrFormat("%.3g", x));
       }
     } else {
       int worst = -1;
@@ -761,7 +777,8 @@ std::string PreflightReport::Table() const {
     s << "\n";
   };
   for (const Metric& m : Metrics()) {
-    if (auto it = per_rank.find(m.name); it != per_rank.end()) row(m.label, m.unit, it->second, true);
+    if (auto it = per_rank.find(m.name); it != per_rank.end())
+      row(m.label, m.unit, it->second, true);
   }
   if (auto it = per_rank.find("clock_offset_ms"); it != per_rank.end()) {
     row("clock offset from rank 0", "ms", it->second, false);
@@ -809,7 +826,8 @@ std::string PreflightReport::Json() const {
   }
   for (const auto& [k, v] : group) j["group"][k] = num(v);
   j["pairs"] = nlohmann::json::array();
-  for (const auto& [p, bw] : pairs) j["pairs"].push_back({{"ranks", {p.first, p.second}}, {"busbw_gbps", num(bw)}});
+  for (const auto& [p, bw] : pairs)
+    j["pairs"].push_back({{"ranks", {p.first, p.second}}, {"busbw_gbps", num(bw)}});
   j["findings"] = nlohmann::json::array();
   for (const PreflightFinding& f : findings) {
     j["findings"].push_back({{"metric", f.metric},

@@ -68,6 +68,12 @@ void Timeline::AddStep(const StepReport& r) {
   Span("sync_wait", r.arrived, r.synced, r.step);
   Span("optimizer", r.optimizer_begin, r.optimizer_begin + r.optimizer, r.step);
   Span("exchange", r.optimizer_begin + r.optimizer, r.end, r.step);
+  // This rank's online health (its micro-step speed against its own best).
+  if (static_cast<size_t>(rank_) < r.rank_health.size()) {
+    Append(absl::StrFormat(
+        R"({"name": "health", "ph": "C", "pid": %d, "tid": 0, "ts": %d, "args": {"health": %.4f, "step": %d}})",
+        rank_, Micros(r.end), r.rank_health[rank_], r.step));
+  }
   // Peak resident memory of this process so far (a Chrome counter track).
   struct rusage usage;
   if (getrusage(RUSAGE_SELF, &usage) == 0) {

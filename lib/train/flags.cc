@@ -1,13 +1,13 @@
 // Definitions of the --evenstep_* flags and their conversion to option structs.
 #include "evenstep/flags.h"
 
+#include <c10/core/Device.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <vector>
-
-#include <c10/core/Device.h>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
@@ -90,6 +90,10 @@ ABSL_FLAG(bool, evenstep_prefetch_next_step, false,
           "With --evenstep_data_workers: start loading the next step's micro-batches as soon as "
           "its plan is known (end of the current step), with a copy of the load function, which "
           "is then called after Step returns: what it refers to must outlive the training loop.");
+ABSL_FLAG(double, evenstep_health_warn, 0.8,
+          "Online health: name a rank (one line on rank 0, in the report) whose micro-steps have "
+          "become slower than this fraction of its own best speed so far (heat, clocks, a noisy "
+          "neighbour); 0 = off.");
 ABSL_FLAG(bool, evenstep_pin_memory, true,
           "With --evenstep_data_workers and a model on an accelerator: the workers move each "
           "loaded micro-batch's CPU tensors to the model's device (page-locked staging buffers, "
@@ -259,8 +263,8 @@ absl::StatusOr<PreflightOptions> PreflightOptions::FromFlags() {
     try {
       (void)c10::Device(options.device);
     } catch (const std::exception&) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--evenstep_device=", options.device, ": not a device (cpu, cuda, cuda:1, ...)"));
+      return absl::InvalidArgumentError(absl::StrCat("--evenstep_device=", options.device,
+                                                     ": not a device (cpu, cuda, cuda:1, ...)"));
     }
   }
   return options;
@@ -311,6 +315,11 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.prefetch = absl::GetFlag(FLAGS_evenstep_prefetch);
   config.prefetch_next_step = absl::GetFlag(FLAGS_evenstep_prefetch_next_step);
   config.pin_memory = absl::GetFlag(FLAGS_evenstep_pin_memory);
+  config.health_warn = absl::GetFlag(FLAGS_evenstep_health_warn);
+  if (!(config.health_warn >= 0 && config.health_warn < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--evenstep_health_warn=", config.health_warn,
+                                                   ": expected a fraction in [0, 1) (0 = off)"));
+  }
   const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));

@@ -97,8 +97,8 @@ absl::StatusOr<PreflightMode> PreflightModeFromFlag() {
 // The preflight of --evenstep_preflight (a collective), before training:
 // prints what the mode asks for on rank 0, fails with fail and outliers, and
 // seeds dynamic balancing's first shares with the ranks' compute speeds.
-absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode,
-                                 const std::string& ckpt_dir, BalanceConfig* config) {
+absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode, const std::string& ckpt_dir,
+                                 BalanceConfig* config) {
   EVENSTEP_ASSIGN_OR_RETURN(PreflightOptions options, PreflightOptions::FromFlags());
   options.ckpt_dir = ckpt_dir;
   EVENSTEP_ASSIGN_OR_RETURN(PreflightReport report, RunPreflight(ctx, options),
@@ -116,10 +116,10 @@ absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode,
     }
   }
   if (mode == PreflightMode::kFail && !outliers.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", ctx.rank(), ": preflight (--evenstep_preflight=fail) named ", outliers.size(),
-        " outlier(s): ", absl::StrJoin(outliers, "; "),
-        ". Fix or exclude them, or start with --evenstep_preflight=warn"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", ctx.rank(), ": preflight (--evenstep_preflight=fail) named ",
+                     outliers.size(), " outlier(s): ", absl::StrJoin(outliers, "; "),
+                     ". Fix or exclude them, or start with --evenstep_preflight=warn"));
   }
   if (config->planner.mode == BalanceMode::kDynamic && config->initial_shares.empty()) {
     config->initial_shares = report.ComputeShares();
@@ -294,6 +294,11 @@ void Session::PollSaves() {
 absl::Status Session::AfterStep(StepReport* report) {
   last_step_ = report->step;
   if (timeline_) timeline_->AddStep(*report);
+  if (ctx_.rank() == 0) {
+    for (const std::string& alert : report->health_alerts) {
+      std::cout << "[evenstep] health: " << alert << std::endl;
+    }
+  }
   metrics_->Log(report->step, "loss", report->loss);
   metrics_->Log(report->step, "balance_efficiency", report->balance_efficiency);
   EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report->step), "rank ", ctx_.rank(), ", step ",

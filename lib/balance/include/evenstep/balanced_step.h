@@ -115,6 +115,11 @@ struct BalanceConfig {
   // thread finds them there. Off, or on a CPU model: the data stays as the
   // load function returns it.
   bool pin_memory = true;
+  // Online health: a rank whose micro-steps have become slower than this
+  // fraction of its own best so far (StepReport::rank_health) is named in
+  // StepReport::health_alerts once per crossing (Session prints it on rank
+  // 0); 0 = off.
+  double health_warn = 0.8;
   // Called after the sync with the global gradient in param.grad(), before
   // clipping and the optimizer step (e.g. to log gradient norms).
   std::function<void()> after_sync;
@@ -164,6 +169,19 @@ struct StepReport {
   std::vector<int> rank_micro_batches;
   // The maximum over ranks of each AgreementSlot, from this step's exchange.
   std::array<double, kAgreementSlots> agreed{};
+  // Every rank's health, two views of its cost fit's time for a typical
+  // micro-batch (fixed + per-unit x the micro-batch cap): individual = its
+  // best (lowest) time since this BalancedStep started, counted once its fit
+  // holds 32 micro-steps / its time now (1 = at its best; a rank slowly
+  // degrading by heat or a noisy neighbour falls below 1); relative = the
+  // median rank's time (of two, the faster) / its time. 1 until a rank has
+  // measurements.
+  std::vector<double> rank_health;
+  std::vector<double> rank_relative_speed;
+  // Ranks that fell below BalanceConfig::health_warn this step, one line each
+  // ("rank 3's micro-steps take 1.39x its own best (0.72x speed) at step
+  // 120: ..."); a rank is named again only after it recovered.
+  std::vector<std::string> health_alerts;
   // Session: saves whose failure this rank has seen (each reported in one
   // line as it was seen).
   int64_t checkpoint_failures = 0;
@@ -285,9 +303,9 @@ class BalancedStep {
   // trains whole epochs and, resumed, goes on mid-epoch exactly where the
   // checkpoint was taken.
   int64_t epoch() const;
-  // Global batches in the current epoch (with a token budget, epochs may
-  // differ by a batch).
-  int64_t steps_per_epoch() const { return sampler_.steps_per_epoch(); }
+  // Global batches in the epoch epoch() reports (with a token budget,
+  // epochs may differ by a batch).
+  int64_t steps_per_epoch() const { return sampler_.steps_in_epoch(epoch()); }
   const Plan& plan() const { return planner_.plan(); }
   const StepReport& last_report() const { return report_; }
   Sampler& sampler() { return sampler_; }
@@ -367,6 +385,11 @@ class BalancedStep {
   at::Tensor loss_on_device_;  // the scaled micro-batch losses summed so far
   bool data_marked_ = false;
   std::vector<CostFit> fits_;  // every rank's, from the last exchange
+  // Online health: each rank's best typical micro-step time so far, and
+  // whether it is below BalanceConfig::health_warn now.
+  std::vector<double> best_micro_s_;
+  std::vector<bool> unhealthy_;
+  void UpdateHealth();
   int64_t steps_ = 0;
   StepReport report_;
   int64_t syncs_at_begin_ = 0;  // GradSync::syncs_completed() when the step began

@@ -109,8 +109,12 @@ class Sampler {
 
   // The next global batch; moves to the next epoch after the last one.
   GlobalBatch Next();
-  // Global batches of the epoch the next batch belongs to.
+  // Global batches of the epoch being drawn (the one the last Next() came
+  // from; at an epoch's end, that finished epoch).
   int64_t steps_per_epoch() const { return static_cast<int64_t>(epoch_batches_.size()); }
+  // Global batches of any epoch (with a token budget epochs may differ by a
+  // batch; another epoch than the current one is computed, O(n log n)).
+  int64_t steps_in_epoch(int64_t epoch) const;
   SamplerState state() const;
   // Continues exactly where `state` was taken. FailedPrecondition when the
   // state belongs to another dataset or seed.
@@ -148,6 +152,9 @@ class Sampler {
           SamplerOptions options);
   // Builds epoch_batches_ for `epoch`.
   void BuildEpoch(int64_t epoch);
+  // The global batches of `epoch`, in order (a function of the seed, the
+  // epoch and the options only).
+  std::vector<std::vector<int64_t>> BatchesOfEpoch(int64_t epoch) const;
   // Longest first to the rank with the largest target - charged so far;
   // cost(rank, sample) is what the sample would add to that rank;
   // commit(rank, sample) records that it went there.
