@@ -89,6 +89,7 @@ struct RunResult {
   double floor_ratio = 0;
   int rebalance_steps = -1;  // change: steps after the change until efficiency >= 0.95
   int settle_steps = -1;     // startup: steps from the start until efficiency >= 0.95
+  double first_efficiency = 0;  // the first step's
 };
 
 // Byte-level next-byte model for the `model` scenario.
@@ -227,6 +228,7 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
           1e3 * *std::max_element(report->rank_busy_s.begin(), report->rank_busy_s.end()) /
           ideal_ms);
     }
+    if (s == 1) result.first_efficiency = report->balance_efficiency;
     if (result.settle_steps < 0 && report->balance_efficiency >= 0.95) result.settle_steps = s;
     if (scenario == "change" && s > change_at && result.rebalance_steps < 0 &&
         report->balance_efficiency >= 0.95) {
@@ -342,17 +344,19 @@ int main(int argc, char** argv) {
       };
       std::cout << absl::StrFormat(
           "startup (global batch %d, rank %d %.1fx slower from step 1): preflight %.1f s, seeded "
-          "shares [%s]\n  dynamic, equal first shares:   efficiency >= 0.95 at step %s, mean "
-          "efficiency %.3f\n  dynamic, seeded by preflight:  efficiency >= 0.95 at step %s, mean "
-          "efficiency %.3f\n",
+          "shares [%s]\n  dynamic, equal first shares:   first step's efficiency %.3f, >= 0.95 at "
+          "step %s, mean efficiency %.3f\n  dynamic, seeded by preflight:  first step's "
+          "efficiency %.3f, >= 0.95 at step %s, mean efficiency %.3f\n",
           batches[0], absl::GetFlag(FLAGS_slow_rank), absl::GetFlag(FLAGS_slow), pf_s,
-          absl::StrJoin(shares, ", "), settle(*plain), plain->efficiency, settle(*seed),
-          seed->efficiency);
+          absl::StrJoin(shares, ", "), plain->first_efficiency, settle(*plain), plain->efficiency,
+          seed->first_efficiency, settle(*seed), seed->efficiency);
     }
     startup_json = absl::StrFormat(
         "\"startup\": {\"unseeded_settle_steps\": %d, \"seeded_settle_steps\": %d, "
+        "\"unseeded_first_efficiency\": %.4f, \"seeded_first_efficiency\": %.4f, "
         "\"preflight_s\": %.2f}",
-        plain->settle_steps, seed->settle_steps, pf_s);
+        plain->settle_steps, seed->settle_steps, plain->first_efficiency, seed->first_efficiency,
+        pf_s);
   }
   // Results by "<scenario>" (first batch) or "<scenario>_batch<N>".
   std::map<std::string, std::map<std::string, RunResult>> all;

@@ -243,6 +243,12 @@ TEST(PreflightVerdictTest, SlowNodesLinksAndClocksAreNamedAsSuch) {
   const std::vector<double> shares = r.ComputeShares();
   ASSERT_EQ(shares.size(), 6u);
   EXPECT_NEAR(shares[2] / shares[0], 0.4, 1e-12);
+  // Within 10 % of the median: equal shares.
+  PreflightReport near = Figures({10, 10.5, 9.3, 5});  // median 9.65
+  const std::vector<double> s2 = near.ComputeShares();
+  EXPECT_DOUBLE_EQ(s2[0], s2[1]);
+  EXPECT_DOUBLE_EQ(s2[0], s2[2]);
+  EXPECT_LT(s2[3], 0.6 * s2[0]);
   double sum = 0;
   for (double s : shares) sum += s;
   EXPECT_NEAR(sum, 1, 1e-12);

@@ -398,7 +398,8 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
   // One round: device compute at once, then the host resources in turns.
   int round_index = 0;
   auto measure_round = [&](bool first) -> absl::Status {
-    const int cpu = rank + round_index++;
+    // Ranks measuring at once (one per node) start on different cores.
+    const int cpu = node_of[rank] + round_index++;
     if (gpu) {
       best("matmul_fp32_gflops", MatmulGflops(device, at::kFloat, n, budget, slowdown));
       if (bf16) {
@@ -844,12 +845,19 @@ std::vector<double> PreflightReport::ComputeShares() const {
   auto it = per_rank.find("matmul_bf16_gflops");
   if (it == per_rank.end()) it = per_rank.find("matmul_fp32_gflops");
   if (it == per_rank.end()) return shares;
-  double sum = 0;
   for (double x : it->second) {
     if (std::isnan(x) || x <= 0) return shares;
+  }
+  // Within 10 % of the median rank is the median: measurement noise between
+  // equal devices would otherwise start them unequal.
+  const double median = Median(it->second);
+  std::vector<double> speed = it->second;
+  double sum = 0;
+  for (double& x : speed) {
+    if (std::abs(x / median - 1) <= 0.1) x = median;
     sum += x;
   }
-  for (int r = 0; r < world_size; ++r) shares[r] = it->second[r] / sum;
+  for (int r = 0; r < world_size; ++r) shares[r] = speed[r] / sum;
   return shares;
 }
 

@@ -95,8 +95,10 @@ struct PreflightReport {
   std::string Table() const;
   // The same as one JSON object.
   std::string Json() const;
-  // Relative compute speed per rank (matmul throughput, summing to 1): the
-  // first shares of dynamic balancing.
+  // Relative compute speed per rank (matmul throughput, summing to 1; a rank
+  // within 10 % of the median counts as the median, so noise between equal
+  // devices does not start them unequal): the first shares of dynamic
+  // balancing.
   std::vector<double> ComputeShares() const;
 };
 
