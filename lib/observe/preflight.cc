@@ -25,7 +25,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "evenstep/internal/build_config.h"
 #include "evenstep/status_macros.h"
+
+#if EVENSTEP_HAVE_NCCL  // a CUDA libtorch
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
 
 namespace evenstep {
 
@@ -52,6 +58,7 @@ const std::vector<Metric>& Metrics() {
       {"ckpt_read_gbps", "checkpoint dir cold read", "GB/s", 0.5},
       {"data_read_gbps", "data dir cold read", "GB/s", 0.5},
       {"free_memory_gb", "free memory", "GB", 0.5},
+      {"free_device_memory_gb", "free device memory", "GB", 0.5},
   };
   return metrics;
 }
@@ -236,6 +243,23 @@ double FreeMemoryGb() {
     free_bytes = std::min(free_bytes, static_cast<double>(as.rlim_cur) - used);
   }
   return std::max(0.0, free_bytes) / 1e9;
+}
+
+// Free memory on `device` in GB (CUDA: cudaMemGetInfo); NaN where it cannot
+// be told.
+double FreeDeviceGb(const c10::Device& device) {
+#if EVENSTEP_HAVE_NCCL
+  if (device.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(device);
+    size_t free_bytes = 0, total = 0;
+    if (cudaMemGetInfo(&free_bytes, &total) == cudaSuccess) {
+      return static_cast<double>(free_bytes) / 1e9;
+    }
+  }
+#else
+  (void)device;
+#endif
+  return kNaN;
 }
 
 // This rank's node: the host name, with the launcher's node index when it
@@ -434,7 +458,10 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
           data_ok = !std::isnan(r);
           best("data_read_gbps", r);
         }
-        if (first) mine["free_memory_gb"] = FreeMemoryGb();
+        if (first) {
+          mine["free_memory_gb"] = FreeMemoryGb();
+          if (gpu) mine["free_device_memory_gb"] = FreeDeviceGb(device);
+        }
       }
       EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight turn ", turn);
     }

@@ -6,7 +6,8 @@
 // host memcpy (and host-to-device copies, pinned and pageable, on a GPU),
 // write + fsync and cold read of the checkpoint directory, cold read of the
 // data directory, and the memory this process may still use (the least of
-// MemAvailable, its cgroup's room and its address-space limit). Over the
+// MemAvailable, its cgroup's room and its address-space limit; on a GPU
+// also the device's free memory). Over the
 // group: all-reduce latency and bus bandwidth (nccl-tests' busbw = algbw x
 // 2(n-1)/n) over all ranks, within each node and across nodes, and between
 // pairs of ranks in log2(n) rounds of a hypercube (rank i with i xor 2^k),
