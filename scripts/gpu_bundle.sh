@@ -30,8 +30,8 @@ packages=(
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "gpu_bundle: downloading ${#packages[@]} packages"
-(cd "$work" && apt-get download -q "${packages[@]}" 2>&1 | grep -v "unsandboxed" || true)
-n=$(ls "$work"/*.deb | wc -l)
+(cd "$work" && { apt-get download -q "${packages[@]}" 2>&1 | grep -v "unsandboxed" || true; })
+n=$(find "$work" -name '*.deb' | wc -l)
 if [ "$n" -ne "${#packages[@]}" ]; then
   echo "gpu_bundle: got $n of ${#packages[@]} packages; apt-get update may be needed" >&2
   exit 1
@@ -43,7 +43,7 @@ for deb in "$work"/*.deb; do dpkg -x "$deb" "$out.tmp"; done
 inc="$out.tmp/usr/include"
 keep=$(echo '#include <boost/fiber/all.hpp>' | g++ -std=c++17 -x c++ -E -M -nostdinc++ \
   -isystem "$inc" -I/usr/include/c++/12 -I/usr/include/x86_64-linux-gnu/c++/12 - 2>/dev/null |
-  tr ' \\' '\n\n' | grep "^$inc/boost/" | sed "s|^$inc/||" | sort -u)
+  tr -d '\134' | tr -s ' ' '\n' | grep "^$inc/boost/" | sed "s|^$inc/||" | sort -u)
 mkdir -p "$work/boost"
 while read -r h; do
   mkdir -p "$work/boost/$(dirname "$h")"
