@@ -87,8 +87,8 @@ struct RunResult {
   double step_ms = 0, efficiency = 0, ideal_ratio = 0, busy_ratio = 0;
   // step time / (ideal + the communication floor: a step with no work).
   double floor_ratio = 0;
-  int rebalance_steps = -1;  // change: steps after the change until efficiency >= 0.95
-  int settle_steps = -1;     // startup: steps from the start until efficiency >= 0.95
+  int rebalance_steps = -1;     // change: steps after the change until efficiency >= 0.95
+  int settle_steps = -1;        // startup: steps from the start until efficiency >= 0.95
   double first_efficiency = 0;  // the first step's
 };
 

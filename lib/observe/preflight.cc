@@ -282,6 +282,12 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The rank a figure is judged against: the median of the measured values,
+// or the better one when only two ranks measured it.
+double Reference(const std::vector<double>& present) {
+  return present.size() == 2 ? std::max(present[0], present[1]) : Median(present);
+}
+
 // Bus bandwidth of an all-reduce of `bytes` over a group of `n` ranks
 // (nccl-tests: algbw x 2(n-1)/n), timed by `reduce`: the fastest of `iters`
 // (one slow iteration is noise, not a slow link).
@@ -657,7 +663,7 @@ void JudgePreflight(PreflightReport* report) {
     }
     if (present.size() < 2) continue;
     const bool two = present.size() == 2;
-    const double ref = two ? *std::max_element(present.begin(), present.end()) : Median(present);
+    const double ref = Reference(present);
     if (!(ref > 0)) continue;
     const std::string ref_name = two ? "the other rank" : "the median";
     std::vector<int> slow;
@@ -788,7 +794,7 @@ std::string PreflightReport::Table() const {
     for (double x : v) {
       if (!std::isnan(x)) present.push_back(x);
     }
-    const double ref = present.size() == 2 ? std::max(present[0], present[1]) : Median(present);
+    const double ref = Reference(present);
     if (columns) {
       for (double x : v) {
         s << absl::StrFormat(" %17s", std::isnan(x) ? "-"
