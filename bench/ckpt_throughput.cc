@@ -15,7 +15,13 @@
 //   (c) memcpy of the same bytes
 //
 //   evenstep_bench_ckpt_throughput [--quick] [--dir D] [--sizes_mb 256,1024,4096] [--ranks 1,2,4]
-//                                  [--torch_python .torch2/venv/bin/python | none]
+//                                  [--torch_python .torch2/venv/bin/python | none] [--device cuda]
+//
+// --device=cuda (scripts/gpu_check.sh) keeps the state on the GPU: (a) is
+// then torch::save after the device-to-host copy a user writes (.cpu()),
+// evenstep snapshots through pinned staging on a side stream, and DCP saves
+// the same GPU state (its async_save stages it to the CPU). Several ranks
+// share the one GPU over Gloo.
 //
 // Last line: SUMMARY {json} with stall_vs_torch_save (evenstep stall / torch::save
 // stall, target <= 0.05), persist_vs_raw_disk (target >= 0.9) and
@@ -54,6 +60,7 @@ ABSL_FLAG(std::string, dir, "", "Directory on the storage to measure (default: a
 ABSL_FLAG(std::string, sizes_mb, "", "State sizes in MiB (default 256,1024,4096; quick 32).");
 ABSL_FLAG(std::string, ranks, "", "Rank counts (default 1,2,4; quick 1,2).");
 ABSL_FLAG(std::string, worker, "", "Internal: run as a rank for this size (MiB) in this dir.");
+ABSL_FLAG(std::string, device, "cpu", "Where the state lives: cpu or cuda (GPU-resident state).");
 ABSL_FLAG(std::string, torch_python, "",
           "Python with torch >= 2.3 for the PyTorch DCP peer (bench/dcp_peer.py); default: "
           ".torch2/venv/bin/python of scripts/build_torch2.sh when present; \"none\": skip.");
@@ -88,9 +95,11 @@ void Fsync(const std::string& path) {
 
 // A module holding `bytes` of float32 parameters in kTensors tensors.
 struct Blob : torch::nn::Module {
-  explicit Blob(int64_t bytes) {
+  Blob(int64_t bytes, const torch::Device& device) {
     const int64_t per = std::max<int64_t>(1, bytes / 4 / kTensors);
-    for (int i = 0; i < kTensors; ++i) register_parameter(absl::StrCat("p", i), torch::rand({per}));
+    for (int i = 0; i < kTensors; ++i) {
+      register_parameter(absl::StrCat("p", i), torch::rand({per}).to(device));
+    }
   }
 };
 
@@ -108,13 +117,14 @@ int Worker(const std::string& spec) {
   }
   evenstep::DistContext& dist = **ctx;
   torch::manual_seed(0);
-  Blob model(size_mb << 20);
+  Blob model(size_mb << 20, torch::Device(absl::GetFlag(FLAGS_device)));
   // (a) rank-0 torch::save + fsync while everyone waits.
   dist.Barrier().IgnoreError();
   absl::Time t = absl::Now();
   if (dist.rank() == 0) {
     const std::string path = dir + "/torch_save.pt";
-    std::vector<torch::Tensor> tensors = model.parameters();
+    std::vector<torch::Tensor> tensors;
+    for (const torch::Tensor& p : model.parameters()) tensors.push_back(p.cpu());
     torch::save(tensors, path);
     Fsync(path);
   }
@@ -221,7 +231,9 @@ std::map<std::string, double> RunRanks(const std::string& self, int ranks, int64
                                        const std::string& dir) {
   const std::string command =
       absl::StrCat(EVENSTEP_RUN, " -n ", ranks, " -- ", self, " --worker=", size_mb, ":", dir,
-                   " --evenstep_timeout=30m");
+                   " --evenstep_timeout=30m --device=", absl::GetFlag(FLAGS_device),
+                   // Several ranks share one GPU: NCCL refuses that, Gloo does not.
+                   absl::GetFlag(FLAGS_device) == "cpu" ? "" : " --evenstep_backend=gloo");
   std::map<std::string, double> out;
   evenstep::bench::RunLines(command, [&](const std::string& s) { ParseResult(s, &out); });
   return out;
@@ -231,10 +243,10 @@ std::map<std::string, double> RunRanks(const std::string& self, int ranks, int64
 std::map<std::string, double> RunDcpPeer(const std::string& python, int ranks, int64_t size_mb,
                                          const std::string& dir) {
   std::map<std::string, double> out;
-  const int rc =
-      evenstep::bench::RunLines(absl::StrCat(python, " ", EVENSTEP_DCP_PEER, " --size_mb ", size_mb,
-                                             " --ranks ", ranks, " --dir ", dir),
-                                [&](const std::string& s) { ParseResult(s, &out); });
+  const int rc = evenstep::bench::RunLines(
+      absl::StrCat(python, " ", EVENSTEP_DCP_PEER, " --size_mb ", size_mb, " --ranks ", ranks,
+                   " --dir ", dir, " --device ", absl::GetFlag(FLAGS_device)),
+      [&](const std::string& s) { ParseResult(s, &out); });
   if (rc != 0) out.clear();
   return out;
 }
@@ -271,6 +283,12 @@ std::vector<int64_t> ParseList(const std::string& text) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (!absl::GetFlag(FLAGS_worker).empty()) return Worker(absl::GetFlag(FLAGS_worker));
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && (device != "cuda" || !torch::cuda::is_available())) {
+    std::cerr << "--device=" << device
+              << ": expected cpu, or cuda on a machine where this libtorch sees a GPU\n";
+    return 2;
+  }
   const bool quick = absl::GetFlag(FLAGS_quick);
   std::vector<int64_t> sizes = ParseList(absl::GetFlag(FLAGS_sizes_mb));
   if (sizes.empty())
@@ -297,6 +315,8 @@ int main(int argc, char** argv) {
   const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
   double stall_ratio = 0, persist_ratio = 0, load_ratio = 0;
   double stall_vs_dcp = -1, commit_vs_dcp_async = -1, commit_vs_dcp_save = -1;
+  // Seconds of the largest configuration (the SUMMARY's absolute figures).
+  double stall_s = -1, torch_save_s = -1, dcp_async_stall_s = -1;
   for (int64_t size_mb : sizes) {
     const int64_t bytes = size_mb << 20;
     std::cout << "  measuring raw write/read and memcpy of " << size_mb << " MiB ..." << std::endl;
@@ -315,6 +335,8 @@ int main(int argc, char** argv) {
       const double persist_gbs = bytes / r["commit_s"] / 1e9;
       const double load_gbs = bytes / r["load_s"] / 1e9;
       stall_ratio = r["stall_s"] / r["torch_save_s"];
+      stall_s = r["stall_s"];
+      torch_save_s = r["torch_save_s"];
       persist_ratio = persist_gbs / raw.write_gbs;
       load_ratio = load_gbs / raw.read_gbs;
       std::cout << absl::StrFormat(
@@ -333,6 +355,7 @@ int main(int argc, char** argv) {
         continue;
       }
       stall_vs_dcp = r["stall_s"] / d["dcp_async_stall_s"];
+      dcp_async_stall_s = d["dcp_async_stall_s"];
       commit_vs_dcp_async = r["commit_s"] / d["dcp_async_commit_s"];
       commit_vs_dcp_save = r["commit_s"] / d["dcp_save_s"];
       std::cout << absl::StrFormat(
@@ -349,9 +372,11 @@ int main(int argc, char** argv) {
       "SUMMARY {\"bench\": \"ckpt_throughput\", \"stall_vs_torch_save\": %.4f, "
       "\"persist_vs_raw_disk\": %.4f, \"load_vs_raw_read\": %.4f, \"size_mb\": %d, \"ranks\": %d, "
       "\"stall_vs_dcp_async\": %s, \"commit_vs_dcp_async\": %s, \"commit_vs_dcp_save\": %s, "
+      "\"stall_s\": %s, \"torch_save_s\": %s, \"dcp_async_stall_s\": %s, \"device\": \"%s\", "
       "\"quick\": %s}\n",
       stall_ratio, persist_ratio, load_ratio, sizes.back(), rank_counts.back(),
       JsonRatio(stall_vs_dcp), JsonRatio(commit_vs_dcp_async), JsonRatio(commit_vs_dcp_save),
+      JsonRatio(stall_s), JsonRatio(torch_save_s), JsonRatio(dcp_async_stall_s), device,
       quick ? "true" : "false");
   return 0;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The PyTorch peer of bench/ckpt_throughput: torch.distributed.checkpoint
 (DCP) on the same state (32 float32 tensors of SIZE_MB in all, replicated on
-every rank, as evenstep's benchmark holds it) over Gloo on RANKS local ranks.
+every rank, as evenstep's benchmark holds it, on the CPU or with --device
+cuda on the GPU) over Gloo on RANKS local ranks.
 Measures, on the slowest rank:
   dcp_save_s          dcp.save: the training thread blocks until committed
   dcp_async_stall_s   dcp.async_save: until it returns (the staging copy)
@@ -32,7 +33,7 @@ def worker(rank, args, port):
                             world_size=args.ranks)
     torch.manual_seed(0)
     per = max(1, (args.size_mb << 20) // 4 // 32)
-    state = {"p%d" % i: torch.rand(per) for i in range(32)}
+    state = {"p%d" % i: torch.rand(per).to(args.device) for i in range(32)}
 
     def timed(kind, step):
         path = os.path.join(args.dir, "%s-%d" % (kind, step))
@@ -70,6 +71,8 @@ def main():
     parser.add_argument("--size_mb", type=int, required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--dir", required=True)
+    parser.add_argument("--device", default="cpu",
+                        help="where the state lives: cpu, or cuda (ranks share the GPU over Gloo)")
     args = parser.parse_args()
     import torch
     import torch.distributed.checkpoint as dcp

@@ -65,17 +65,20 @@ def run(rank, args, store):
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
     results = {}
     flag = torch.zeros(1)
+    device = torch.device("cpu")
+    if args.device == "cuda":  # rank r on cuda:r modulo the GPUs, as evenstep's bench
+        device = torch.device("cuda", rank % torch.cuda.device_count())
     for spec in args.shapes.split(","):
         shape, d = spec.split(":")
         d = int(d)
         torch.manual_seed(0)
-        model = Net(shape, d, args.layers)
+        model = Net(shape, d, args.layers).to(device)
         ddp = nn.parallel.DistributedDataParallel(
             model, bucket_cap_mb=args.bucket_bytes[shape] / 2**20,
             find_unused_parameters=shape == "branch")
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         torch.manual_seed(1 + rank)
-        x = torch.randn(args.batch, d)
+        x = torch.randn(args.batch, d).to(device)
         times = {"compute": [], "ddp": []}
         for s in range(args.steps + 2):
             for mode in ("compute", "ddp"):
@@ -85,6 +88,8 @@ def run(rank, args, store):
                 net = model if mode == "compute" else ddp
                 net(x, s).pow(2).mean().backward()
                 opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 ms = (time.perf_counter() - start) * 1e3
                 if s >= 2:
                     times[mode].append(ms)
@@ -105,6 +110,7 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--bucket_bytes", required=True, help="shape=bytes,...")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (over Gloo)")
     args = parser.parse_args()
     args.bucket_bytes = {k: int(v) for k, v in
                          (kv.split("=") for kv in args.bucket_bytes.split(","))}

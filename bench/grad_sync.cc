@@ -11,6 +11,12 @@
 // /usr/bin/python3 has torch), timed the same way.
 //
 //   evenstep_bench_grad_sync [--quick] [--steps N] [--hidden H] [--layers L]
+//                            [--device cuda --evenstep_backend=gloo] [--torch_python P]
+//
+// --device=cuda (scripts/gpu_check.sh) puts the models and batches on the
+// GPU (rank r on cuda:r modulo the GPUs; two ranks sharing one GPU need
+// --evenstep_backend=gloo, as NCCL refuses that) and ends every timed step
+// with a device synchronisation; the DDP peer then runs on the GPU too.
 //
 // Started without a launcher it re-runs itself under evenstep-run -n 2. The
 // last line is SUMMARY {json} with overhead_ratio = (c - a) / (b - a), the
@@ -44,6 +50,10 @@ ABSL_FLAG(int, hidden, 0,
           "Width of the models (default 1024 for mlp and 256 for blocks; quick 256/128).");
 ABSL_FLAG(int, layers, 8, "Linear layers of the mlp model; residual blocks of the blocks model.");
 ABSL_FLAG(int, batch, 64, "Samples per step and rank.");
+
+ABSL_FLAG(std::string, device, "cpu", "Where the models and batches live: cpu or cuda.");
+ABSL_FLAG(std::string, torch_python, "/usr/bin/python3",
+          "The Python with torch that runs the DDP peer (bench/ddp_grad_sync_peer.py).");
 
 namespace {
 
@@ -117,7 +127,8 @@ struct Result {
 // interleaved step by step so drift (frequency, caches, neighbours) hits all
 // alike; 2 warm-up rounds.
 absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& name, Net model,
-                               int width, int steps, int batch) {
+                               int width, int steps, int batch, const torch::Device& device) {
+  model->to(device);
   Result r;
   r.model = name;
   r.width = width;
@@ -137,7 +148,7 @@ absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& n
                             evenstep::GradSync::Attach(*model, dist.data_group(), sync_options));
   r.buckets = sync->num_buckets();
   torch::manual_seed(1 + dist.rank());
-  const torch::Tensor x = torch::randn({batch, width});
+  const torch::Tensor x = torch::randn({batch, width}).to(device);
 
   enum Mode { kCompute, kPerParam, kEvenstep, kPrepared, kModes };
   std::vector<double> walk;
@@ -164,6 +175,7 @@ absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& n
       }
     }
     optimizer.step();
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
     return absl::ToDoubleMilliseconds(absl::Now() - start);
   };
   std::vector<double> times[kModes];
@@ -192,9 +204,11 @@ absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& n
 // Rank 0 runs the DDP peer on the same shapes (the other rank waits);
 // fills ddp_compute / ddp, or leaves them at -1 with a line saying why.
 void RunDdpPeer(std::vector<Result>& results, int layers, int batch, int steps) {
-  if (evenstep::bench::RunLines("/usr/bin/python3 -c 'import torch.distributed' 2>&1",
+  const std::string python = absl::GetFlag(FLAGS_torch_python);
+  if (evenstep::bench::RunLines(python + " -c 'import torch.distributed' 2>&1",
                                 [](const std::string&) {}) != 0) {
-    std::cout << "DDP peer skipped: /usr/bin/python3 has no torch (apt install python3-torch)\n";
+    std::cout << "DDP peer skipped: " << python
+              << " has no torch (apt install python3-torch, or pass --torch_python)\n";
     return;
   }
   std::string shapes, caps;
@@ -204,8 +218,9 @@ void RunDdpPeer(std::vector<Result>& results, int layers, int batch, int steps) 
   }
   std::string json;
   const int rc = evenstep::bench::RunLines(
-      absl::StrCat("/usr/bin/python3 ", EVENSTEP_DDP_PEER, " --shapes ", shapes, " --layers ",
-                   layers, " --batch ", batch, " --steps ", steps, " --bucket_bytes ", caps),
+      absl::StrCat(python, " ", EVENSTEP_DDP_PEER, " --shapes ", shapes, " --layers ", layers,
+                   " --batch ", batch, " --steps ", steps, " --bucket_bytes ", caps, " --device ",
+                   absl::GetFlag(FLAGS_device)),
       [&](const std::string& line) {
         if (line.rfind("DDP_PEER ", 0) == 0) json = line.substr(9);
       });
@@ -266,6 +281,17 @@ int main(int argc, char** argv) {
   }
   evenstep::DistContext& dist = **ctx;
   const bool print = dist.rank() == 0;
+  const std::string device_name = absl::GetFlag(FLAGS_device);
+  if (device_name != "cpu" && (device_name != "cuda" || !torch::cuda::is_available())) {
+    std::cerr << "--device=" << device_name
+              << ": expected cpu, or cuda on a machine where this libtorch sees a GPU\n";
+    return 2;
+  }
+  const torch::Device device =
+      device_name == "cpu"
+          ? torch::Device(torch::kCPU)
+          : torch::Device(torch::kCUDA,
+                          static_cast<c10::DeviceIndex>(dist.rank() % torch::cuda::device_count()));
 
   const int d_mlp =
       absl::GetFlag(FLAGS_hidden) > 0 ? absl::GetFlag(FLAGS_hidden) : (quick ? 256 : 1024);
@@ -287,7 +313,7 @@ int main(int argc, char** argv) {
        {std::make_tuple("blocks", Net(blocks, d_blocks, false), d_blocks),
         std::make_tuple("mlp", Net(mlp_body(), d_mlp, false), d_mlp),
         std::make_tuple("branch", Net(mlp_body(), d_mlp, true), d_mlp)}) {
-    absl::StatusOr<Result> r = Measure(dist, name, model, width, steps, batch);
+    absl::StatusOr<Result> r = Measure(dist, name, model, width, steps, batch, device);
     if (!r.ok()) {
       std::cerr << "rank " << dist.rank() << ": " << name << ": " << r.status() << "\n";
       return 1;
@@ -324,9 +350,10 @@ int main(int argc, char** argv) {
     }
     std::cout << absl::StrFormat(
         "SUMMARY {\"bench\": \"grad_sync\", \"overhead_ratio\": %.4f, \"worst_model\": "
-        "\"%s\", \"overhead_vs_ddp\": %s, \"worst_vs_ddp_model\": \"%s\"%s, \"quick\": %s}\n",
+        "\"%s\", \"overhead_vs_ddp\": %s, \"worst_vs_ddp_model\": \"%s\"%s, \"device\": "
+        "\"%s\", \"quick\": %s}\n",
         worst->ratio(), worst->model, num(worst_ddp->vs_ddp()), worst_ddp->model, per_model,
-        quick ? "true" : "false");
+        device_name, quick ? "true" : "false");
   }
   return 0;
 }

@@ -54,9 +54,9 @@ struct ByteLMImpl : torch::nn::Module {
   // tokens [B, L] (256 = begin of text) -> logits [B, L, 256].
   torch::Tensor forward(const torch::Tensor& tokens) {
     const int64_t l = tokens.size(1);
-    torch::Tensor x = embed(tokens) + pos(torch::arange(l, torch::kLong));
+    torch::Tensor x = embed(tokens) + pos(torch::arange(l, tokens.options()));
     const torch::Tensor mask =
-        torch::full({l, l}, -1e9).triu(1);  // a position sees itself and the past
+        torch::full({l, l}, -1e9, x.options()).triu(1);  // a position sees itself and the past
     for (auto& b : blocks) x = b->forward(x, mask);
     return head(ln(x));
   }
@@ -85,9 +85,10 @@ inline torch::Tensor LossSum(ByteLM& model, const std::vector<std::string>& text
       out[k][j] = static_cast<unsigned char>(t[j]);
     }
   }
-  torch::Tensor logits = model->forward(input);
+  const torch::Device device = model->head->weight.device();
+  torch::Tensor logits = model->forward(input.to(device));
   return torch::nn::functional::cross_entropy(
-      logits.reshape({-1, 256}), target.reshape({-1}),
+      logits.reshape({-1, 256}), target.to(device).reshape({-1}),
       torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
 }
 
@@ -100,7 +101,9 @@ inline std::string Generate(ByteLM& model, const std::string& prompt, int n, int
   for (unsigned char c : prompt) tokens.push_back(c);
   std::string out = prompt;
   for (int i = 0; i < n && static_cast<int64_t>(tokens.size()) < max_len; ++i) {
-    torch::Tensor logits = model->forward(torch::tensor(tokens).unsqueeze(0))[0][-1];
+    torch::Tensor logits =
+        model->forward(torch::tensor(tokens).unsqueeze(0).to(model->head->weight.device()))[0][-1]
+            .cpu();
     torch::Tensor probs = torch::softmax(logits / 0.8, -1);
     const int64_t next = torch::multinomial(probs, 1, false, gen).item<int64_t>();
     if (next == '%' && !out.empty() && out.back() == '\n') break;

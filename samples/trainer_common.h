@@ -33,6 +33,7 @@ ABSL_FLAG(std::string, runs_dir, "runs", "Where runs live.");
 ABSL_FLAG(std::string, run, "fortunes", "This run's name: RUNS_DIR/NAME.");
 ABSL_FLAG(int, max_len, 192, "Bytes per fortune kept (longer ones are cut).");
 ABSL_FLAG(int, dim, 64, "Model width.");
+ABSL_FLAG(std::string, device, "cpu", "Where the model trains: cpu, cuda, cuda:1, ...");
 ABSL_FLAG(int, layers, 2, "Transformer blocks.");
 ABSL_FLAG(double, lr, 3e-3, "Adam learning rate.");
 ABSL_FLAG(int, batch, 32, "Samples per optimizer step over all ranks (plain trainer).");
@@ -69,10 +70,37 @@ inline absl::StatusOr<Data> LoadData() {
   return d;
 }
 
+// --device, checked: exits with status 2 naming the flag when it is not a
+// device or names a CUDA device this process cannot use.
+inline torch::Device DeviceFlag() {
+  const std::string name = absl::GetFlag(FLAGS_device);
+  std::string why;
+  try {
+    const torch::Device device(name);
+    if (device.is_cpu()) return device;
+    if (!device.is_cuda()) {
+      why = "only cpu and cuda are supported by this sample";
+    } else if (!torch::cuda::is_available()) {
+      why = "this process sees no CUDA device (or this libtorch was built without CUDA)";
+    } else if (device.has_index() &&
+               device.index() >= static_cast<int64_t>(torch::cuda::device_count())) {
+      why = absl::StrFormat("only %d CUDA devices here", torch::cuda::device_count());
+    } else {
+      return device;
+    }
+  } catch (const std::exception&) {
+    why = "not a device (cpu, cuda, cuda:1, ...)";
+  }
+  std::cerr << "--device=" << name << ": " << why << std::endl;
+  std::exit(2);
+}
+
 inline ByteLM MakeModel() {
   torch::manual_seed(0);
-  return ByteLM(absl::GetFlag(FLAGS_dim), absl::GetFlag(FLAGS_layers), 4,
-                absl::GetFlag(FLAGS_max_len));
+  ByteLM model(absl::GetFlag(FLAGS_dim), absl::GetFlag(FLAGS_layers), 4,
+               absl::GetFlag(FLAGS_max_len));
+  model->to(DeviceFlag());
+  return model;
 }
 
 inline int64_t Tokens(const std::vector<std::string>& texts, const std::vector<int64_t>& ids) {
@@ -85,8 +113,9 @@ inline int64_t Tokens(const std::vector<std::string>& texts, const std::vector<i
 inline torch::Tensor EvalSums(ByteLM& model, const std::vector<std::string>& texts,
                               const std::vector<int64_t>& ids) {
   torch::NoGradGuard no_grad;
+  const torch::Tensor loss = LossSum(model, texts, ids);
   return torch::stack(
-      {LossSum(model, texts, ids), torch::tensor(static_cast<float>(Tokens(texts, ids)))});
+      {loss, torch::tensor(static_cast<float>(Tokens(texts, ids))).to(loss.device())});
 }
 
 // The same as the evaluation step of both trainers: a function of the ids.
@@ -234,7 +263,7 @@ inline void EvalOnRank0(int rank, int64_t step, ByteLM& model,
     std::vector<int64_t> ids(16);
     std::iota(ids.begin(), ids.end(), static_cast<int64_t>(b));
     ids.resize(std::min<size_t>(16, eval.size() - b));
-    sums += EvalSums(model, eval, ids);
+    sums += EvalSums(model, eval, ids).cpu();
   }
   PrintEval(step, sums[0].item<double>(), sums[1].item<double>());
   PlainTrace::Get().Span("eval", begin);

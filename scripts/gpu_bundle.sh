@@ -9,12 +9,11 @@
 #
 #   scripts/gpu_bundle.sh [OUT]     (default .gpu_bundle, ignored by git)
 #
-# Prints the bundle's size and the libraries its shared objects need that
-# are neither in the bundle nor part of a base system (glibc, libstdc++):
-# those must exist on the device machine.
-#
-# Status: the bundle is made and measured here. The clean-environment build
-# that proves it complete (issue 20) is not written yet.
+# The libraries those shared objects need in turn (libcurl and its own
+# dependencies, for HDF5) come along in fallback/, used only where the device
+# machine lacks them; only glibc, libstdc++ and libgcc_s must be there.
+# scripts/bundle_check.sh proves the bundle complete: it builds and runs
+# evenstep in a bare Debian root that holds nothing else but a torch wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-.gpu_bundle}
@@ -51,15 +50,42 @@ while read -r h; do
 done <<<"$keep"
 rm -rf "$inc/boost"
 mv "$work/boost/boost" "$inc/boost"
+# The libraries those need in turn, beyond a base system (glibc's libraries,
+# libstdc++, libgcc), also from Debian's packages (the ones this machine has installed),
+# into fallback/: scripts/gpu_check.sh uses each only where the device
+# machine's system lacks that library (HDF5 needs libcurl, for one).
+base='^(ld-linux-x86-64\.so\.2|libc\.so\.6|libm\.so\.6|libmvec\.so\.1|libresolv\.so\.2|libutil\.so\.1|libanl\.so\.1|libpthread\.so\.0|libdl\.so\.2|librt\.so\.1|libstdc\+\+\.so\.6|libgcc_s\.so\.1)$'
+missing_libs() {
+  find "$out.tmp" \( -name '*.so' -o -name '*.so.*' \) -type f -exec objdump -p {} \; 2>/dev/null |
+    awk '/NEEDED/ {print $2}' | sort -u | grep -Ev "$base" | while read -r lib; do
+    find "$out.tmp" -name "$lib" | grep -q . || echo "$lib"
+  done
+}
+for round in 1 2 3 4 5 6 7 8; do
+  missing=$(missing_libs)
+  [ -z "$missing" ] && break
+  pkgs=$(for lib in $missing; do
+    dpkg -S "*x86_64-linux-gnu/$lib" 2>/dev/null | head -1 | cut -d: -f1
+  done | sort -u)
+  if [ -z "$pkgs" ]; then
+    echo "gpu_bundle: no installed package provides: $missing" >&2
+    exit 1
+  fi
+  echo "gpu_bundle: round $round: $(echo "$missing" | wc -w) libraries needed from $(echo "$pkgs" | tr "\n" " ")"
+  rm -f "$work"/*.deb
+  # shellcheck disable=SC2086  # one word per package
+  (cd "$work" && { apt-get download -q $pkgs 2>&1 | grep -v "unsandboxed" || true; })
+  for deb in "$work"/*.deb; do dpkg -x "$deb" "$out.tmp/fallback"; done
+done
+if [ -n "$(missing_libs)" ]; then
+  echo "gpu_bundle: still missing after 8 rounds: $(missing_libs)" >&2
+  exit 1
+fi
 # Documentation and static archives nobody links.
 rm -rf "$out.tmp/usr/share/doc" "$out.tmp/usr/share/man" "$out.tmp/usr/share/lintian"
+rm -rf "$out.tmp/fallback/usr/share" "$out.tmp/fallback/etc" "$out.tmp/fallback/usr/bin"
 find "$out.tmp" -name '*.a' ! -name 'libgtest*' ! -name 'libgmock*' ! -name 'libbenchmark*' -delete
 rm -rf "$out"
 mv "$out.tmp" "$out"
-echo "gpu_bundle: $out: $(du -sh "$out" | cut -f1), $(echo "$keep" | wc -l) Boost headers kept"
-# What the bundle's libraries need from outside it.
-echo "gpu_bundle: libraries needed from the device machine's system:"
-find "$out" -name '*.so*' -type f -exec objdump -p {} \; 2>/dev/null |
-  awk '/NEEDED/ {print $2}' | sort -u | while read -r lib; do
-  if ! find "$out" -name "$lib" | grep -q .; then echo "  $lib"; fi
-done
+echo "gpu_bundle: $out: $(du -sh "$out" | cut -f1) ($(du -sh "$out/fallback" | cut -f1) of it in fallback/), $(echo "$keep" | wc -l) Boost headers kept"
+echo "gpu_bundle: the device machine must provide glibc, libstdc++ (GCC >= 12) and libgcc_s"

@@ -11,6 +11,8 @@
 // planner has measurements, so with a large --evenstep_warmup_steps they
 // persist). --fail_rank makes that rank's loss callback throw on step 2.
 // Prints one line per step: "step S rank R micro M samples N loss L err E".
+// --device=cuda puts the model, the reference and the data on the GPU
+// (tests/cuda_test.cc).
 // Exit codes: 0 passed, 1 gradient mismatch, 2 BalancedStep error, 3 init.
 #include <torch/torch.h>
 
@@ -37,6 +39,7 @@
 #include "evenstep/train_checkpointer.h"
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
+ABSL_FLAG(std::string, device, "cpu", "Where the model and the data live (cpu, cuda).");
 ABSL_FLAG(int, split_seed, 0, "Seed of random initial shares (0 = equal).");
 ABSL_FLAG(int, fail_rank, -1, "Rank whose loss callback throws on step 2.");
 ABSL_FLAG(int, fail_micro_batch, 1,
@@ -83,24 +86,27 @@ Data MakeData(int n) {
   for (int i = 0; i < n; ++i) {
     const int l = len(rng);
     d.lengths.push_back(l);
-    d.x.push_back(torch::randn({l, kDim}));
-    d.y.push_back(torch::randn({l, 1}));
+    const torch::Device device(absl::GetFlag(FLAGS_device));
+    d.x.push_back(torch::randn({l, kDim}).to(device));
+    d.y.push_back(torch::randn({l, 1}).to(device));
   }
   return d;
 }
 
 torch::nn::Sequential MakeModel() {
   torch::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(kDim, kHidden), torch::nn::Tanh(),
-                               torch::nn::Linear(kHidden, kHidden), torch::nn::Tanh(),
-                               torch::nn::Linear(kHidden, 1));
+  torch::nn::Sequential model(torch::nn::Linear(kDim, kHidden), torch::nn::Tanh(),
+                              torch::nn::Linear(kHidden, kHidden), torch::nn::Tanh(),
+                              torch::nn::Linear(kHidden, 1));
+  model->to(torch::Device(absl::GetFlag(FLAGS_device)));
+  return model;
 }
 
 // Sum over `samples` of each sample's loss: the mean squared error over its
 // tokens (normalise=samples) or the sum (normalise=tokens).
 torch::Tensor LossSum(torch::nn::Sequential& model, const Data& d,
                       const std::vector<int64_t>& samples, bool per_token) {
-  torch::Tensor total = torch::zeros({});
+  torch::Tensor total = torch::zeros({}, d.x[0].options());
   for (int64_t i : samples) {
     const torch::Tensor err = (model->forward(d.x[i]) - d.y[i]).pow(2);
     total = total + (per_token ? err.sum() : err.mean());
@@ -356,8 +362,8 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       std::vector<int64_t> samples;
       for (int64_t i : mb.samples) samples.push_back(offset + i);
-      return torch::stack(
-          {LossSum(model, data, samples, true), torch::tensor(static_cast<float>(mb.tokens))});
+      return torch::stack({LossSum(model, data, samples, true),
+                           torch::tensor(static_cast<float>(mb.tokens)).to(data.x[0].device())});
     });
     if (!result.ok()) {
       std::cerr << result.status() << "\n";

@@ -2,6 +2,9 @@
 //   ckpt_helper --mode=save --evenstep_ckpt_dir=D [--optimizer=adam] [--steps=3]
 //     trains a few BalancedSteps, saves at the last step, waits for the
 //     commit, prints "digest <hex>" of every model and optimizer tensor.
+//     With --steps_after_save=N the digest is taken before the save and N
+//     more steps run while the checkpoint is written (the snapshot must hold
+//     the save step's state, not a later one).
 //   ckpt_helper --mode=load --evenstep_ckpt_dir=D [--optimizer=adam]
 //     builds the same model from another seed, loads the latest checkpoint
 //     (any world size) and prints "digest <hex>", the step and the sampler
@@ -10,6 +13,8 @@
 //     trains through evenstep::Session (resume, periodic checkpoints, save
 //     failure reports); prints "first step S", "step K loss L" per step and
 //     "finished" after Finish().
+// --device=cuda puts the model (and so the optimizer state) on the GPU
+// (tests/cuda_test.cc).
 // Exit codes: 0 ok, 2 evenstep error, 3 init.
 #include <torch/torch.h>
 #include <xxhash.h>
@@ -43,12 +48,17 @@ ABSL_FLAG(bool, evaluate, false,
           "each evaluation micro-batch's padded tokens and the modes seen inside and after.");
 ABSL_FLAG(std::string, optimizer, "adam", "sgd, adam, adamw, rmsprop or adagrad");
 ABSL_FLAG(int, steps, 3, "Steps before the save.");
+ABSL_FLAG(int, steps_after_save, 0,
+          "--mode=save: steps run after Save returns, while the checkpoint is written.");
+ABSL_FLAG(std::string, device, "cpu", "Where the model and its optimizer state live.");
 ABSL_FLAG(int64_t, width, 300, "Hidden width (>= 262144: tensors of over 1 MiB, loaded in place).");
 ABSL_FLAG(int64_t, frozen_mb, 0,
           "--mode=session: a frozen parameter of this many MiB (like frozen embeddings): "
           "checkpointed, but neither synced nor stepped, so saves outlast steps.");
 
 namespace {
+
+torch::Device Device() { return torch::Device(absl::GetFlag(FLAGS_device)); }
 
 // Scales by a buffer (model state that is not a parameter; the same on
 // every rank, as DDP keeps buffers).
@@ -98,7 +108,7 @@ std::string Digest(torch::nn::Module& model, torch::optim::Optimizer& optimizer)
 torch::Tensor LossSum(torch::nn::Module& model, const std::vector<int64_t>& samples) {
   torch::Tensor x = torch::zeros({static_cast<int64_t>(samples.size()), 4});
   for (size_t k = 0; k < samples.size(); ++k) x[k].fill_(samples[k] * 0.01);
-  return model.as<torch::nn::Sequential>()->forward(x).pow(2).sum();
+  return model.as<torch::nn::Sequential>()->forward(x.to(Device())).pow(2).sum();
 }
 
 int RunSession(evenstep::DistContext& ctx) {
@@ -189,6 +199,7 @@ int main(int argc, char** argv) {
   const int64_t width = absl::GetFlag(FLAGS_width);
   torch::nn::Sequential model(torch::nn::Linear(4, width), torch::nn::Tanh(), Scale(width),
                               torch::nn::Linear(width, 1));
+  model->to(Device());
   auto optimizer = MakeOptimizer(*model, absl::GetFlag(FLAGS_optimizer));
   auto config = evenstep::BalanceConfig::FromFlags();
   std::vector<int64_t> lengths(200);
@@ -207,23 +218,34 @@ int main(int argc, char** argv) {
   const evenstep::TrainState state{model.ptr().get(), optimizer.get(), step->get(),
                                    "{\"note\": \"hello\"}"};
   if (save) {
-    for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
-      auto report = (*step)->Step(
-          [](const evenstep::MicroBatch& mb) { return mb.samples; },
-          [&](const std::vector<int64_t>& samples) { return LossSum(*model, samples); });
-      if (!report.ok()) {
-        std::cerr << report.status() << "\n";
-        return 2;
+    auto train = [&](int steps) {
+      for (int s = 1; s <= steps; ++s) {
+        auto report = (*step)->Step(
+            [](const evenstep::MicroBatch& mb) { return mb.samples; },
+            [&](const std::vector<int64_t>& samples) { return LossSum(*model, samples); });
+        if (!report.ok()) {
+          std::cerr << report.status() << "\n";
+          return false;
+        }
       }
-    }
+      return true;
+    };
+    if (!train(absl::GetFlag(FLAGS_steps))) return 2;
+    const std::string saved = Digest(*model, *optimizer);
     auto ticket = (*ckpt)->Save(absl::GetFlag(FLAGS_steps), state);
+    // The next steps write the parameters and the optimizer state while the
+    // checkpoint is written.
+    if (ticket.ok() && !train(absl::GetFlag(FLAGS_steps_after_save))) return 2;
     if (!ticket.ok() || !ticket->done.get().ok()) {
       std::cerr << (ticket.ok() ? ticket->done.get() : ticket.status()) << "\n";
       return 2;
     }
     // Every rank's part is durable; wait until the commit is visible.
     (*ctx)->Barrier().IgnoreError();
-    std::cout << "digest " << Digest(*model, *optimizer) << std::endl;
+    std::cout << "digest " << saved << std::endl;
+    if (absl::GetFlag(FLAGS_steps_after_save) > 0) {
+      std::cout << "digest after " << Digest(*model, *optimizer) << std::endl;
+    }
   } else {
     auto loaded = (*ckpt)->Load(state);
     if (!loaded.ok()) {

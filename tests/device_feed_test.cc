@@ -2,7 +2,7 @@
 // a loaded micro-batch to the model's device. On a CPU-only machine the
 // feeder stages into ordinary memory and "copies" to the CPU, which checks
 // the staging (offsets, dtypes, layouts, buffer reuse, concurrency); the
-// CUDA case runs where a device is present and is skipped otherwise.
+// CUDA case is in cuda_test.cc.
 #include "evenstep/device_feed.h"
 
 #include <ATen/ATen.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/mixed_tensors.h"
 
 namespace {
 
@@ -39,6 +40,8 @@ namespace {
 using evenstep::DeviceFeeder;
 using evenstep::TensorsIn;
 using evenstep::TensorWalk;
+using evenstep::testing::ExpectFedCopies;
+using evenstep::testing::Mixed;
 
 static_assert(TensorWalk<at::Tensor>::kKnown);
 static_assert(TensorWalk<torch::data::Example<>>::kKnown);
@@ -57,37 +60,6 @@ TEST(DeviceFeedTest, TensorWalkFindsEveryTensorInOrder) {
   std::vector<int64_t> seen;
   for (at::Tensor* p : TensorsIn(data)) seen.push_back(p->item<int64_t>());
   EXPECT_EQ(seen, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7}));
-}
-
-// Tensors of several dtypes and layouts, their values kept to compare.
-std::vector<at::Tensor> Mixed(int seed) {
-  at::manual_seed(seed);
-  return {at::randn({3, 5}),
-          at::randint(0, 1000, {7}, at::kLong),
-          at::randn({4, 6}).t(),  // not contiguous
-          at::rand({9}) > 0.5,    // bool, 9 bytes: the next offset is aligned
-          at::randn({2, 3}).to(at::kHalf),
-          at::empty({0, 4}),  // no bytes
-          at::Tensor()};      // undefined: left alone
-}
-
-void ExpectFedCopies(const std::vector<at::Tensor>& before, const std::vector<at::Tensor>& after,
-                     const c10::Device& device) {
-  ASSERT_EQ(before.size(), after.size());
-  for (size_t i = 0; i < before.size(); ++i) {
-    if (!before[i].defined()) {
-      EXPECT_FALSE(after[i].defined()) << i;
-      continue;
-    }
-    EXPECT_EQ(after[i].device(), device) << i;
-    EXPECT_EQ(after[i].scalar_type(), before[i].scalar_type()) << i;
-    EXPECT_EQ(after[i].sizes(), before[i].sizes()) << i;
-    EXPECT_TRUE(at::equal(after[i].cpu(), before[i])) << i;
-    if (before[i].numel() > 0) {
-      // Its own memory: neither the loaded tensor's nor the staging buffer's.
-      EXPECT_NE(after[i].data_ptr(), before[i].data_ptr()) << i;
-    }
-  }
 }
 
 TEST(DeviceFeedTest, EveryCpuTensorArrivesExactlyAndOneBufferServesFeedAfterFeed) {
@@ -149,32 +121,6 @@ TEST(DeviceFeedTest, NothingToMoveMakesNoBuffer) {
   feeder.Feed(only_undefined);
   EXPECT_EQ(feeder.buffers(), 0);
   EXPECT_FALSE(undefined.defined());
-}
-
-TEST(DeviceFeedTest, CudaTensorsArriveOnTheDeviceThroughPinnedBuffers) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the pinned side-stream copy is not run";
-  const c10::Device cuda(c10::kCUDA, 0);
-  DeviceFeeder feeder(cuda, /*pinned=*/true);
-  std::vector<std::thread> threads;
-  std::vector<int> failures(2, 0);
-  for (int w = 0; w < 2; ++w) {
-    threads.emplace_back([&, w] {
-      for (int k = 0; k < 20; ++k) {
-        const std::vector<at::Tensor> loaded = Mixed(10 * w + k);
-        std::vector<at::Tensor> data;
-        for (const at::Tensor& t : loaded) data.push_back(t.defined() ? t.clone() : t);
-        feeder.Feed(TensorsIn(data));
-        feeder.Adopt(TensorsIn(data));
-        for (size_t i = 0; i < data.size(); ++i) {
-          if (!loaded[i].defined()) continue;
-          if (data[i].device() != cuda || !at::equal(data[i].cpu(), loaded[i])) ++failures[w];
-        }
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  EXPECT_EQ(failures, (std::vector<int>{0, 0}));
-  EXPECT_LE(feeder.buffers(), 2);
 }
 
 }  // namespace

@@ -18,6 +18,9 @@
 //                   rank-3 gradient converges to it
 //   sparse_undeclared  an Embedding(sparse) weight attached from a list
 //                   without sparse_parameters: every rank's sync fails naming it
+// --device=cuda puts the models and the batch of exact, nosync and unused on
+// the GPU (tests/cuda_test.cc: NCCL at world size 1, Gloo with CUDA tensors
+// for several ranks sharing one GPU).
 // Exit codes: 0 passed, 1 check failed (printed), 3 init failed, 4 expected error.
 #include <torch/torch.h>
 
@@ -26,12 +29,17 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
 
+ABSL_FLAG(std::string, device, "cpu", "Where the models and the batch live (cpu, cuda).");
+
 namespace {
+
+torch::Device Device() { return torch::Device(absl::GetFlag(FLAGS_device)); }
 
 constexpr int kIn = 12, kHidden = 16, kClasses = 3, kBatch = 24;
 
@@ -56,7 +64,9 @@ struct Net : torch::nn::Module {
 
 std::shared_ptr<Net> MakeNet(int seed, int first_hidden = kHidden, bool with_extra = false) {
   torch::manual_seed(seed);
-  return std::make_shared<Net>(first_hidden, with_extra);
+  auto net = std::make_shared<Net>(first_hidden, with_extra);
+  net->to(Device());
+  return net;
 }
 
 struct Batch {
@@ -65,15 +75,17 @@ struct Batch {
 
 Batch GlobalBatch() {
   torch::manual_seed(1234);
-  return {torch::randn({kBatch, kIn}), torch::randint(0, kClasses, {kBatch}, torch::kLong)};
+  return {torch::randn({kBatch, kIn}).to(Device()),
+          torch::randint(0, kClasses, {kBatch}, torch::kLong).to(Device())};
 }
 
 // Sum of per-sample losses of `idx`, divided by the global count.
 torch::Tensor ScaledLoss(Net& net, const Batch& b, const torch::Tensor& idx,
                          bool use_extra = false) {
-  auto logits = net.forward(b.x.index_select(0, idx), use_extra);
+  const torch::Tensor at = idx.to(b.x.device());
+  auto logits = net.forward(b.x.index_select(0, at), use_extra);
   return torch::nn::functional::cross_entropy(
-             logits, b.y.index_select(0, idx),
+             logits, b.y.index_select(0, at),
              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
          kBatch;
 }
@@ -478,6 +490,7 @@ int main(int argc, char** argv) {
     return 3;
   }
   evenstep::DistContext& dist = **ctx;
+  std::cout << "backend " << dist.backend_name() << " device " << Device() << std::endl;
   const std::string arg = args.size() > 2 ? args[2] : "";
   if (scenario == "exact") {
     int seed = 0;

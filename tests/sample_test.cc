@@ -12,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/fortunes_run.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/temp_dir.h"
 
@@ -27,36 +28,8 @@ class SampleTest : public ::testing::Test {
   // Runs the trainer on `world` ranks through evenstep-run; step -> loss.
   std::map<int, double> Train(int world, const std::string& run, std::vector<std::string> extra,
                               int* exit_code = nullptr, std::string* output = nullptr) {
-    std::vector<std::string> argv = {EVENSTEP_RUN,
-                                     "-n",
-                                     std::to_string(world),
-                                     "--",
-                                     EVENSTEP_SAMPLE_TRAINER,
-                                     "--runs_dir=" + dir_,
-                                     "--run=" + run,
-                                     "--steps=12",
-                                     "--evenstep_ckpt_every=4",
-                                     "--eval_every=100",
-                                     "--dim=32",
-                                     "--layers=1",
-                                     "--max_len=64",
-                                     "--print_losses",
-                                     "--evenstep_timeout=60s"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    auto results = evenstep::testing::RunAll({{argv, {}}}, evenstep::testing::HangBound(4));
-    if (exit_code != nullptr) *exit_code = results[0].exit_code;
-    if (output != nullptr) *output = results[0].output;
-    std::map<int, double> losses;
-    for (absl::string_view line : absl::StrSplit(results[0].output, '\n')) {
-      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
-      int step = 0;
-      double loss = 0;
-      if (f.size() == 4 && f[0] == "[0]" && f[1] == "loss" && absl::SimpleAtoi(f[2], &step) &&
-          absl::SimpleAtod(f[3], &loss)) {
-        losses[step] = loss;
-      }
-    }
-    return losses;
+    return evenstep::testing::TrainFortunes(EVENSTEP_SAMPLE_TRAINER, dir_, world, run, extra,
+                                            exit_code, output);
   }
   evenstep::testing::TempDir temp_{"evenstep_sample"};
   const std::string dir_ = temp_.path();
@@ -98,6 +71,19 @@ TEST_F(SampleTest, ResumeAfterSigkillMatchesTheUninterruptedRun) {
   ASSERT_EQ(code, 0) << output;
   for (const auto& [step, loss] : three) {
     if (step <= 12) EXPECT_NEAR(loss, full.at(step), 1e-4 * full.at(step)) << "step " << step;
+  }
+}
+
+// A --device that is not one, or a CUDA device this machine lacks, stops
+// the trainer before training with the flag and the reason, not a crash.
+TEST_F(SampleTest, ABadDeviceStopsTheTrainerNamingTheFlag) {
+  for (const std::string device : {"gpu", "cuda:99"}) {
+    int code = 0;
+    std::string output;
+    const auto losses = Train(1, "bad_device", {"--device=" + device}, &code, &output);
+    EXPECT_EQ(code, 2) << output;
+    EXPECT_TRUE(losses.empty()) << output;
+    EXPECT_THAT(output, HasSubstr("--device=" + device + ": ")) << output;
   }
 }
 
