@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <numeric>
@@ -34,6 +35,9 @@ ABSL_FLAG(std::string, run, "fortunes", "This run's name: RUNS_DIR/NAME.");
 ABSL_FLAG(int, max_len, 192, "Bytes per fortune kept (longer ones are cut).");
 ABSL_FLAG(int, dim, 64, "Model width.");
 ABSL_FLAG(std::string, device, "cpu", "Where the model trains: cpu, cuda, cuda:1, ...");
+ABSL_FLAG(std::string, fortunes_dir, "",
+          "The fortune files; empty = $EVENSTEP_FORTUNES_DIR when set (scripts/gpu_check.sh "
+          "sets it to the bundle's copy), else Debian's /usr/share/games/fortunes.");
 ABSL_FLAG(int, layers, 2, "Transformer blocks.");
 ABSL_FLAG(double, lr, 3e-3, "Adam learning rate.");
 ABSL_FLAG(int, batch, 32, "Samples per optimizer step over all ranks (plain trainer).");
@@ -60,7 +64,11 @@ inline std::string RunDir() {
 
 // Fortunes cut to --max_len bytes; every 20th held out for evaluation.
 inline absl::StatusOr<Data> LoadData() {
-  auto all = LoadFortunes();
+  std::string dir = absl::GetFlag(FLAGS_fortunes_dir);
+  if (const char* env = std::getenv("EVENSTEP_FORTUNES_DIR"); dir.empty() && env != nullptr) {
+    dir = env;
+  }
+  auto all = LoadFortunes(dir.empty() ? kFortunesDir : dir);
   if (!all.ok()) return all.status();
   Data d;
   for (size_t i = 0; i < all->size(); ++i) {

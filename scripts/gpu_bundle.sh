@@ -25,6 +25,7 @@ packages=(
   libxxhash-dev libxxhash0
   nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
+  fortunes-min fortunes  # the sample trainer's data (its CUDA test)
 )
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -240,7 +240,7 @@ TEST(CudaDeviceFeedTest, TensorsArriveOnTheDeviceThroughPinnedBuffers) {
   }
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(failures, (std::vector<int>{0, 0}));
-  EXPECT_LE(feeder.buffers(), 3);
+  EXPECT_LE(feeder.buffers(), 2);  // one per concurrent feed
 }
 
 // --- TrainCheckpointer --------------------------------------------------
@@ -331,7 +331,9 @@ TEST(CudaSampleTest, TrainsOnTheGpuResumesAfterSigkillAndFollowsTheCpuRun) {
   ASSERT_EQ(code, 0) << output;
   ASSERT_EQ(gpu.size(), 12u) << output;
   EXPECT_LT(gpu.at(12), gpu.at(1)) << output;  // it learns
-  const auto cpu = train("cpu", {"--device=cpu"}, &code, &output);
+  // Gloo here too: on a machine with a GPU the default backend is NCCL,
+  // which refuses two ranks on one GPU.
+  const auto cpu = train("cpu", {"--device=cpu", "--evenstep_backend=gloo"}, &code, &output);
   ASSERT_EQ(code, 0) << output;
   ASSERT_EQ(cpu.size(), 12u) << output;
   for (const auto& [step, loss] : cpu) {
