@@ -42,9 +42,13 @@ for p in libabsl-dev libhdf5-dev libboost1.74-dev libboost-fiber1.74-dev libgtes
   fi
 done
 if [ ! -x "$root/opt/tools/bin/cmake" ]; then
-  cp /etc/resolv.conf "$root/etc/resolv.conf"
+  # Downloaded here (this machine's pip settings, proxies and certificates),
+  # installed there without a network.
+  rm -rf "$root/opt/wheels"
+  /usr/bin/python3 -m pip download -q --only-binary=:all: -d "$root/opt/wheels" cmake ninja
   chroot "$root" python3 -m venv /opt/tools
-  chroot "$root" /opt/tools/bin/pip install -q cmake ninja
+  chroot "$root" /usr/bin/env -u PIP_FIND_LINKS /opt/tools/bin/pip install -q --no-index \
+    --find-links /opt/wheels cmake ninja
 fi
 src=$root/src
 rm -rf "$src"
