@@ -5,9 +5,9 @@
 # python3; none of the -dev packages evenstep uses, no libcurl, no Debian
 # cmake) that holds only the source (git archive HEAD), the bundle
 # (.gpu_bundle, made by scripts/gpu_bundle.sh when missing), cmake and ninja
-# from PyPI (as the device machine has them) and a venv with the torch wheel
-# (.torch2/venv of scripts/build_torch2.sh: torch 2.8 with CUDA, mounted
-# read-only). There it configures, builds, runs the `cuda` tests (skipped:
+# from PyPI (as the device machine has them), a venv with the torch wheel
+# (.torch2/venv of scripts/build_torch2.sh: torch 2.8 with CUDA) and this
+# machine's CUDA toolkit (/usr/local/cuda), both mounted read-only. There it configures, builds, runs the `cuda` tests (skipped:
 # no GPU, but every binary loads) and multi-rank CPU tests that write and
 # read HDF5 checkpoints over Gloo, so every bundled library and fallback
 # library is found at build and at run time.
@@ -24,6 +24,11 @@ root=${1:-/var/tmp/evenstep-clean-root}
 venv=$PWD/.torch2/venv
 if [ ! -x "$venv/bin/python" ]; then
   echo "bundle_check: no $venv: run scripts/build_torch2.sh first" >&2
+  exit 2
+fi
+if [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "bundle_check: needs a CUDA toolkit at /usr/local/cuda (the device machine has one;" \
+    "a CUDA torch wheel's CMake package requires it)" >&2
   exit 2
 fi
 [ -d .gpu_bundle/usr/include ] || scripts/gpu_bundle.sh
@@ -70,6 +75,13 @@ mount_at "$root/dev" --bind /dev
 mount_at "$root/dev/shm" -t tmpfs tmpfs
 mount_at "$root/opt/torch" --bind "$venv"
 mount -o remount,bind,ro "$root/opt/torch"
+# The CUDA toolkit (nvcc, cudart, headers), as the device machine has one: a
+# CUDA torch wheel's CMake package requires it.
+cuda=$(readlink -f /usr/local/cuda)
+mkdir -p "$root$cuda"
+ln -sfn "$cuda" "$root/usr/local/cuda"
+mount_at "$root$cuda" --bind "$cuda"
+mount -o remount,bind,ro "$root$cuda"
 echo "bundle_check: building and testing in $root with only the bundle and the torch wheel"
 start=$(date +%s)
 set +e
