@@ -70,6 +70,11 @@ phase() {
   return "$rc"
 }
 
+# A CUDA torch's CMake package enables CMake's CUDA language: nvcc on the PATH.
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+
 machine() {
   uname -a
   nvidia-smi -L 2>&1 || echo "(no nvidia-smi)"
@@ -78,6 +83,7 @@ machine() {
   "${CXX:-c++}" --version | head -n 1
   cmake --version | head -n 1
   echo "ninja $(ninja --version)"
+  nvcc --version 2>&1 | tail -n 1 || echo "(no nvcc)"
 }
 phase machine machine || exit 1
 say "$(grep -m1 '^torch ' "$log")"
