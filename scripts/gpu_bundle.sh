@@ -21,6 +21,7 @@ packages=(
   libabsl-dev libabsl20220623
   libboost1.74-dev libboost-fiber1.74-dev libboost-fiber1.74.0
   libboost-context1.74-dev libboost-context1.74.0
+  libboost-filesystem1.74-dev libboost-filesystem1.74.0  # Boost.Fiber's CMake package asks for it
   libhdf5-dev libhdf5-103-1 libaec0 libsz2
   libxxhash-dev libxxhash0
   nlohmann-json3-dev
