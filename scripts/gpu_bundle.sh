@@ -25,6 +25,7 @@ packages=(
   libhdf5-dev libhdf5-103-1 libaec0 libsz2
   libxxhash-dev libxxhash0
   nlohmann-json3-dev
+  libgloo-dev  # c10d's ProcessGroupGloo.hpp includes them; a torch wheel has none
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
   fortunes-min fortunes  # the sample trainer's data (its CUDA test)
 )

@@ -124,7 +124,10 @@ configure() {
   site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
   nvlibs=$(find "$site/nvidia" -name '*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
   local link=${nvlibs:+-Wl,-rpath-link,$nvlibs}
+  # -isystem: headers found by no package (Gloo's, which c10d's
+  # ProcessGroupGloo.hpp includes; a torch wheel ships none).
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS="-isystem $bundle/usr/include" \
     -DCMAKE_EXE_LINKER_FLAGS="$link" -DCMAKE_SHARED_LINKER_FLAGS="$link" \
     -DCMAKE_PREFIX_PATH="$prefix;$bundle/usr" \
     -DCMAKE_INCLUDE_PATH="$bundle/usr/include;$bundle/usr/include/hdf5/serial" \
