@@ -126,7 +126,7 @@ configure() {
   local link=${nvlibs:+-Wl,-rpath-link,$nvlibs}
   # -isystem: headers found by no package (Gloo's, which c10d's
   # ProcessGroupGloo.hpp includes; a torch wheel ships none).
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_FLAGS="-isystem $bundle/usr/include" \
     -DCMAKE_EXE_LINKER_FLAGS="$link" -DCMAKE_SHARED_LINKER_FLAGS="$link" \
     -DCMAKE_PREFIX_PATH="$prefix;$bundle/usr" \

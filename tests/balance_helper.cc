@@ -24,6 +24,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -40,6 +41,10 @@
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
 ABSL_FLAG(std::string, device, "cpu", "Where the model and the data live (cpu, cuda).");
+ABSL_FLAG(bool, load_tensors, false,
+          "The load function also returns each sample's input as a new CPU tensor, which the "
+          "loss uses after checking it arrived on the model's device with the same values "
+          "(with data workers and a model on a GPU: BalancedStep's pinned-buffer copies).");
 ABSL_FLAG(int, split_seed, 0, "Seed of random initial shares (0 = equal).");
 ABSL_FLAG(int, fail_rank, -1, "Rank whose loss callback throws on step 2.");
 ABSL_FLAG(int, fail_micro_batch, 1,
@@ -75,8 +80,13 @@ constexpr int kDim = 6, kHidden = 10;
 
 struct Data {
   std::vector<int64_t> lengths;
-  std::vector<torch::Tensor> x, y;  // [L, kDim], [L, 1]
+  std::vector<torch::Tensor> x, y;    // [L, kDim], [L, 1]
+  std::vector<torch::Tensor> x_host;  // x on the CPU (what --load_tensors loads)
 };
+
+// What the load function returns: the samples and, with --load_tensors,
+// each one's input.
+using Loaded = std::pair<std::vector<int64_t>, std::vector<torch::Tensor>>;
 
 Data MakeData(int n) {
   Data d;
@@ -87,7 +97,8 @@ Data MakeData(int n) {
     const int l = len(rng);
     d.lengths.push_back(l);
     const torch::Device device(absl::GetFlag(FLAGS_device));
-    d.x.push_back(torch::randn({l, kDim}).to(device));
+    d.x_host.push_back(torch::randn({l, kDim}));
+    d.x.push_back(d.x_host.back().to(device));
     d.y.push_back(torch::randn({l, 1}).to(device));
   }
   return d;
@@ -104,11 +115,15 @@ torch::nn::Sequential MakeModel() {
 
 // Sum over `samples` of each sample's loss: the mean squared error over its
 // tokens (normalise=samples) or the sum (normalise=tokens).
+// `inputs`: the samples' inputs as loaded (else d.x).
 torch::Tensor LossSum(torch::nn::Sequential& model, const Data& d,
-                      const std::vector<int64_t>& samples, bool per_token) {
+                      const std::vector<int64_t>& samples, bool per_token,
+                      const std::vector<torch::Tensor>* inputs = nullptr) {
   torch::Tensor total = torch::zeros({}, d.x[0].options());
-  for (int64_t i : samples) {
-    const torch::Tensor err = (model->forward(d.x[i]) - d.y[i]).pow(2);
+  for (size_t k = 0; k < samples.size(); ++k) {
+    const int64_t i = samples[k];
+    const torch::Tensor& x = inputs != nullptr ? (*inputs)[k] : d.x[i];
+    const torch::Tensor err = (model->forward(x) - d.y[i]).pow(2);
     total = total + (per_token ? err.sum() : err.mean());
   }
   return total;
@@ -119,10 +134,13 @@ torch::Tensor LossSum(torch::nn::Sequential& model, const Data& d,
 // its samples' losses (normalise=samples). Used with
 // --evenstep_loss_reduction=mean.
 torch::Tensor LossMean(torch::nn::Sequential& model, const Data& d,
-                       const std::vector<int64_t>& samples, bool per_token) {
+                       const std::vector<int64_t>& samples, bool per_token,
+                       const std::vector<torch::Tensor>* inputs = nullptr) {
   std::vector<torch::Tensor> parts;
-  for (int64_t i : samples) {
-    const torch::Tensor err = (model->forward(d.x[i]) - d.y[i]).pow(2);
+  for (size_t k = 0; k < samples.size(); ++k) {
+    const int64_t i = samples[k];
+    const torch::Tensor& x = inputs != nullptr ? (*inputs)[k] : d.x[i];
+    const torch::Tensor err = (model->forward(x) - d.y[i]).pow(2);
     parts.push_back(per_token ? err.reshape({-1}) : err.mean().reshape({1}));
   }
   return torch::cat(parts).mean();
@@ -248,9 +266,26 @@ int main(int argc, char** argv) {
           int seen = max_ahead.load();
           while (now > seen && !max_ahead.compare_exchange_weak(seen, now)) {
           }
-          return mb.samples;
+          Loaded loaded{mb.samples, {}};
+          if (absl::GetFlag(FLAGS_load_tensors)) {
+            for (int64_t i : mb.samples) loaded.second.push_back(data.x_host[i].clone());
+          }
+          return loaded;
         },
-        [&](const std::vector<int64_t>& samples) {
+        [&](const Loaded& batch) {
+          const std::vector<int64_t>& samples = batch.first;
+          const std::vector<torch::Tensor>* inputs = nullptr;
+          if (absl::GetFlag(FLAGS_load_tensors)) {
+            for (size_t k = 0; k < samples.size(); ++k) {
+              const torch::Tensor& t = batch.second[k];
+              if (t.device() != data.x[0].device() || !torch::equal(t, data.x[samples[k]])) {
+                std::cout << "FEED MISMATCH at step " << s << ": sample " << samples[k] << " on "
+                          << t.device() << std::endl;
+                throw std::runtime_error("a loaded tensor did not arrive intact");
+              }
+            }
+            inputs = &batch.second;
+          }
           --ahead;
           ++calls;
           // The data must be this micro-batch's, in order, whoever loaded it.
@@ -270,8 +305,8 @@ int main(int argc, char** argv) {
                 std::chrono::microseconds(static_cast<int64_t>(1000 * sleep_ms * f)));
           }
           return config->loss_reduction == evenstep::LossReduction::kMean
-                     ? LossMean(model, data, samples, per_token)
-                     : LossSum(model, data, samples, per_token);
+                     ? LossMean(model, data, samples, per_token, inputs)
+                     : LossSum(model, data, samples, per_token, inputs);
         });
     if (!report.ok()) {
       std::cerr << report.status() << "\n";

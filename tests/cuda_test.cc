@@ -304,13 +304,15 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CudaCheckpointTest,
 // --- BalancedStep and the sample trainer --------------------------------
 
 // Random shares with an idle rank, dynamic balancing, every step's synced
-// gradient against one process's gradient of the whole global batch.
+// gradient against one process's gradient of the whole global batch; the
+// data workers load CPU tensors that BalancedStep moves to the GPU through
+// pinned buffers (each checked to arrive intact, then used by the loss).
 TEST(CudaBalancedStepTest, TwoRanksOnTheGpuGetTheSingleProcessGradientEveryStep) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
   auto results =
       RunRanks(2, EVENSTEP_BALANCE_HELPER,
                {"--evenstep_backend=gloo", "--device=cuda", "--steps=6", "--split_seed=3",
-                "--evenstep_balance=dynamic", "--evenstep_data_workers=2"});
+                "--evenstep_balance=dynamic", "--evenstep_data_workers=2", "--load_tensors"});
   ExpectAllPassed(results, "balance ok");
   EXPECT_THAT(results[0].output, HasSubstr("step 6 rank 0")) << Describe(results);
 }
