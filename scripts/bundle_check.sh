@@ -17,6 +17,8 @@
 # --clean builds from nothing (the proof); without it a later run rebuilds
 # only what changed since the last one.
 #
+# EVENSTEP_TORCH_VENV: another torch venv (e.g. one with the device
+# machine's torch version), with EVENSTEP_GPU_BUILD naming its build folder.
 # Needs root (debootstrap, chroot, mount) and, the first time, the network
 # (the root: ~1 min, 590 MB). The build takes ~25 min on 2 cores. Not run by
 # CI (its time budget); the result is in the issue note and
@@ -29,7 +31,7 @@ if [ "${1:-}" = "--clean" ]; then
   shift
 fi
 root=${1:-/var/tmp/evenstep-clean-root}
-venv=$PWD/.torch2/venv
+venv=${EVENSTEP_TORCH_VENV:-$PWD/.torch2/venv}
 if [ ! -x "$venv/bin/python" ]; then
   echo "bundle_check: no $venv: run scripts/build_torch2.sh first" >&2
   exit 2
@@ -107,6 +109,7 @@ start=$(date +%s)
 set +e
 chroot "$root" /usr/bin/env -i HOME=/root PATH=/opt/tools/bin:/usr/bin:/bin \
   EVENSTEP_PYTHON=/opt/torch/bin/python JOBS="$(nproc)" \
+  EVENSTEP_GPU_BUILD="${EVENSTEP_GPU_BUILD:-build-gpu}" \
   EVENSTEP_GPU_CHECK_TARGETS="grad_sync_test checkpoint_test train_checkpointer_test" \
   EVENSTEP_GPU_CHECK_TESTS='^(Splits/GradSyncExactTest|Worlds/CheckpointWorldTest|Worlds/ReshardTest)\.' \
   /bin/bash -c 'cd /src && scripts/gpu_check.sh --no-bench'
