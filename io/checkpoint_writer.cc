@@ -70,8 +70,11 @@ struct Staging {
   std::vector<ShardDataset> datasets;
   std::vector<Piece> pieces;
   bool busy = false;
-  // The device copies of the last snapshot: done when `copied` is.
+  // The device copies of the last snapshot: done when `copied` is. Their
+  // sources are kept until then: a temporary contiguous copy must not go
+  // back to the device allocator while the side stream still reads it.
   std::unique_ptr<c10::Event> copied;
+  std::vector<at::Tensor> sources;
 
   char* data() { return pinned.defined() ? static_cast<char*>(pinned.data_ptr()) : image.data(); }
   size_t size() const {
@@ -82,6 +85,7 @@ struct Staging {
     if (!copied) return;
     internal::device_compat::Synchronize(*copied);
     copied.reset();
+    sources.clear();
   }
 };
 
@@ -238,6 +242,20 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& stat
       std::memcpy(stage.pinned.data_ptr(), stage.image.data(), stage.image.size());
       stage.image = std::string();
     }
+    // The sources first: making a non-contiguous tensor contiguous queues a
+    // copy on the current stream, which the side stream must wait for too.
+    // One contiguous flat view per tensor, however many pieces it is cut into.
+    std::vector<at::Tensor> flat(state.tensors.size());
+    std::vector<at::Tensor> sources(stage.pieces.size());
+    for (size_t i = 0; i < stage.pieces.size(); ++i) {
+      const Piece& p = stage.pieces[i];
+      if (stage.datasets[i].bytes == 0) continue;
+      at::Tensor& whole = flat[p.tensor];
+      if (!whole.defined()) {
+        whole = state.tensors[p.tensor].second.detach().contiguous().reshape({-1});
+      }
+      sources[i] = whole.slice(0, p.begin, p.end);
+    }
     std::optional<c10::Stream> current, side;
     if (device) {
       const c10::impl::VirtualGuardImpl guard(device->type());
@@ -248,12 +266,10 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& stat
       ready.block(*side);
     }
     for (size_t i = 0; i < stage.pieces.size(); ++i) {
-      const Piece& p = stage.pieces[i];
       const ShardDataset& d = stage.datasets[i];
       if (d.bytes == 0) continue;
-      const at::Tensor& whole = state.tensors[p.tensor].second;
-      at::Tensor src = whole.detach().contiguous().reshape({-1}).slice(0, p.begin, p.end);
-      if (whole.device().is_cpu()) {
+      const at::Tensor& src = sources[i];
+      if (src.device().is_cpu()) {
         std::memcpy(stage.data() + d.offset, src.data_ptr(), static_cast<size_t>(d.bytes));
         continue;
       }
@@ -266,6 +282,9 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& stat
       stage.copied = std::make_unique<c10::Event>(device->type());
       stage.copied->record(*side);
       stage.copied->block(*current);
+      for (at::Tensor& src : sources) {
+        if (src.defined() && !src.device().is_cpu()) stage.sources.push_back(std::move(src));
+      }
     }
   } catch (const std::exception& e) {
     release();

@@ -260,8 +260,9 @@ struct CkptCase {
 
 class CudaCheckpointTest : public ::testing::TestWithParam<CkptCase> {};
 
-// Tensors of over 1 MiB (width 300000: the Adam state triples them), saved
-// while 5 more steps run: the checkpoint holds the save step's bytes.
+// Tensors of over 1 MiB (width 300000: the Adam state triples them), one of
+// them transposed (its contiguous copy is queued on the training stream),
+// saved while 5 more steps run: the checkpoint holds the save step's bytes.
 TEST_P(CudaCheckpointTest, SnapshotHoldsTheSaveStepWhileLaterStepsWriteAndLoadsAtAnotherWorld) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
   const CkptCase c = GetParam();
@@ -272,7 +273,8 @@ TEST_P(CudaCheckpointTest, SnapshotHoldsTheSaveStepWhileLaterStepsWriteAndLoadsA
                                            "--evenstep_global_batch=24",
                                            "--evenstep_micro_batch_samples=5",
                                            "--optimizer=" + c.optimizer,
-                                           "--width=300000"};
+                                           "--width=300000",
+                                           "--noncontiguous"};
   std::vector<std::string> save = common, load = common;
   save.insert(save.end(), {"--mode=save", "--steps_after_save=5"});
   load.push_back("--mode=load");

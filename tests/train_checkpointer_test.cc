@@ -51,7 +51,12 @@ TEST_P(ReshardTest, LoadsBitIdenticalAtAnotherWorldSize) {
   save.push_back("--mode=save");
   // Wide tensors: 3 more steps run while the checkpoint is written; it must
   // hold the save step's bytes (the digest is taken before the save).
-  if (c.width > 300) save.push_back("--steps_after_save=3");
+  if (c.width > 300) {
+    save.push_back("--steps_after_save=3");
+    // And a transposed parameter: saved from strided memory.
+    save.push_back("--noncontiguous");
+    load.push_back("--noncontiguous");
+  }
   load.push_back("--mode=load");
   auto saved = evenstep::testing::RunRanks(c.save_world, save);
   for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
