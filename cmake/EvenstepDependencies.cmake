@@ -23,4 +23,14 @@ if(NOT TARGET evenstep_torch)
   target_link_libraries(evenstep_torch INTERFACE ${TORCH_LIBRARIES})
   separate_arguments(_evenstep_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
   target_compile_options(evenstep_torch INTERFACE ${_evenstep_torch_flags})
+  # The 2.x wheels' libtorch.so exports its own copy of std::filesystem
+  # (built with a newer GCC). A program whose load order has libtorch before
+  # libstdc++ calls that copy, which on an older libstdc++ calls a null
+  # function (torch 2.11 on Debian bookworm: every std::filesystem::remove_all
+  # crashed; scripts/bundle_check.sh found it). libstdc++ first in every
+  # program's load order binds std:: to the library the code was compiled for.
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    target_link_options(evenstep_torch INTERFACE
+      "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
+  endif()
 endif()
