@@ -50,6 +50,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "bench/bench_device.h"
 #include "bench/relaunch.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
@@ -284,11 +285,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (!absl::GetFlag(FLAGS_worker).empty()) return Worker(absl::GetFlag(FLAGS_worker));
   const std::string device = absl::GetFlag(FLAGS_device);
-  if (device != "cpu" && (device != "cuda" || !torch::cuda::is_available())) {
-    std::cerr << "--device=" << device
-              << ": expected cpu, or cuda on a machine where this libtorch sees a GPU\n";
-    return 2;
-  }
+  if (!evenstep::bench::BenchDevice(device, 0)) return 2;
   const bool quick = absl::GetFlag(FLAGS_quick);
   std::vector<int64_t> sizes = ParseList(absl::GetFlag(FLAGS_sizes_mb));
   if (sizes.empty())

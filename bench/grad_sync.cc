@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tuple>
@@ -39,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/bench_device.h"
 #include "bench/relaunch.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/status_macros.h"
@@ -282,16 +284,9 @@ int main(int argc, char** argv) {
   evenstep::DistContext& dist = **ctx;
   const bool print = dist.rank() == 0;
   const std::string device_name = absl::GetFlag(FLAGS_device);
-  if (device_name != "cpu" && (device_name != "cuda" || !torch::cuda::is_available())) {
-    std::cerr << "--device=" << device_name
-              << ": expected cpu, or cuda on a machine where this libtorch sees a GPU\n";
-    return 2;
-  }
-  const torch::Device device =
-      device_name == "cpu"
-          ? torch::Device(torch::kCPU)
-          : torch::Device(torch::kCUDA,
-                          static_cast<c10::DeviceIndex>(dist.rank() % torch::cuda::device_count()));
+  const std::optional<torch::Device> device =
+      evenstep::bench::BenchDevice(device_name, dist.rank());
+  if (!device) return 2;
 
   const int d_mlp =
       absl::GetFlag(FLAGS_hidden) > 0 ? absl::GetFlag(FLAGS_hidden) : (quick ? 256 : 1024);
@@ -313,7 +308,7 @@ int main(int argc, char** argv) {
        {std::make_tuple("blocks", Net(blocks, d_blocks, false), d_blocks),
         std::make_tuple("mlp", Net(mlp_body(), d_mlp, false), d_mlp),
         std::make_tuple("branch", Net(mlp_body(), d_mlp, true), d_mlp)}) {
-    absl::StatusOr<Result> r = Measure(dist, name, model, width, steps, batch, device);
+    absl::StatusOr<Result> r = Measure(dist, name, model, width, steps, batch, *device);
     if (!r.ok()) {
       std::cerr << "rank " << dist.rank() << ": " << name << ": " << r.status() << "\n";
       return 1;
