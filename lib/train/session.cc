@@ -265,7 +265,11 @@ void Session::Observe(int64_t step, const absl::Status& outcome) {
     return;
   }
   ++save_failures_;
-  longest_failure_run_ = std::max(longest_failure_run_, ++failure_run_);
+  if (++failure_run_ == 1) run_first_step_ = step;
+  if (failure_run_ > longest_failure_run_) {
+    longest_failure_run_ = failure_run_;
+    longest_first_step_ = run_first_step_;
+  }
   last_save_error_ = outcome;
   std::cerr << "[evenstep] rank " << ctx_.rank() << ": the checkpoint of step " << step
             << " FAILED (" << save_failures_ << " failed saves so far): " << outcome.message()
@@ -310,14 +314,24 @@ absl::Status Session::AfterStep(StepReport* report) {
   step_->ShareAtNextExchange(kSaveFailureRun, longest_failure_run_);
   const double agreed_run = report->agreed[kSaveFailureRun];
   if (stop_after_failures_ > 0 && agreed_run >= stop_after_failures_) {
+    // A save's outcome is known only when it ends, in the background: by the
+    // step every rank agrees on it, later saves may have started and failed
+    // too, so the count can exceed the limit.
+    const std::string mode = absl::GetFlag(FLAGS_evenstep_ckpt_on_error);
+    const std::string why =
+        mode == "fail"
+            ? absl::StrCat("--evenstep_ckpt_on_error=fail stops at the first failed save (",
+                           static_cast<int64_t>(agreed_run), " in a row by now)")
+            : absl::StrCat(static_cast<int64_t>(agreed_run),
+                           " checkpoint saves failed in a row (--evenstep_ckpt_on_error=", mode,
+                           ", --evenstep_ckpt_max_failures=",
+                           absl::GetFlag(FLAGS_evenstep_ckpt_max_failures), ")");
     return absl::DataLossError(absl::StrCat(
-        "rank ", ctx_.rank(), ", step ", report->step, ": ", static_cast<int64_t>(agreed_run),
-        " checkpoint saves failed in a row (--evenstep_ckpt_on_error=",
-        absl::GetFlag(FLAGS_evenstep_ckpt_on_error),
-        ", --evenstep_ckpt_max_failures=", absl::GetFlag(FLAGS_evenstep_ckpt_max_failures),
-        "); training stops rather than run on without checkpoints. Last failure",
-        last_save_error_.ok() ? " (seen first by another rank)" : ": ",
-        last_save_error_.message()));
+        "rank ", ctx_.rank(), ", step ", report->step, ": ", why,
+        "; training stops rather than run on without checkpoints. ",
+        last_save_error_.ok() ? "The failure was seen first by another rank (see its output)"
+                              : absl::StrCat("The failed saves began at step ", longest_first_step_,
+                                             "; the last failure: ", last_save_error_.message())));
   }
   if (const double signal = report->agreed[kPreemptSignal]; signal > 0) {
     return StopForPreemption(static_cast<int>(signal), report->step);

@@ -140,6 +140,8 @@ class Session {
   int longest_failure_run_ = 0;
   int stop_after_failures_ = 3;  // consecutive failures that stop training; 0 = never
   absl::Status last_save_error_;
+  int64_t run_first_step_ = 0;      // the first failed save of the current run
+  int64_t longest_first_step_ = 0;  // ... of the longest run
 };
 
 }  // namespace evenstep
