@@ -246,12 +246,13 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (int rc = evenstep::bench::RelaunchUnlessLaunched(4, argc, argv); rc != 0) return rc;
   // The benchmark's defaults; --evenstep_* on the command line override them.
   absl::SetFlag(&FLAGS_evenstep_micro_batch_tokens, 4096);
   absl::SetFlag(&FLAGS_evenstep_sort_window, 0);  // windows of 50 batches, as measured
   absl::SetFlag(&FLAGS_evenstep_timeout, absl::Minutes(2));
+  // Parsed before the relaunch: an unknown flag stops once, not on each rank.
   absl::ParseCommandLine(argc, argv);
+  if (int rc = evenstep::bench::RelaunchUnlessLaunched(4, argc, argv); rc != 0) return rc;
   torch::set_num_threads(1);
   const bool quick = absl::GetFlag(FLAGS_quick);
   const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : (quick ? 10 : 30);

@@ -267,8 +267,8 @@ std::string TorchPython() {
   return python;
 }
 
-// A ratio for the SUMMARY line; null when not measured (< 0).
-std::string JsonRatio(double r) { return r < 0 ? "null" : absl::StrFormat("%.4f", r); }
+// A figure (ratio or seconds) for the SUMMARY line; null when not measured (< 0).
+std::string JsonNumber(double r) { return r < 0 ? "null" : absl::StrFormat("%.4f", r); }
 
 std::vector<int64_t> ParseList(const std::string& text) {
   std::vector<int64_t> out;
@@ -372,8 +372,8 @@ int main(int argc, char** argv) {
       "\"stall_s\": %s, \"torch_save_s\": %s, \"dcp_async_stall_s\": %s, \"device\": \"%s\", "
       "\"quick\": %s}\n",
       stall_ratio, persist_ratio, load_ratio, sizes.back(), rank_counts.back(),
-      JsonRatio(stall_vs_dcp), JsonRatio(commit_vs_dcp_async), JsonRatio(commit_vs_dcp_save),
-      JsonRatio(stall_s), JsonRatio(torch_save_s), JsonRatio(dcp_async_stall_s), device,
+      JsonNumber(stall_vs_dcp), JsonNumber(commit_vs_dcp_async), JsonNumber(commit_vs_dcp_save),
+      JsonNumber(stall_s), JsonNumber(torch_save_s), JsonNumber(dcp_async_stall_s), device,
       quick ? "true" : "false");
   return 0;
 }

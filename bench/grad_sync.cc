@@ -268,8 +268,11 @@ void Print(const Result& r, int batch, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (int rc = evenstep::bench::RelaunchUnlessLaunched(2, argc, argv); rc != 0) return rc;
+  // Flags are checked before the relaunch: a typo stops once, not on each rank.
   absl::ParseCommandLine(argc, argv);
+  const std::string device_name = absl::GetFlag(FLAGS_device);
+  if (!evenstep::bench::BenchDevice(device_name, 0)) return 2;
+  if (int rc = evenstep::bench::RelaunchUnlessLaunched(2, argc, argv); rc != 0) return rc;
   const bool quick = absl::GetFlag(FLAGS_quick);
   const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : (quick ? 5 : 20);
   const int layers = absl::GetFlag(FLAGS_layers);
@@ -283,7 +286,6 @@ int main(int argc, char** argv) {
   }
   evenstep::DistContext& dist = **ctx;
   const bool print = dist.rank() == 0;
-  const std::string device_name = absl::GetFlag(FLAGS_device);
   const std::optional<torch::Device> device =
       evenstep::bench::BenchDevice(device_name, dist.rank());
   if (!device) return 2;

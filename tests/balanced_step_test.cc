@@ -24,11 +24,8 @@ using ::evenstep::testing::ProcessResult;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-std::vector<ProcessResult> RunHelper(int world, std::vector<std::string> args) {
-  std::vector<std::string> argv = {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s",
-                                   "--evenstep_rendezvous_timeout=60s"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return evenstep::testing::RunRanks(world, argv);
+std::vector<ProcessResult> RunHelper(int world, const std::vector<std::string>& args) {
+  return evenstep::testing::RunProgramOnRanks(world, EVENSTEP_BALANCE_HELPER, args);
 }
 
 // step -> loss printed by rank 0.
@@ -220,9 +217,8 @@ TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatchOnEveryRank) {
   // Rank 1's callback throws in step 2: it joins the step's gradient sync
   // with a failure mark, so rank 0 learns it in the same step (no timeout).
   for (int fail_micro : {1, 3}) {
-    auto results = RunHelper(
-        2, {"--fail_rank=1", "--steps=3", "--evenstep_timeout=60s",
-            "--evenstep_micro_batch_samples=4", absl::StrCat("--fail_micro_batch=", fail_micro)});
+    auto results = RunHelper(2, {"--fail_rank=1", "--steps=3", "--evenstep_micro_batch_samples=4",
+                                 absl::StrCat("--fail_micro_batch=", fail_micro)});
     for (const auto& r : results) {
       EXPECT_EQ(r.exit_code, 2) << Describe(results);
       EXPECT_THAT(r.output, HasSubstr("ABORTED")) << Describe(results);
@@ -237,7 +233,8 @@ TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatchOnEveryRank) {
 
 TEST(BalancedStepTest, APeerThatDiesIsNamedAsNeverArrived) {
   auto results = RunHelper(2, {"--fail_rank=1", "--fail_by_exit", "--steps=3",
-                               "--evenstep_timeout=10s", "--evenstep_micro_batch_samples=4"});
+                               "--evenstep_timeout=10s",  // after RankArgv's 60 s: this one holds
+                               "--evenstep_micro_batch_samples=4"});
   EXPECT_EQ(results[1].exit_code, 5) << Describe(results);
   EXPECT_NE(results[0].exit_code, 0) << Describe(results);
   EXPECT_FALSE(results[0].timed_out);

@@ -26,11 +26,8 @@ using ::evenstep::testing::Describe;
 using ::evenstep::testing::ProcessResult;
 using ::testing::HasSubstr;
 
-std::vector<ProcessResult> RunCase(int world, std::vector<std::string> args) {
-  std::vector<std::string> argv = {EVENSTEP_CONFORMANCE_HELPER, "--evenstep_timeout=60s",
-                                   "--evenstep_rendezvous_timeout=60s"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return evenstep::testing::RunRanks(world, argv);
+std::vector<ProcessResult> RunCase(int world, const std::vector<std::string>& args) {
+  return evenstep::testing::RunProgramOnRanks(world, EVENSTEP_CONFORMANCE_HELPER, args);
 }
 
 struct Conf {

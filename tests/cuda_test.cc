@@ -56,16 +56,7 @@ using ::testing::HasSubstr;
   GTEST_SKIP() << "no CUDA device in this process (or a libtorch without CUDA): the " \
                   "CUDA path is not run here; scripts/gpu_check.sh runs it on a GPU"
 
-const std::vector<std::string> kTimeouts = {"--evenstep_timeout=60s",
-                                            "--evenstep_rendezvous_timeout=60s"};
-
-std::vector<ProcessResult> RunRanks(int world, const std::string& program,
-                                    const std::vector<std::string>& args) {
-  std::vector<std::string> argv = {program};
-  argv.insert(argv.end(), kTimeouts.begin(), kTimeouts.end());
-  argv.insert(argv.end(), args.begin(), args.end());
-  return evenstep::testing::RunRanks(world, argv);
-}
+using ::evenstep::testing::RunProgramOnRanks;
 
 void ExpectAllPassed(const std::vector<ProcessResult>& results, const std::string& text) {
   for (const ProcessResult& r : results) {
@@ -78,8 +69,8 @@ void ExpectAllPassed(const std::vector<ProcessResult>& results, const std::strin
 
 TEST(CudaGradSyncTest, ExactOverNcclAtWorldSizeOne) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
-  auto results = RunRanks(1, EVENSTEP_GRAD_SYNC_HELPER,
-                          {"--evenstep_backend=nccl", "--device=cuda", "exact", "11"});
+  auto results = RunProgramOnRanks(1, EVENSTEP_GRAD_SYNC_HELPER,
+                                   {"--evenstep_backend=nccl", "--device=cuda", "exact", "11"});
   ExpectAllPassed(results, "exact ok");
   EXPECT_THAT(results[0].output, HasSubstr("backend nccl device cuda")) << Describe(results);
 }
@@ -89,9 +80,9 @@ TEST(CudaGradSyncTest, ExactOverNcclAtWorldSizeOne) {
 TEST(CudaGradSyncTest, ExactForTwoRanksSharingTheGpuOverGlooWithAnIdleRank) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
   for (int seed : {12, 21}) {
-    auto results =
-        RunRanks(2, EVENSTEP_GRAD_SYNC_HELPER,
-                 {"--evenstep_backend=gloo", "--device=cuda", "exact", std::to_string(seed)});
+    auto results = RunProgramOnRanks(
+        2, EVENSTEP_GRAD_SYNC_HELPER,
+        {"--evenstep_backend=gloo", "--device=cuda", "exact", std::to_string(seed)});
     ExpectAllPassed(results, "exact ok");
     EXPECT_THAT(results[seed % 2].output, HasSubstr(" 0 samples in 0 micro-batches"))
         << Describe(results);
@@ -105,8 +96,8 @@ TEST(CudaGradSyncTest, NoSyncAccumulatesLocallyAndUnusedParametersReduceAsZeros)
   std::vector<std::string> nosync = cuda, unused = cuda;
   nosync.push_back("nosync");
   unused.push_back("unused");
-  ExpectAllPassed(RunRanks(2, EVENSTEP_GRAD_SYNC_HELPER, nosync), "nosync ok");
-  ExpectAllPassed(RunRanks(2, EVENSTEP_GRAD_SYNC_HELPER, unused), "unused ok");
+  ExpectAllPassed(RunProgramOnRanks(2, EVENSTEP_GRAD_SYNC_HELPER, nosync), "nosync ok");
+  ExpectAllPassed(RunProgramOnRanks(2, EVENSTEP_GRAD_SYNC_HELPER, unused), "unused ok");
 }
 
 // --- MicroStepClock -----------------------------------------------------
@@ -278,7 +269,7 @@ TEST_P(CudaCheckpointTest, SnapshotHoldsTheSaveStepWhileLaterStepsWriteAndLoadsA
   std::vector<std::string> save = common, load = common;
   save.insert(save.end(), {"--mode=save", "--steps_after_save=5"});
   load.push_back("--mode=load");
-  auto saved = RunRanks(c.save_world, EVENSTEP_CKPT_HELPER, save);
+  auto saved = RunProgramOnRanks(c.save_world, EVENSTEP_CKPT_HELPER, save);
   for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
   const std::string at_save = LineAfter(saved[0].output, "digest ");
   const std::string after = LineAfter(saved[0].output, "digest after ");
@@ -287,7 +278,7 @@ TEST_P(CudaCheckpointTest, SnapshotHoldsTheSaveStepWhileLaterStepsWriteAndLoadsA
   // The later steps did change the state the snapshot was taken of.
   ASSERT_NE(after.substr(std::string("digest after ").size()),
             at_save.substr(std::string("digest ").size()));
-  auto loaded = RunRanks(c.load_world, EVENSTEP_CKPT_HELPER, load);
+  auto loaded = RunProgramOnRanks(c.load_world, EVENSTEP_CKPT_HELPER, load);
   for (const ProcessResult& r : loaded) {
     ASSERT_EQ(r.exit_code, 0) << Describe(loaded);
     EXPECT_EQ(LineAfter(r.output, "digest "), at_save) << Describe(loaded);
@@ -311,10 +302,10 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CudaCheckpointTest,
 // pinned buffers (each checked to arrive intact, then used by the loss).
 TEST(CudaBalancedStepTest, TwoRanksOnTheGpuGetTheSingleProcessGradientEveryStep) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
-  auto results =
-      RunRanks(2, EVENSTEP_BALANCE_HELPER,
-               {"--evenstep_backend=gloo", "--device=cuda", "--steps=6", "--split_seed=3",
-                "--evenstep_balance=dynamic", "--evenstep_data_workers=2", "--load_tensors"});
+  auto results = RunProgramOnRanks(
+      2, EVENSTEP_BALANCE_HELPER,
+      {"--evenstep_backend=gloo", "--device=cuda", "--steps=6", "--split_seed=3",
+       "--evenstep_balance=dynamic", "--evenstep_data_workers=2", "--load_tensors"});
   ExpectAllPassed(results, "balance ok");
   EXPECT_THAT(results[0].output, HasSubstr("step 6 rank 0")) << Describe(results);
 }

@@ -18,11 +18,8 @@ using ::evenstep::testing::ProcessResult;
 using ::evenstep::testing::ProcessSpec;
 using ::testing::HasSubstr;
 
-std::vector<ProcessResult> RunRanks(int world, std::vector<std::string> scenario) {
-  std::vector<std::string> argv = {EVENSTEP_GRAD_SYNC_HELPER, "--evenstep_timeout=60s",
-                                   "--evenstep_rendezvous_timeout=60s"};
-  argv.insert(argv.end(), scenario.begin(), scenario.end());
-  return evenstep::testing::RunRanks(world, argv);
+std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& scenario) {
+  return evenstep::testing::RunProgramOnRanks(world, EVENSTEP_GRAD_SYNC_HELPER, scenario);
 }
 
 struct ExactCase {

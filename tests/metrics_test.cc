@@ -39,8 +39,8 @@ std::vector<nlohmann::json> ReadLines(const std::string& path) {
 TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
   evenstep::testing::TempDir temp("evenstep_metrics");
   const std::string dir = temp.path();
-  auto results = evenstep::testing::RunRanks(
-      3, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--steps=6", "--metrics_dir=" + dir});
+  auto results = evenstep::testing::RunProgramOnRanks(3, EVENSTEP_BALANCE_HELPER,
+                                                      {"--steps=6", "--metrics_dir=" + dir});
   for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
   // Rank 1 reached step 4's boundary only after rank 0 had returned from it.
   EXPECT_THAT(results[0].output, HasSubstr("after EndStep: reduction in flight 1"));
@@ -62,8 +62,8 @@ TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
 TEST(MetricsTest, EvaluateIsTheSameAtAnyWorldSize) {
   std::vector<std::string> lines;
   for (int world : {1, 2, 3}) {
-    auto results = evenstep::testing::RunRanks(
-        world, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--steps=2", "--evaluate"});
+    auto results = evenstep::testing::RunProgramOnRanks(world, EVENSTEP_BALANCE_HELPER,
+                                                        {"--steps=2", "--evaluate"});
     for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
     const std::string& out = results[0].output;
     const size_t at = out.find("eval loss_sum ");

@@ -9,6 +9,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -234,6 +235,35 @@ TEST(PreflightVerdictTest, TheMedianRankIsTheReferenceAndOnlyRanksBelowTheThresh
   JudgePreflight(&r);
   ASSERT_EQ(r.findings.size(), 1u);
   EXPECT_THAT(r.findings[0].text, HasSubstr("rank 2: matmul fp32 0.30x the other rank"));
+}
+
+TEST(PreflightVerdictTest, TheJsonCarriesEachFiguresReferenceAndThePlotDrawsFromIt) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  PreflightReport r = Figures({10, 10.5, 9.5, 6.9, 10});
+  r.per_rank["memcpy_gbps"] = {4, nan, 1, nan, nan};          // two measured: the better one
+  r.per_rank["ckpt_write_gbps"] = {nan, nan, nan, nan, nan};  // none measured: no reference
+  r.per_rank["clock_offset_ms"] = {0, 1, 2, 3, 4};            // not a judged figure
+  JudgePreflight(&r);
+  const nlohmann::json j = nlohmann::json::parse(r.Json());
+  EXPECT_EQ(j["reference"],
+            nlohmann::json::parse(R"({"matmul_fp32_gflops": 10, "memcpy_gbps": 4})"))
+      << j.dump();
+  // The plot takes its ratios from there; a report without them is refused by name.
+  TempDir dir("evenstep_plot");
+  const std::string json = dir / "preflight.json", png = dir / "preflight.png";
+  std::ofstream(json) << j.dump();
+  auto [rc, out] = RunShell(absl::StrCat("/usr/bin/python3 ", EVENSTEP_PLOT_SCRIPT, " preflight ",
+                                         json, " ", png, " 2>&1"));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("wrote " + png));
+  EXPECT_TRUE(std::filesystem::exists(png)) << out;
+  nlohmann::json old = j;
+  old.erase("reference");
+  std::ofstream(json) << old.dump();
+  std::tie(rc, out) = RunShell(absl::StrCat("/usr/bin/python3 ", EVENSTEP_PLOT_SCRIPT,
+                                            " preflight ", json, " ", png, " 2>&1"));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_THAT(out, HasSubstr(json + ": no 'reference' figures"));
 }
 
 TEST(PreflightVerdictTest, SlowNodesLinksAndClocksAreNamedAsSuch) {

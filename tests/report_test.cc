@@ -99,11 +99,11 @@ void ScriptedRun(const std::string& dir, Duty duty, bool background = false,
 }
 
 void TraceRun(const std::string& dir) {
-  auto results = evenstep::testing::RunRanks(
-      3, {EVENSTEP_BALANCE_HELPER, "--evenstep_timeout=60s", "--evenstep_balance=static",
-          "--evenstep_global_batch=24", "--evenstep_micro_batch_samples=4", "--steps=6",
-          "--sleep_ms_per_micro=5", "--duty=rank0", "--duty_ms=20", "--trace_dir=" + dir,
-          "--evenstep_ckpt_dir=" + dir + "/ckpt"});
+  auto results = evenstep::testing::RunProgramOnRanks(
+      3, EVENSTEP_BALANCE_HELPER,
+      {"--evenstep_balance=static", "--evenstep_global_batch=24",
+       "--evenstep_micro_batch_samples=4", "--steps=6", "--sleep_ms_per_micro=5", "--duty=rank0",
+       "--duty_ms=20", "--trace_dir=" + dir, "--evenstep_ckpt_dir=" + dir + "/ckpt"});
   for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
 }
 

@@ -66,18 +66,12 @@ std::pair<int, std::string> Shell(const std::string& command) {
 std::vector<std::string> SessionArgs(const std::string& run_dir, int steps,
                                      const std::vector<std::string>& extra,
                                      const std::string& ckpt_dir = "") {
-  std::vector<std::string> argv = {
+  std::vector<std::string> argv = evenstep::testing::RankArgv(
       EVENSTEP_CKPT_HELPER,
-      "--mode=session",
-      "--run_dir=" + run_dir,
-      "--evenstep_ckpt_dir=" + (ckpt_dir.empty() ? run_dir + "/ckpt" : ckpt_dir),
-      "--steps=" + std::to_string(steps),
-      "--evenstep_ckpt_every=2",
-      "--evenstep_global_batch=24",
-      "--evenstep_micro_batch_samples=5",
-      "--evenstep_log_every=1",
-      "--evenstep_timeout=60s",
-      "--evenstep_rendezvous_timeout=60s"};
+      {"--mode=session", "--run_dir=" + run_dir,
+       "--evenstep_ckpt_dir=" + (ckpt_dir.empty() ? run_dir + "/ckpt" : ckpt_dir),
+       "--steps=" + std::to_string(steps), "--evenstep_ckpt_every=2", "--evenstep_global_batch=24",
+       "--evenstep_micro_batch_samples=5", "--evenstep_log_every=1"});
   argv.insert(argv.end(), extra.begin(), extra.end());
   return argv;
 }

@@ -38,15 +38,10 @@ TEST_P(ReshardTest, LoadsBitIdenticalAtAnotherWorldSize) {
   const Case c = GetParam();
   evenstep::testing::TempDir temp("evenstep_reshard");
   const std::string dir = temp.path();
-  const std::vector<std::string> common = {EVENSTEP_CKPT_HELPER,
-                                           "--evenstep_timeout=60s",
-                                           "--evenstep_rendezvous_timeout=60s",
-                                           "--evenstep_ckpt_dir=" + dir,
-                                           "--evenstep_ckpt_slice_mb=0.001",
-                                           "--evenstep_global_batch=24",
-                                           "--evenstep_micro_batch_samples=5",
-                                           "--optimizer=" + c.optimizer,
-                                           "--width=" + std::to_string(c.width)};
+  const std::vector<std::string> common = evenstep::testing::RankArgv(
+      EVENSTEP_CKPT_HELPER, {"--evenstep_ckpt_dir=" + dir, "--evenstep_ckpt_slice_mb=0.001",
+                             "--evenstep_global_batch=24", "--evenstep_micro_batch_samples=5",
+                             "--optimizer=" + c.optimizer, "--width=" + std::to_string(c.width)});
   std::vector<std::string> save = common, load = common;
   save.push_back("--mode=save");
   // Wide tensors: 3 more steps run while the checkpoint is written; it must
@@ -100,10 +95,10 @@ class PyTorchLoadTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(PyTorchLoadTest, ModelAndOptimizerStateBitForBit) {
   evenstep::testing::TempDir temp("evenstep_pytorch");
   const std::string dir = temp.path();
-  auto saved = evenstep::testing::RunRanks(
-      2, {EVENSTEP_CKPT_HELPER, "--evenstep_timeout=60s", "--evenstep_rendezvous_timeout=60s",
-          "--evenstep_ckpt_dir=" + dir, "--evenstep_ckpt_slice_mb=0.001",
-          "--evenstep_global_batch=24", "--optimizer=" + GetParam(), "--mode=save"});
+  auto saved = evenstep::testing::RunProgramOnRanks(
+      2, EVENSTEP_CKPT_HELPER,
+      {"--evenstep_ckpt_dir=" + dir, "--evenstep_ckpt_slice_mb=0.001", "--evenstep_global_batch=24",
+       "--optimizer=" + GetParam(), "--mode=save"});
   for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
   const std::string expected = DigestLine(saved[0].output);
   ASSERT_FALSE(expected.empty()) << saved[0].output;

@@ -4,7 +4,8 @@ arrival-skew histogram, from RUN_DIR/trace.json and RUN_DIR/report.json, plus
 RUN_DIR/report.html showing them with the table.
 
 `evenstep_plot.py preflight REPORT.json [OUT.png]`: evenstep-preflight's
-figures, each as its ratio to the median rank per rank, outliers in red.
+figures, each rank's as its ratio to the figure's reference (the median
+rank, or the better of two; the report's "reference"), outliers in red.
 Uses Debian's python3-matplotlib; without it, says so and exits 0."""
 import html
 import json
@@ -23,24 +24,29 @@ except ImportError:
 
 def plot_preflight(path, out):
     report = json.load(open(path))
-    figures = [(k, v) for k, v in sorted(report["per_rank"].items()) if k != "clock_offset_ms"]
+    if "reference" not in report:
+        print(f"{path}: no 'reference' figures (an evenstep-preflight older than this tool "
+              "wrote it): run evenstep-preflight again")
+        sys.exit(2)
+    # The figures evenstep-preflight judges, against the reference it judged them by.
+    references = report["reference"]
+    figures = [(k, v) for k, v in sorted(report["per_rank"].items()) if k in references]
+    if not figures:
+        print(f"{path}: no rank measured any figure; nothing to draw")
+        sys.exit(2)
     flagged = {(f["metric"], r) for f in report["findings"] for r in f["ranks"]}
     world = report["world_size"]
     fig, axes = plt.subplots(len(figures), 1, figsize=(max(6, 0.5 * world + 3), 1.6 * len(figures) + 1),
                              sharex=True, squeeze=False)
     for ax, (name, values) in zip(axes[:, 0], figures):
-        present = sorted(v for v in values if v is not None)
-        if not present:
-            continue
-        n = len(present)
-        ref = max(present) if n == 2 else (present[n // 2] if n % 2 else 0.5 * (present[n // 2 - 1] + present[n // 2]))
+        ref = references[name]
         ratios = [(v / ref if v is not None and ref else 0) for v in values]
         colors = ["#e15759" if (name, r) in flagged else "#4e79a7" for r in range(world)]
         ax.bar(range(world), ratios, color=colors)
         ax.axhline(1.0, color="#555", linewidth=0.8)
         ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
         ax.set_ylim(0, max(1.3, max(ratios) * 1.1))
-    axes[-1, 0].set_xlabel("rank (bars: ratio to the median rank; red: named as an outlier)")
+    axes[-1, 0].set_xlabel("rank (bars: ratio to the reference: median rank, or the better of two; red: outlier)")
     axes[-1, 0].set_xticks(range(world))
     fig.tight_layout()
     fig.savefig(out, dpi=100)

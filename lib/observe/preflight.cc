@@ -15,6 +15,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -286,6 +287,17 @@ double Median(std::vector<double> v) {
 // or the better one when only two ranks measured it.
 double Reference(const std::vector<double>& present) {
   return present.size() == 2 ? std::max(present[0], present[1]) : Median(present);
+}
+
+// Reference() of a figure's measured (not NaN) values; nullopt when no rank
+// measured it (one rank's value is its own reference: nobody is named).
+std::optional<double> ReferenceOfMeasured(const std::vector<double>& values) {
+  std::vector<double> present;
+  for (double x : values) {
+    if (!std::isnan(x)) present.push_back(x);
+  }
+  if (present.empty()) return std::nullopt;
+  return Reference(present);
 }
 
 // Bus bandwidth of an all-reduce of `bytes` over a group of `n` ranks
@@ -657,14 +669,11 @@ void JudgePreflight(PreflightReport* report) {
     auto it = report->per_rank.find(m.name);
     if (it == report->per_rank.end()) continue;
     const std::vector<double>& v = it->second;
-    std::vector<double> present;
-    for (double x : v) {
-      if (!std::isnan(x)) present.push_back(x);
-    }
-    if (present.size() < 2) continue;
-    const bool two = present.size() == 2;
-    const double ref = Reference(present);
-    if (!(ref > 0)) continue;
+    const std::optional<double> measured_ref = ReferenceOfMeasured(v);
+    if (!measured_ref || !(*measured_ref > 0)) continue;
+    const double ref = *measured_ref;
+    const bool two =
+        std::count_if(v.begin(), v.end(), [](double x) { return !std::isnan(x); }) == 2;
     const std::string ref_name = two ? "the other rank" : "the median";
     std::vector<int> slow;
     for (int r = 0; r < world; ++r) {
@@ -790,11 +799,7 @@ std::string PreflightReport::Table() const {
   auto row = [&](const std::string& label, const std::string& unit, const std::vector<double>& v,
                  bool ratios) {
     s << absl::StrFormat("  %-28s %-8s", label, unit);
-    std::vector<double> present;
-    for (double x : v) {
-      if (!std::isnan(x)) present.push_back(x);
-    }
-    const double ref = Reference(present);
+    const double ref = ReferenceOfMeasured(v).value_or(kNaN);
     if (columns) {
       for (double x : v) {
         s << absl::StrFormat(" %17s", std::isnan(x) ? "-"
@@ -857,6 +862,15 @@ std::string PreflightReport::Json() const {
     nlohmann::json col = nlohmann::json::array();
     for (double x : v) col.push_back(num(x));
     j["per_rank"][k] = col;
+  }
+  // What each judged figure's ratios are taken against (tools/evenstep_plot.py
+  // draws them from this, rather than repeating the rule).
+  j["reference"] = nlohmann::json::object();
+  for (const Metric& m : Metrics()) {
+    auto it = per_rank.find(m.name);
+    if (it == per_rank.end()) continue;
+    if (const std::optional<double> ref = ReferenceOfMeasured(it->second))
+      j["reference"][m.name] = *ref;
   }
   for (const auto& [k, v] : group) j["group"][k] = num(v);
   j["pairs"] = nlohmann::json::array();

@@ -235,6 +235,20 @@ std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& a
   return RunAll(TorchrunRanks(world, (*server)->port(), argv), timeout);
 }
 
+std::vector<std::string> RankArgv(const std::string& program,
+                                  const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {program, "--evenstep_timeout=60s",
+                                   "--evenstep_rendezvous_timeout=60s"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+std::vector<ProcessResult> RunProgramOnRanks(int world, const std::string& program,
+                                             const std::vector<std::string>& args,
+                                             absl::Duration timeout) {
+  return RunRanks(world, RankArgv(program, args), timeout);
+}
+
 std::pair<int, std::string> RunShell(const std::string& command, absl::Duration timeout) {
   const auto results = RunAll({ProcessSpec{{"/bin/sh", "-c", command}, {}}}, timeout);
   return {results[0].exit_code, results[0].output};

@@ -82,6 +82,16 @@ std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<st
 std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& argv,
                                     absl::Duration timeout = HangBound(2));
 
+// `program`'s command line with evenstep's collective and rendezvous timeouts
+// (60 s) before `args`: a lost peer fails the ranks, naming it, well inside
+// the test's own HangBound.
+std::vector<std::string> RankArgv(const std::string& program, const std::vector<std::string>& args);
+
+// RunRanks of RankArgv(program, args).
+std::vector<ProcessResult> RunProgramOnRanks(int world, const std::string& program,
+                                             const std::vector<std::string>& args,
+                                             absl::Duration timeout = HangBound(2));
+
 // A network namespace of the test's own (ip netns), for ranks that must
 // meet on a fixed port: where rank 0 hosts the store on MASTER_PORT (Slurm,
 // Open MPI, torchrun without an agent store), a port the OS picks cannot be
