@@ -3,7 +3,8 @@
 # The one command for a lent GPU machine (issue 20): builds evenstep against
 # that machine's own torch (its Python's torch.utils.cmake_prefix_path) with
 # every other dependency from the bundle scripts/gpu_bundle.sh makes (carry
-# .gpu_bundle), runs the `cuda` tests, then short GPU runs of
+# .gpu_bundle), runs the `cuda` tests and evenstep-preflight (1 rank, then 2
+# sharing the device over Gloo; JSON to $OUT), then short GPU runs of
 # bench/ckpt_throughput (GPU-resident state: evenstep's save stall vs
 # torch::save after the device-to-host copy vs PyTorch DCP async_save, 1 and
 # 4 GiB) and bench/grad_sync on CUDA (two ranks sharing the GPU over Gloo).
@@ -12,7 +13,7 @@
 # gpu_check.log (everything) there.
 #
 #   scripts/gpu_check.sh              build, cuda tests, benchmarks (<= 8 min, 16 cores)
-#   scripts/gpu_check.sh --no-bench   build and tests only
+#   scripts/gpu_check.sh --no-bench   build, tests and the preflight only
 #
 # Environment: EVENSTEP_PYTHON (default python3: the one with torch),
 # EVENSTEP_BUNDLE (default .gpu_bundle), EVENSTEP_GPU_BUILD (default
@@ -26,7 +27,7 @@ bench=1
 for arg in "$@"; do
   case $arg in
     --no-bench) bench=0 ;;
-    -h | --help) sed -n '3,22p' "$0"; exit 0 ;;
+    -h | --help) sed -n '3,23p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -140,7 +141,7 @@ configure() {
     -DEVENSTEP_PEER_PYTHON="$(command -v "$python")"
 }
 phase configure configure || exit 1
-targets=(cuda_test)
+targets=(cuda_test evenstep-run evenstep-preflight)
 if [ "$bench" -eq 1 ]; then targets+=(evenstep_bench_ckpt_throughput evenstep_bench_grad_sync); fi
 # shellcheck disable=SC2206  # a list of target names
 targets+=(${EVENSTEP_GPU_CHECK_TARGETS:-})
@@ -159,6 +160,25 @@ if [ -n "${EVENSTEP_GPU_CHECK_TESTS:-}" ]; then
   phase more_tests run_tests "$EVENSTEP_GPU_CHECK_TESTS"
   sed -n '/^=== more_tests: /,$p' "$log" | grep -E '^[0-9]+% tests passed' >>"$summary"
 fi
+
+# The preflight's figures on this machine's device (bf16 products,
+# host-to-device copies, free device memory, the all-reduce): one rank over
+# the default backend (NCCL on a GPU), then two ranks sharing the device over
+# Gloo. Exit 3 (an outlier named) counts as run: the figures are the point.
+preflight() {
+  local ranks=$1 rc
+  "$build/tools/evenstep-run" -n "$ranks" -- "$build/tools/evenstep-preflight" --quick \
+    --evenstep_ckpt_dir="$build/preflight_ckpt" --json="$report/preflight-$ranks.json" "${@:2}"
+  rc=$?
+  rm -rf "$build/preflight_ckpt"
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 3 ]
+}
+for ranks in 1 2; do
+  backend=()
+  if [ "$ranks" -gt 1 ]; then backend=(--evenstep_backend=gloo); fi
+  phase "preflight_$ranks" preflight "$ranks" "${backend[@]}"
+  sed -n "/^=== preflight_$ranks: /,\$p" "$log" | grep '^\[0\] ' | sed 's/^\[0\] /  /' >>"$summary"
+done
 
 if [ "$bench" -eq 1 ]; then
   ckpt_dir=$build/ckpt_bench

@@ -89,6 +89,10 @@ TEST(PreflightTest, ASymmetricRunNamesNoOneAndReportsEveryFigure) {
     }
     EXPECT_GT(run.json["group"]["allreduce_busbw_gbps"].get<double>(), 0);
     EXPECT_GT(run.json["group"]["allreduce_latency_us"].get<double>(), 0);
+    // The table names group figures in words, each once.
+    EXPECT_THAT(run.output, HasSubstr("all-reduce latency"));
+    EXPECT_THAT(run.output, HasSubstr("all-reduce busbw, 1 MB"));
+    EXPECT_THAT(run.output, Not(HasSubstr("allreduce_")));
     // Pairs of the hypercube: 1 for 2 ranks, 4 for 4 (0-1, 2-3, 0-2, 1-3).
     EXPECT_EQ(run.json["pairs"].size(), ranks == 2 ? 1u : 4u) << Describe(run);
     // The test file is gone.

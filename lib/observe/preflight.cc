@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -827,7 +828,20 @@ std::string PreflightReport::Table() const {
     for (const std::string& n : nodes) s << absl::StrFormat(" %17s", n);
     s << "\n";
   }
-  for (const auto& [k, v] : group) s << absl::StrFormat("  %-37s %.4g\n", k, v);
+  // Group figures by name; allreduce_busbw_gbps repeats the largest size's.
+  static const std::map<std::string, std::pair<const char*, const char*>> kGroupLabels = {
+      {"allreduce_latency_us", {"all-reduce latency", "us"}},
+      {"allreduce_busbw_gbps_1mb", {"all-reduce busbw, 1 MB", "GB/s"}},
+      {"allreduce_busbw_gbps_16mb", {"all-reduce busbw, 16 MB", "GB/s"}},
+      {"local_busbw_gbps", {"intra-node busbw, worst node", "GB/s"}},
+      {"cross_node_busbw_gbps", {"cross-node busbw, worst", "GB/s"}},
+  };
+  for (const auto& [k, v] : group) {
+    if (k == "allreduce_busbw_gbps" && group.size() > 1) continue;
+    auto it = kGroupLabels.find(k);
+    s << absl::StrFormat("  %-28s %-8s %17.4g\n", it == kGroupLabels.end() ? k : it->second.first,
+                         it == kGroupLabels.end() ? "" : it->second.second, v);
+  }
   if (!pairs.empty()) {
     double lo = std::numeric_limits<double>::infinity();
     std::pair<int, int> worst;
