@@ -177,7 +177,7 @@ for ranks in 1 2; do
   backend=()
   if [ "$ranks" -gt 1 ]; then backend=(--evenstep_backend=gloo); fi
   phase "preflight_$ranks" preflight "$ranks" "${backend[@]}"
-  sed -n "/^=== preflight_$ranks: /,\$p" "$log" | grep '^\[0\] ' | sed 's/^\[0\] /  /' >>"$summary"
+  sed -n "/^=== preflight_$ranks: /,\$p" "$log" | grep '^\[0\] ' | grep -v '\[Gloo\]' | sed 's/^\[0\] /  /' >>"$summary"
 done
 
 if [ "$bench" -eq 1 ]; then
