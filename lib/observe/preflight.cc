@@ -290,13 +290,19 @@ double Reference(const std::vector<double>& present) {
   return present.size() == 2 ? std::max(present[0], present[1]) : Median(present);
 }
 
-// Reference() of a figure's measured (not NaN) values; nullopt when no rank
-// measured it (one rank's value is its own reference: nobody is named).
-std::optional<double> ReferenceOfMeasured(const std::vector<double>& values) {
+// A figure's measured values: those of the ranks that measured it (not NaN).
+std::vector<double> Measured(const std::vector<double>& values) {
   std::vector<double> present;
   for (double x : values) {
     if (!std::isnan(x)) present.push_back(x);
   }
+  return present;
+}
+
+// Reference() of a figure's measured values; nullopt when no rank measured
+// it (one rank's value is its own reference: nobody is named).
+std::optional<double> ReferenceOfMeasured(const std::vector<double>& values) {
+  const std::vector<double> present = Measured(values);
   if (present.empty()) return std::nullopt;
   return Reference(present);
 }
@@ -670,11 +676,11 @@ void JudgePreflight(PreflightReport* report) {
     auto it = report->per_rank.find(m.name);
     if (it == report->per_rank.end()) continue;
     const std::vector<double>& v = it->second;
-    const std::optional<double> measured_ref = ReferenceOfMeasured(v);
-    if (!measured_ref || !(*measured_ref > 0)) continue;
-    const double ref = *measured_ref;
-    const bool two =
-        std::count_if(v.begin(), v.end(), [](double x) { return !std::isnan(x); }) == 2;
+    const std::vector<double> present = Measured(v);
+    if (present.size() < 2) continue;  // one rank has no one to be compared with
+    const double ref = Reference(present);
+    if (!(ref > 0)) continue;
+    const bool two = present.size() == 2;
     const std::string ref_name = two ? "the other rank" : "the median";
     std::vector<int> slow;
     for (int r = 0; r < world; ++r) {
