@@ -276,8 +276,19 @@ std::string NodeKey() {
   return host;
 }
 
-double Median(std::vector<double> v) {
-  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());
+// A figure's measured values: those of the ranks that measured it (not NaN).
+std::vector<double> Measured(const std::vector<double>& values) {
+  std::vector<double> present;
+  for (double x : values) {
+    if (!std::isnan(x)) present.push_back(x);
+  }
+  return present;
+}
+
+// The median of the measured values (the mean of the middle two for an even
+// count); NaN when none was measured.
+double Median(const std::vector<double>& values) {
+  std::vector<double> v = Measured(values);
   if (v.empty()) return kNaN;
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -288,15 +299,6 @@ double Median(std::vector<double> v) {
 // or the better one when only two ranks measured it.
 double Reference(const std::vector<double>& present) {
   return present.size() == 2 ? std::max(present[0], present[1]) : Median(present);
-}
-
-// A figure's measured values: those of the ranks that measured it (not NaN).
-std::vector<double> Measured(const std::vector<double>& values) {
-  std::vector<double> present;
-  for (double x : values) {
-    if (!std::isnan(x)) present.push_back(x);
-  }
-  return present;
 }
 
 // Reference() of a figure's measured values; nullopt when no rank measured
