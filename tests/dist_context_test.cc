@@ -294,6 +294,28 @@ TEST(DistContextTest, PeerThatLeftIsNamed) {
   }
 }
 
+TEST(DistContextTest, AWriteToADeadPeerFailsInsteadOfEndingTheRankBySigpipe) {
+  // Gloo writes to a dead peer's socket raise SIGPIPE: by default that ends
+  // the surviving rank without a word, before it can name the peer that never
+  // arrived (seen in BalancedStepTest.APeerThatDiesIsNamedAsNeverArrived under
+  // load). After Create the write fails with EPIPE; a handler the program
+  // installed itself is left in place.
+  for (bool own : {false, true}) {
+    std::vector<std::string> scenario = {"write_to_closed_pipe"};
+    if (own) scenario.push_back("own");
+    auto store = HostStore();
+    ASSERT_NE(store, nullptr);
+    auto results = RunAll(TorchrunRanks(2, store->port(), HelperArgs(scenario)), kHangBound);
+    for (const auto& r : results) {
+      EXPECT_EQ(r.signal, 0) << Describe(results);
+      EXPECT_EQ(r.exit_code, 0) << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr(absl::StrCat("write returned -1 EPIPE, own handler ran ",
+                                                   own ? 1 : 0, " time(s)")))
+          << Describe(results);
+    }
+  }
+}
+
 TEST(DistContextTest, StalledPeerIsNamedAfterTheTimeout) {
   auto store = HostStore();
   ASSERT_NE(store, nullptr);

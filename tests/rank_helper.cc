@@ -10,6 +10,11 @@
 //   rank_helper exit_code R C                            rank R exits with C, others sleep
 //   rank_helper hang                                     sleep (no rendezvous)
 //   rank_helper wait_for_sigterm                         exit 0 on SIGTERM
+//   rank_helper write_to_closed_pipe [own]               after init, a write to a pipe
+//                                                        nobody reads fails with EPIPE
+//                                                        instead of ending the rank; with
+//                                                        "own", the SIGPIPE handler the
+//                                                        program installed first still runs
 //
 // Every rank writes its pid to $EVENSTEP_TEST_PID_DIR/rank<R>.pid when set.
 // Exit codes: 0 scenario passed, 1 check failed, 3 init failed, 4 the expected
@@ -18,6 +23,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -130,6 +136,24 @@ int Collectives(evenstep::DistContext& dist) {
   return 0;
 }
 
+volatile sig_atomic_t own_sigpipe_calls = 0;
+void OwnSigpipeHandler(int) { own_sigpipe_calls = own_sigpipe_calls + 1; }
+
+// What a Gloo or TCPStore write to a dead peer's socket meets: a write to a
+// pipe whose reader is gone.
+int WriteToClosedPipe(bool own) {
+  int fds[2];
+  if (pipe(fds) != 0) return 1;
+  close(fds[0]);
+  const char byte = 0;
+  const ssize_t n = write(fds[1], &byte, 1);
+  const int err = errno;
+  close(fds[1]);
+  std::cout << "write returned " << n << (err == EPIPE ? " EPIPE" : "") << ", own handler ran "
+            << own_sigpipe_calls << " time(s)" << std::endl;
+  return n == -1 && err == EPIPE && own_sigpipe_calls == (own ? 1 : 0) ? 0 : 1;
+}
+
 // The ranks other than `absent` all-reduce and must fail naming it.
 int ExpectFailureNaming(evenstep::DistContext& dist, int absent) {
   at::Tensor t = at::ones({8});
@@ -180,6 +204,10 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  const bool own_sigpipe =
+      scenario == "write_to_closed_pipe" && args.size() > 2 && std::string(args[2]) == "own";
+  if (own_sigpipe) signal(SIGPIPE, OwnSigpipeHandler);
+
   auto ctx = evenstep::DistContext::CreateFromFlags();
   if (!ctx.ok()) {
     std::cout << "init failed: " << ctx.status() << std::endl;
@@ -199,6 +227,7 @@ int main(int argc, char** argv) {
     if (dist.rank() == victim) _exit(0);
     return ExpectFailureNaming(dist, victim);
   }
+  if (scenario == "write_to_closed_pipe") return WriteToClosedPipe(own_sigpipe);
   if (scenario == "stall_rank") {
     const int victim = int_arg(2);
     if (dist.rank() == victim) {

@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -84,6 +85,31 @@ DistContext::DistContext(LaunchEnv env, DistOptions options)
 
 DistContext::~DistContext() = default;
 
+namespace {
+
+void IgnorePipeSignal(int) {}
+
+// Gloo's TCP transport writes to its sockets with writev() (c10d's TCPStore
+// passes MSG_NOSIGNAL; Gloo does not): when a peer has died, the write raises
+// SIGPIPE, whose default action ends this rank at once, without a word,
+// before the collective's error (which names the rank that never arrived) can
+// be reported. A no-op handler turns that
+// into EPIPE on the write. A handler, not SIG_IGN: handlers are reset by
+// exec, so programs the trainer starts keep the default. A handler the
+// program installed itself is kept.
+void CatchPipeSignal() {
+  struct sigaction old {};
+  if (sigaction(SIGPIPE, nullptr, &old) != 0) return;
+  if ((old.sa_flags & SA_SIGINFO) != 0 || old.sa_handler != SIG_DFL) return;
+  struct sigaction action {};
+  action.sa_handler = IgnorePipeSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGPIPE, &action, nullptr);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const DistOptions& options) {
   EVENSTEP_ASSIGN_OR_RETURN(LaunchEnv env, DetectLaunchEnv());
   return Create(env, options);
@@ -95,6 +121,7 @@ absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", env.rank, " is not in [0, world size ", env.world_size, ")"));
   }
+  CatchPipeSignal();
   std::unique_ptr<DistContext> ctx(new DistContext(env, options));
   EVENSTEP_RETURN_IF_ERROR(ctx->Connect());
   EVENSTEP_RETURN_IF_ERROR(ctx->Rendezvous());
