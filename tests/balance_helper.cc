@@ -73,6 +73,10 @@ ABSL_FLAG(int, sleep_ms_per_micro, 0, "Sleep in every micro-batch (stable step t
 ABSL_FLAG(std::string, degrade, "",
           "RANK:STEP:FACTOR: from STEP on, RANK sleeps FACTOR x --sleep_ms_per_micro (online "
           "health).");
+ABSL_FLAG(bool, virtual_time, false,
+          "Time the micro-steps on a virtual clock that only --sleep_ms_per_micro advances, "
+          "instead of sleeping: cost fits and health figures that do not depend on the "
+          "machine's load.");
 
 namespace {
 
@@ -176,6 +180,12 @@ int main(int argc, char** argv) {
     config->initial_shares[seed % world] = 0;
   }
   evenstep::BalancedStep* step_ptr = nullptr;
+  std::atomic<int64_t> virtual_us{0};
+  if (absl::GetFlag(FLAGS_virtual_time)) {
+    config->now = [&virtual_us] {
+      return absl::UnixEpoch() + absl::Microseconds(virtual_us.load());
+    };
+  }
   double max_err = 0;
   config->after_sync = [&] {
     // Reference: one process, the whole global batch, mean loss.
@@ -301,8 +311,12 @@ int main(int argc, char** argv) {
           }
           if (sleep_ms > 0) {
             const double f = rank == degrade_rank && s >= degrade_step ? degrade_factor : 1.0;
-            std::this_thread::sleep_for(
-                std::chrono::microseconds(static_cast<int64_t>(1000 * sleep_ms * f)));
+            const auto us = static_cast<int64_t>(1000 * sleep_ms * f);
+            if (absl::GetFlag(FLAGS_virtual_time)) {
+              virtual_us += us;
+            } else {
+              std::this_thread::sleep_for(std::chrono::microseconds(us));
+            }
           }
           return config->loss_reduction == evenstep::LossReduction::kMean
                      ? LossMean(model, data, samples, per_token, inputs)

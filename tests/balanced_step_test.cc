@@ -166,23 +166,27 @@ TEST(BalancedStepTest, ALoadFailureOnAWorkerNamesItsSamplesAndEveryRankGoesOn) {
                                        "injected failure in the load function"));
 }
 
-// Online health: a rank whose micro-steps become 2x slower mid-run is named
+// Online health: a rank whose micro-steps become 2.5x slower mid-run is named
 // against its own best (once), the steady rank never; the health figures
-// of the last step show who degraded.
+// of the last step show who degraded. The micro-steps are timed on a virtual
+// clock that only the helper's 15 ms "work" advances: with wall-clock sleeps
+// a loaded machine (ctest -j12 on 2 cores) hid the slowdown behind the load
+// falling away during the run.
 TEST(BalancedStepTest, ARankThatSlowsDownMidRunIsNamedAgainstItsOwnBest) {
-  auto results = RunHelper(2, {"--steps=30", "--sleep_ms_per_micro=15", "--degrade=1:14:2.5",
-                               "--evenstep_micro_batch_samples=8", "--evenstep_balance=static"});
+  auto results =
+      RunHelper(2, {"--steps=30", "--sleep_ms_per_micro=15", "--degrade=1:14:2.5", "--virtual_time",
+                    "--evenstep_micro_batch_samples=8", "--evenstep_balance=static"});
   for (const auto& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
   const std::string& out = results[0].output;
   int alerts = 0;
   for (absl::string_view line : absl::StrSplit(out, '\n')) {
     if (!absl::StartsWith(line, "HEALTH ")) continue;
     ++alerts;
-    EXPECT_THAT(std::string(line), HasSubstr("HEALTH rank 1's micro-steps take")) << out;
-    EXPECT_THAT(std::string(line), HasSubstr("its own best")) << out;
+    EXPECT_THAT(std::string(line), HasSubstr("HEALTH rank 1's micro-steps take 2.50x its own best"))
+        << out;
   }
   EXPECT_EQ(alerts, 1) << out;
-  // The last step: rank 0 at its best, rank 1 well below.
+  // The last step: rank 0 at its best, rank 1 at 1/2.5 of it.
   const size_t last = out.rfind("step 30 rank 0");
   ASSERT_NE(last, std::string::npos) << out;
   const std::string line = out.substr(last, out.find('\n', last) - last);
@@ -190,8 +194,8 @@ TEST(BalancedStepTest, ARankThatSlowsDownMidRunIsNamedAgainstItsOwnBest) {
   ASSERT_EQ(f.size(), 2u) << line;
   double h0 = 0, h1 = 0;
   ASSERT_TRUE(absl::SimpleAtod(f[0], &h0) && absl::SimpleAtod(f[1], &h1)) << line;
-  EXPECT_GT(h0, 0.85) << line;
-  EXPECT_LT(h1, 0.8) << line;
+  EXPECT_NEAR(h0, 1.0, 1e-3) << line;
+  EXPECT_NEAR(h1, 0.4, 1e-3) << line;
 }
 
 TEST(BalancedStepTest, LossTrajectoryIsTheSameForWorldSizes1To3) {

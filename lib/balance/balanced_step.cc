@@ -75,7 +75,7 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   };
   // The arrival at the sync splits the last micro-step's compute from its
   // sync wait on the same clock.
-  auto clock = std::make_unique<internal::MicroStepClock>(ModelDevice(model));
+  auto clock = std::make_unique<internal::MicroStepClock>(ModelDevice(model), config.now);
   config.grad_sync.on_arrival = [c = clock.get()] { c->Arrive(); };
   EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync,
                             GradSync::Attach(model, ctx.data_group(), config.grad_sync));

@@ -120,6 +120,11 @@ struct BalanceConfig {
   // StepReport::health_alerts once per crossing (Session prints it on rank
   // 0); 0 = off.
   double health_warn = 0.8;
+  // The host clock that times the micro-steps of a CPU model (what the cost
+  // model and the health figures learn from); null = absl::Now. A test or a
+  // simulation may drive a virtual one. On an accelerator the micro-steps
+  // are timed with device events instead.
+  std::function<absl::Time()> now;
   // Called after the sync with the global gradient in param.grad(), before
   // clipping and the optimizer step (e.g. to log gradient norms).
   std::function<void()> after_sync;
