@@ -180,8 +180,9 @@ int main(int argc, char** argv) {
     config->initial_shares[seed % world] = 0;
   }
   evenstep::BalancedStep* step_ptr = nullptr;
+  const bool virtual_time = absl::GetFlag(FLAGS_virtual_time);
   std::atomic<int64_t> virtual_us{0};
-  if (absl::GetFlag(FLAGS_virtual_time)) {
+  if (virtual_time) {
     config->now = [&virtual_us] {
       return absl::UnixEpoch() + absl::Microseconds(virtual_us.load());
     };
@@ -312,7 +313,7 @@ int main(int argc, char** argv) {
           if (sleep_ms > 0) {
             const double f = rank == degrade_rank && s >= degrade_step ? degrade_factor : 1.0;
             const auto us = static_cast<int64_t>(1000 * sleep_ms * f);
-            if (absl::GetFlag(FLAGS_virtual_time)) {
+            if (virtual_time) {
               virtual_us += us;
             } else {
               std::this_thread::sleep_for(std::chrono::microseconds(us));

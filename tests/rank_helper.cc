@@ -139,8 +139,8 @@ int Collectives(evenstep::DistContext& dist) {
 volatile sig_atomic_t own_sigpipe_calls = 0;
 void OwnSigpipeHandler(int) { own_sigpipe_calls = own_sigpipe_calls + 1; }
 
-// What a Gloo or TCPStore write to a dead peer's socket meets: a write to a
-// pipe whose reader is gone.
+// What a Gloo write to a dead peer's socket meets (c10d's TCPStore passes
+// MSG_NOSIGNAL): a write to a pipe whose reader is gone.
 int WriteToClosedPipe(bool own) {
   int fds[2];
   if (pipe(fds) != 0) return 1;

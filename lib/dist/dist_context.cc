@@ -93,10 +93,10 @@ void IgnorePipeSignal(int) {}
 // passes MSG_NOSIGNAL; Gloo does not): when a peer has died, the write raises
 // SIGPIPE, whose default action ends this rank at once, without a word,
 // before the collective's error (which names the rank that never arrived) can
-// be reported. A no-op handler turns that
-// into EPIPE on the write. A handler, not SIG_IGN: handlers are reset by
-// exec, so programs the trainer starts keep the default. A handler the
-// program installed itself is kept.
+// be reported. A no-op handler turns that into EPIPE on the write. A
+// handler, not SIG_IGN: handlers are reset by exec, so programs the trainer
+// starts keep the default. A handler (or SIG_IGN) the program installed
+// itself is kept.
 void CatchPipeSignal() {
   struct sigaction old {};
   if (sigaction(SIGPIPE, nullptr, &old) != 0) return;
