@@ -54,12 +54,17 @@ struct ParamSlot {
   // Per synchronisation.
   bool ready = false;
   bool used = false;  // its accumulator ran since the last synchronisation
-  // After the last successful synchronisation (check_zero_grad).
-  int64_t version = -1;
-  const c10::TensorImpl* grad_impl = nullptr;
-  int64_t grad_version = -1;
+  // The gradient the last synchronisation wrote (which tensor, at which
+  // version): still that, unchanged, when the next one begins to accumulate
+  // means it was kept (no zero_grad), and this rank contributes only what
+  // was added on top of it.
+  const c10::TensorImpl* written_impl = nullptr;
+  int64_t written_version = -1;
+  bool touched = false;  // the kept-gradient check ran since the last write
+  at::Tensor base;       // the kept reduced gradient, when it was kept
   std::shared_ptr<torch::autograd::Node> accumulator;
   uintptr_t hook_key = 0;
+  const torch::autograd::FunctionPreHook* pre_hook = nullptr;
 };
 
 struct Bucket {
@@ -89,7 +94,10 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   bool step_open = false;
   bool prepared = false;        // PrepareForBackward ran for the coming backward
   std::vector<char> reachable;  // from PrepareForBackward
-  bool versions_valid = false;  // check_zero_grad can compare
+  // The last synchronisation failed inside a backward (its own exception,
+  // or a failure mark from a peer) and no synchronisation began since: an
+  // AbandonStep now refers to it and starts nothing.
+  bool failed_in_backward = false;
   int next_launch = 0;
   int params_ready = 0;
   int64_t collectives = 0;
@@ -118,13 +126,15 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   void Layout(const std::vector<int>& order);
   void BeginStep(int first);
   void OnGradReady(int index);
+  void OnGradAccumulating(int index);
+  void CheckKept(ParamSlot& p);
+  void OnBackwardEnded(int64_t sync, bool completed);
   void CopyIn(ParamSlot& p);
   void LaunchReady();
   void Fail(absl::Status why);
   absl::Status AbandonStale();
   std::vector<int32_t> ControlValues() const;
   absl::Status Finish();
-  void Complete();
   void ResetGradients();
   void WriteBack(const std::vector<char>& used_anywhere);
   void MaybeRebuild();
@@ -149,6 +159,46 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
  private:
   std::weak_ptr<GradSyncState> state_;
   int index_;
+};
+
+// Runs before the accumulator adds a new gradient into param.grad().
+class AccumulatingHook : public torch::autograd::FunctionPreHook {
+ public:
+  AccumulatingHook(std::weak_ptr<GradSyncState> state, int index)
+      : state_(std::move(state)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (auto state = state_.lock()) state->OnGradAccumulating(index_);
+    return grads;
+  }
+
+ private:
+  std::weak_ptr<GradSyncState> state_;
+  int index_;
+};
+
+// Held by the end-of-backward callback of a synchronised backward. The
+// autograd engine runs that callback only when backward completes; when a
+// node throws, the engine drops its graph task, callbacks unrun, and this
+// guard's destructor completes the synchronisation with a failure mark.
+class BackwardGuard {
+ public:
+  BackwardGuard(std::weak_ptr<GradSyncState> state, int64_t sync)
+      : state_(std::move(state)), sync_(sync) {}
+  ~BackwardGuard() {
+    if (ran_) return;
+    try {
+      if (auto state = state_.lock()) state->OnBackwardEnded(sync_, /*completed=*/false);
+    } catch (...) {  // a destructor must not throw; the failure is kept in the state
+    }
+  }
+  BackwardGuard(const BackwardGuard&) = delete;
+  BackwardGuard& operator=(const BackwardGuard&) = delete;
+  void Ran() { ran_ = true; }
+
+ private:
+  std::weak_ptr<GradSyncState> state_;
+  int64_t sync_;
+  bool ran_ = false;
 };
 
 at::ScalarType ReduceType(at::ScalarType t, c10d::ProcessGroup& group) {
@@ -239,6 +289,7 @@ void GradSyncState::Layout(const std::vector<int>& order) {
 
 void GradSyncState::BeginStep(int first) {
   step_open = true;
+  failed_in_backward = false;
   ++seq;
   next_launch = 0;
   params_ready = 0;
@@ -280,34 +331,6 @@ void GradSyncState::BeginStep(int first) {
       break;
     }
   }
-  if (options.check_zero_grad && versions_valid && local_failure.ok() &&
-      (first < 0 || params.size() > 1)) {
-    // zero_grad() zeroes (a new grad version) or resets every gradient; an
-    // optimizer step may bump the parameters' versions. Neither since the
-    // last synchronisation: the gradients still hold its reduced values. The
-    // gradient of `first` has already accumulated, so it cannot tell.
-    bool changed = false;
-    for (size_t i = 0; i < params.size() && !changed; ++i) {
-      const ParamSlot& p = params[i];
-      changed |= p.param._version() != p.version;
-      if (static_cast<int>(i) == first) continue;
-      const at::Tensor& grad = p.param.grad();
-      changed |= grad.unsafeGetTensorImpl() != p.grad_impl ||
-                 (grad.defined() && grad._version() != p.grad_version);
-    }
-    if (!changed) {
-      const std::string who =
-          first >= 0 ? absl::StrCat("the gradient of '", params[first].name, "' became ready")
-                     : std::string("SyncNow was called");
-      Fail(absl::FailedPreconditionError(absl::StrCat(
-          who, " for synchronisation #", seq, " but no gradient was zeroed since synchronisation #",
-          seq - 1,
-          " (no zero_grad in between): a second backward() with sync enabled in "
-          "one step would reduce the reduced gradient again; call set_sync_enabled(false) "
-          "before every backward of a step but the last")));
-    }
-  }
-
   // 1. The buffers, as they are now (after this step's forward), from root.
   if (options.buffers_from_root_every_step && world > 1 && !buffers.empty()) {
     std::map<std::pair<int, std::string>, std::vector<int>> groups;
@@ -365,11 +388,35 @@ void GradSyncState::Fail(absl::Status why) {
   }
 }
 
+// Before the first accumulation into `p` since the last synchronisation wrote
+// its gradient (or at this synchronisation, when nothing accumulated): a
+// gradient still exactly as written was kept (no zero_grad). It is the same
+// on every rank, so each contributes what it added on top, and the kept
+// value is added back once after the reduction: the sum a single process
+// accumulates, as DDP's mean gives it.
+void GradSyncState::CheckKept(ParamSlot& p) {
+  if (p.touched) return;
+  p.touched = true;
+  const at::Tensor& grad = p.param.grad();
+  if (grad.defined() && grad.unsafeGetTensorImpl() == p.written_impl &&
+      grad._version() == p.written_version) {
+    at::NoGradGuard no_grad;
+    p.base = grad.detach().clone();
+  }
+}
+
+void GradSyncState::OnGradAccumulating(int index) {
+  std::lock_guard<std::mutex> lock(mu);
+  CheckKept(params[index]);
+}
+
 void GradSyncState::CopyIn(ParamSlot& p) {
   if (p.ready) return;
   p.ready = true;
   ++params_ready;
+  CheckKept(p);
   if (p.sparse) return;  // reduced after the buckets
+  at::NoGradGuard no_grad;
   Bucket& b = buckets[p.bucket];
   at::Tensor view = b.buffer.as_strided(p.sizes, p.strides, p.offset);
   const at::Tensor& grad = p.param.grad();
@@ -382,8 +429,11 @@ void GradSyncState::CopyIn(ParamSlot& p) {
         "in GradSyncOptions::sparse_parameters (Embedding/EmbeddingBag with sparse(true) are "
         "found by Attach(module))")));
     view.zero_();
-  } else if (!(p.alias && grad.data_ptr() == view.data_ptr() && grad.strides() == view.strides())) {
-    view.copy_(grad);
+  } else {
+    if (!(p.alias && grad.data_ptr() == view.data_ptr() && grad.strides() == view.strides())) {
+      view.copy_(grad);
+    }
+    if (p.base.defined()) view.sub_(p.base);
   }
   if (--b.pending == 0) b.ready = true;
 }
@@ -393,7 +443,10 @@ void GradSyncState::LaunchReady() {
     Bucket& b = buckets[next_launch];
     const bool last = next_launch + 1 == static_cast<int>(buckets.size());
     if (last && control_in_bucket()) {
-      // Every parameter is ready once the last bucket is: the bitmap is known.
+      // The bitmap it carries is final only once every parameter is ready:
+      // every dense one is by now, a sparse one (reduced after the buckets)
+      // may still be in backward.
+      if (params_ready < static_cast<int>(params.size())) return;
       at::Tensor tail = b.buffer.narrow(0, b.grad_numel, control_numel());
       tail.copy_(at::tensor(ControlValues(), at::kInt));  // cast to the bucket's dtype
     }
@@ -430,16 +483,10 @@ void GradSyncState::OnGradReady(int index) {
   if (!step_open) {
     BeginStep(index);
     std::weak_ptr<GradSyncState> weak = weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      auto state = weak.lock();
-      if (!state) return;
-      absl::Status s;
-      {
-        std::lock_guard<std::mutex> lock(state->mu);
-        if (!state->step_open) return;
-        s = state->Finish();
-      }
-      if (!s.ok()) throw std::runtime_error(s.ToString());
+    auto guard = std::make_shared<BackwardGuard>(weak, seq);
+    torch::autograd::Engine::get_default_engine().queue_callback([weak, guard, sync = seq] {
+      guard->Ran();
+      if (auto state = weak.lock()) state->OnBackwardEnded(sync, /*completed=*/true);
     });
   } else if (p.ready) {
     // A second gradient in one synchronisation (or one PrepareForBackward
@@ -451,11 +498,33 @@ void GradSyncState::OnGradReady(int index) {
         ": reentrant activation checkpointing, or a backward() after one that threw without "
         "GradSync::AbandonStep")));
     absl::Status s = Finish();
+    failed_in_backward = true;
     throw std::runtime_error(s.ToString());
   }
   ready_order.push_back(index);
   CopyIn(p);
-  if (!p.sparse && buckets[p.bucket].ready) LaunchReady();
+  if (p.sparse || buckets[p.bucket].ready) LaunchReady();
+}
+
+// The end of synchronised backward `sync`: `completed` from the engine's
+// end-of-backward callback, else from the guard of a backward that threw
+// (this rank's exception: join with a failure mark, so no rank finishes
+// with a gradient that lacks this rank's part and no later backward of
+// this rank lands in this synchronisation).
+void GradSyncState::OnBackwardEnded(int64_t sync, bool completed) {
+  absl::Status s;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!step_open || sync != seq) return;
+    if (!completed) {
+      Fail(absl::AbortedError(absl::StrCat(
+          "an exception inside the synchronised backward of synchronisation #", sync,
+          " (GradSync joined it with a failure mark)")));
+    }
+    s = Finish();
+    failed_in_backward = !s.ok();
+  }
+  if (completed && !s.ok()) throw std::runtime_error(s.ToString());
 }
 
 std::string GradSyncState::DescribeBucket(int b) const {
@@ -473,6 +542,10 @@ std::string GradSyncState::DescribeBucket(int b) const {
 void GradSyncState::ResetGradients() {
   for (ParamSlot& p : params) {
     if (p.param.grad().defined()) p.param.mutable_grad() = at::Tensor();
+    p.used = false;
+    p.touched = false;
+    p.base = at::Tensor();
+    p.written_impl = nullptr;
   }
   // A parameter frozen at Attach that requires grad now got a local one.
   for (NamedTensor& f : frozen) {
@@ -493,7 +566,10 @@ absl::Status GradSyncState::Finish() {
     at::Tensor grad = p.param.grad();
     at::Tensor mine;
     if (grad.defined() && local_failure.ok()) {
-      mine = (grad.is_sparse() ? grad : grad.to_sparse(1)).coalesce().clone();
+      at::NoGradGuard no_grad;
+      at::Tensor added = grad.is_sparse() ? grad : grad.to_sparse(1);
+      if (p.base.defined()) added = added - (p.base.is_sparse() ? p.base : p.base.to_sparse(1));
+      mine = added.coalesce().clone();
     } else {
       std::vector<int64_t> values_shape = p.param.sizes().vec();
       values_shape[0] = 0;
@@ -551,7 +627,6 @@ absl::Status GradSyncState::Finish() {
   if (!fatal.ok()) {
     ResetGradients();
     local_failure = absl::OkStatus();
-    versions_valid = false;
     last = fatal;
     return fatal;
   }
@@ -578,8 +653,6 @@ absl::Status GradSyncState::Finish() {
                                         : absl::StrCat(" (here: ", local_failure.message(), ")"),
                      "; the step's gradients were reset"));
     local_failure = absl::OkStatus();
-    versions_valid = false;
-    for (ParamSlot& p : params) p.used = false;
     return last;
   }
   // Buffers from root.
@@ -606,19 +679,24 @@ absl::Status GradSyncState::Finish() {
 }
 
 void GradSyncState::WriteBack(const std::vector<char>& used_anywhere) {
-  bool any_used = false;
+  at::NoGradGuard no_grad;
+  std::vector<char> written(params.size(), 0);
   for (size_t i = 0; i < params.size(); ++i) {
     ParamSlot& p = params[i];
     if (!p.used) ++stats.unused_here;
     p.used = false;
+    at::Tensor view = p.sparse ? at::Tensor()
+                               : buckets[p.bucket].buffer.as_strided(p.sizes, p.strides, p.offset);
+    // A kept gradient: every rank contributed its increment; add the kept
+    // value back once (into the storage a kept gradient may share, too).
+    if (view.defined() && p.base.defined()) view.add_(p.base);
     if (!used_anywhere[i]) {
       ++stats.unused_everywhere;  // untouched, as a single process would leave it
       continue;
     }
-    any_used = true;
+    written[i] = 1;
     if (p.sparse) continue;
     const at::Tensor& buffer = buckets[p.bucket].buffer;
-    at::Tensor view = buffer.as_strided(p.sizes, p.strides, p.offset);
     const at::Tensor& grad = p.param.grad();
     if (!p.alias) {
       p.param.mutable_grad() = view.to(p.param.scalar_type());
@@ -634,14 +712,17 @@ void GradSyncState::WriteBack(const std::vector<char>& used_anywhere) {
   size_t s = 0;
   for (auto& [tensor, work] : sparse_work) {
     ParamSlot& p = params[sparse[s++]];
-    if (used_anywhere[&p - params.data()]) p.param.mutable_grad() = tensor.coalesce();
+    if (!written[&p - params.data()]) continue;
+    p.param.mutable_grad() = p.base.defined() ? (tensor + p.base).coalesce() : tensor.coalesce();
   }
-  for (ParamSlot& p : params) {
-    p.version = p.param._version();
-    p.grad_impl = p.param.grad().unsafeGetTensorImpl();
-    p.grad_version = p.param.grad().defined() ? p.param.grad()._version() : -1;
+  for (size_t i = 0; i < params.size(); ++i) {
+    ParamSlot& p = params[i];
+    p.touched = false;
+    p.base = at::Tensor();
+    if (!written[i]) continue;  // untouched: what it held before, as it was
+    p.written_impl = p.param.grad().unsafeGetTensorImpl();
+    p.written_version = p.param.grad()._version();
   }
-  versions_valid = any_used;
 }
 
 // Once: the buckets follow the order rank 0's gradients became ready.
@@ -851,7 +932,12 @@ GradSync::GradSync(std::shared_ptr<internal::GradSyncState> state) : state_(std:
 
 GradSync::~GradSync() {
   for (internal::ParamSlot& p : state_->params) {
-    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
+    if (!p.accumulator) continue;
+    p.accumulator->del_post_hook(p.hook_key);
+    auto& pre = p.accumulator->pre_hooks();  // no del_pre_hook in libtorch
+    pre.erase(std::remove_if(pre.begin(), pre.end(),
+                             [&](const auto& h) { return h.get() == p.pre_hook; }),
+              pre.end());
   }
 }
 
@@ -866,14 +952,18 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(torch::nn::Module& mo
     buffers.emplace_back(item.key(), item.value());
   }
   // Embedding layers that produce sparse gradients.
+  // Not modules(include_self=true): that needs the module held by a
+  // shared_ptr, and a model on the stack is a model too.
   std::unordered_set<const c10::TensorImpl*> sparse;
-  for (const auto& m : module.modules(/*include_self=*/true)) {
-    if (auto* e = dynamic_cast<torch::nn::EmbeddingImpl*>(m.get())) {
+  auto find_sparse = [&](torch::nn::Module* m) {
+    if (auto* e = dynamic_cast<torch::nn::EmbeddingImpl*>(m)) {
       if (e->options.sparse()) sparse.insert(e->weight.unsafeGetTensorImpl());
-    } else if (auto* b = dynamic_cast<torch::nn::EmbeddingBagImpl*>(m.get())) {
+    } else if (auto* b = dynamic_cast<torch::nn::EmbeddingBagImpl*>(m)) {
       if (b->options.sparse()) sparse.insert(b->weight.unsafeGetTensorImpl());
     }
-  }
+  };
+  find_sparse(&module);
+  for (const auto& m : module.modules(/*include_self=*/false)) find_sparse(m.get());
   for (const NamedTensor& p : params) {
     if (p.second.defined() && sparse.count(p.second.unsafeGetTensorImpl())) {
       options.sparse_parameters.push_back(p.first);
@@ -959,6 +1049,9 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
                                                      "' is not a leaf that requires grad"));
     }
     p.hook_key = p.accumulator->add_post_hook(std::make_unique<internal::ReadyHook>(state, i));
+    auto pre_hook = std::make_unique<internal::AccumulatingHook>(state, i);
+    p.pre_hook = pre_hook.get();
+    p.accumulator->add_pre_hook(std::move(pre_hook));
   }
   return sync;
 }
@@ -1008,6 +1101,12 @@ absl::Status GradSync::PrepareForBackward(const at::Tensor& loss) {
 absl::Status GradSync::AbandonStep(const absl::Status& why) {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!state_->fatal.ok()) return state_->fatal;
+  if (state_->failed_in_backward) {
+    // The exception came out of a backward whose synchronisation has already
+    // failed on every rank: nothing more to join.
+    state_->failed_in_backward = false;
+    return state_->last;
+  }
   state_->Fail(why.ok() ? absl::AbortedError("abandoned") : why);
   if (!state_->step_open) state_->BeginStep(-1);
   return state_->Finish();

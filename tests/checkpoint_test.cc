@@ -559,6 +559,37 @@ TEST(CheckpointTest, ToolsRefuseHostileCheckpointsWithoutCrashingOrHanging) {
   EXPECT_EQ(rc, 0) << out;
 }
 
+TEST(CheckpointTest, EveryToolRefusesADtypeRelabelledWithARecomputedIndexChecksum) {
+  // An attacker's edit that keeps the manifest self-consistent: a float32
+  // tensor labelled int32 (same element size), index_xxh3 recomputed. The
+  // data checksums still match; only the shard's HDF5 type tells. verify
+  // refused it while consolidate and export wrote the float bits as int32.
+  TempDir dir;
+  ASSERT_TRUE(SaveAsRanks(dir.path(), MakeState(4, 1), 2).ok());
+  const std::string tool = EVENSTEP_CKPT_TOOL;
+  const std::string ckpt = CheckpointPath(dir.path(), 4);
+  const std::string path = ckpt + "/manifest.json";
+  auto manifest = ManifestFromJson(*ReadFileToString(*Env::Default(), path), path);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  std::string relabelled;
+  for (TensorInfo& t : manifest->tensors) {
+    if (t.dtype == "float32") {
+      t.dtype = "int32";
+      relabelled = t.name;
+      break;
+    }
+  }
+  ASSERT_FALSE(relabelled.empty());
+  std::ofstream(path, std::ios::trunc) << ManifestToJson(*manifest);
+  for (const std::string command : {"show", "verify", "consolidate", "export"}) {
+    const std::string out_file = dir.path() + "/out-" + command;
+    auto [rc, out] = RunShell(absl::StrCat(tool, " ", command, " ", ckpt, " ", out_file, " 2>&1"));
+    EXPECT_EQ(rc, 1) << command << ": " << out;
+    EXPECT_THAT(out, HasSubstr("its HDF5 type is not that of int32")) << command << ": " << out;
+    EXPECT_FALSE(std::filesystem::exists(out_file)) << command;
+  }
+}
+
 TEST(CheckpointTest, VerifyOpensEveryShardWithHdf5) {
   TempDir dir;
   ASSERT_TRUE(SaveAsRanks(dir.path(), MakeState(4, 1), 2).ok());

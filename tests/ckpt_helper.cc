@@ -12,7 +12,8 @@
 //   ckpt_helper --mode=session --run_dir=R [--steps=N] [--evenstep_*]
 //     trains through evenstep::Session (resume, periodic checkpoints, save
 //     failure reports); prints "first step S", "step K loss L" per step and
-//     "finished" after Finish().
+//     "finished" after Finish(). --second_session: a second Session on the
+//     same DistContext and a second DistContext must be refused first.
 // --device=cuda puts the model (and so the optimizer state) on the GPU
 // (tests/cuda_test.cc).
 // Exit codes: 0 ok, 2 evenstep error, 3 init.
@@ -38,6 +39,9 @@
 
 ABSL_FLAG(std::string, mode, "save", "save, load or session");
 ABSL_FLAG(std::string, run_dir, "", "--mode=session: the run directory.");
+ABSL_FLAG(bool, second_session, false,
+          "--mode=session: also try a second Session on the same DistContext and a second "
+          "DistContext in this process (both must be refused), then train with the first.");
 ABSL_FLAG(int, signal_at_step, 0,
           "--mode=session: after this step, --signal_rank raises --signal at itself.");
 ABSL_FLAG(int, signal_rank, 1, "The rank that raises the signal.");
@@ -135,6 +139,16 @@ int RunSession(evenstep::DistContext& ctx) {
   if (!session.ok()) {
     std::cerr << "session: " << session.status() << std::endl;
     return 2;
+  }
+  if (absl::GetFlag(FLAGS_second_session)) {
+    torch::nn::Linear other(4, 1);
+    auto other_optimizer = MakeOptimizer(*other, "sgd");
+    auto second = evenstep::Session::Create(ctx, *other, *other_optimizer, lengths,
+                                            absl::GetFlag(FLAGS_run_dir) + "/other");
+    std::cout << "second session: " << second.status() << std::endl;
+    auto second_ctx = evenstep::DistContext::CreateFromFlags();
+    std::cout << "second context: " << second_ctx.status() << std::endl;
+    if (second.ok() || second_ctx.ok()) return 1;
   }
   std::cout << "first step " << (*session)->first_step() << std::endl;
   for (int64_t s = (*session)->first_step(); s <= absl::GetFlag(FLAGS_steps); ++s) {

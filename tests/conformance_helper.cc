@@ -10,13 +10,23 @@
 // branch used on some steps by some ranks, a layer never used), sparse
 // (Embedding with sparse gradients), batchnorm, mixed (float64 + bf16
 // layers), layout (channels-last conv, a transposed and a non-dense
-// parameter), reverse (layers used in the reverse of their registration).
+// parameter), reverse (layers used in the reverse of their registration),
+// one_param (one trainable parameter beside a frozen layer: DDP's
+// test_ddp_ignore_params_arg), control_flow (a layer only rank 1 uses, on
+// odd steps, and one no rank uses: DDP's
+// test_ddp_control_flow_different_across_ranks and
+// test_ddp_unused_params_rebuild_buckets_exception with find_unused).
 // Scenarios (--scenario): train (default), two_backward (sync enabled on two
-// backwards of step 1: every rank must fail naming a parameter), exception
-// (rank 1's backward throws inside step 3: every rank abandons step 3 and
-// goes on; the reference skips it), unfreeze (reverse's l2.weight frozen
+// backwards of every step: the second adds to the reduced gradient, as in
+// one process), exception (rank 1's backward throws inside step 3: every
+// rank abandons step 3 and goes on; the reference skips it; --abandon says
+// when the caller calls AbandonStep: never, if_needed (syncs_completed()
+// did not advance) or always), unfreeze (reverse's l2.weight frozen
 // after step 2: every rank's step 3 fails naming it), thaw (tied's frozen
-// proj.weight made trainable after step 2: the same).
+// proj.weight made trainable after step 2: the same). --keep_grad: no
+// zero_grad anywhere (the gradients accumulate over steps, on both sides);
+// --create_graph: every backward with create_graph (DDP's
+// test_ddp_create_graph).
 // Output: "conformance ok ..." or MISMATCH lines. Exit codes: 0 passed,
 // 1 mismatch, 3 init failed, 4 the expected error.
 #include <torch/torch.h>
@@ -40,6 +50,12 @@ ABSL_FLAG(int, steps, 5, "Optimizer steps.");
 ABSL_FLAG(int, micro, 3, "Micro-steps per rank per step (sync on the last).");
 ABSL_FLAG(int, idle_rank, -1, "This rank has no micro-batch in any step (joins by SyncNow).");
 ABSL_FLAG(std::string, out, "", "Rank 0 writes its parameters and buffers there (JSON).");
+ABSL_FLAG(std::string, throw_in, "synced",
+          "exception scenario: rank 1 throws in step 3's synced backward, or in its first.");
+ABSL_FLAG(bool, keep_grad, false, "No zero_grad between steps (model and reference).");
+ABSL_FLAG(bool, create_graph, false, "Every backward of the model with create_graph.");
+ABSL_FLAG(std::string, abandon, "if_needed",
+          "After an exception in a step: never, if_needed or always call AbandonStep.");
 
 namespace {
 
@@ -249,6 +265,35 @@ struct Reverse : Case {
   int fire_rank = -1, fire_step = -1;
 };
 
+// One trainable parameter; the rest frozen (never synced).
+struct OneParam : Case {
+  OneParam() {
+    frozen = register_module("frozen", torch::nn::Linear(5, 5));
+    w = register_module("w", torch::nn::Linear(torch::nn::LinearOptions(5, 3).bias(false)));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  Tensor Loss(const std::vector<int64_t>& samples, int step, int) override {
+    return SumCE(w(torch::tanh(frozen(Rows(samples, step, 5)))), Targets(samples, step, 3));
+  }
+  torch::nn::Linear frozen{nullptr}, w{nullptr};
+};
+
+// A layer only rank 1 uses, on odd steps; a layer no rank ever uses.
+struct ControlFlow : Case {
+  ControlFlow() {
+    a = register_module("a", torch::nn::Linear(6, 6));
+    b = register_module("b", torch::nn::Linear(6, 6));
+    never = register_module("never", torch::nn::Linear(6, 6));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  Tensor Loss(const std::vector<int64_t>& samples, int step, int rank) override {
+    Tensor h = torch::tanh(a(Rows(samples, step, 6)));
+    if (rank == 1 && step % 2 == 1) h = h + b(h);
+    return SumCE(head(h), Targets(samples, step, 3));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, never{nullptr}, head{nullptr};
+};
+
 std::shared_ptr<Case> MakeCase(const std::string& name) {
   std::shared_ptr<Case> c;
   if (name == "tied_adam") c = std::make_shared<Tied>(true);
@@ -258,6 +303,8 @@ std::shared_ptr<Case> MakeCase(const std::string& name) {
   if (name == "mixed") c = std::make_shared<Mixed>();
   if (name == "layout") c = std::make_shared<Layout>();
   if (name == "reverse") c = std::make_shared<Reverse>();
+  if (name == "one_param") c = std::make_shared<OneParam>();
+  if (name == "control_flow") c = std::make_shared<ControlFlow>();
   if (c) InitParameters(*c);
   return c;
 }
@@ -302,7 +349,7 @@ double MaxRelError(const Tensor& got, const Tensor& want) {
 // with that rank's behaviour; BatchNorm buffers end as rank 0's (they run
 // last, from the buffers the step began with), as GradSync broadcasts them.
 void ReferenceStep(Case& ref, torch::optim::Optimizer& opt, int step, int world,
-                   const std::vector<std::vector<std::vector<int64_t>>>& split) {
+                   const std::vector<std::vector<std::vector<int64_t>>>& split, bool keep_grad) {
   std::vector<Tensor> start;
   for (auto& b : ref.buffers()) start.push_back(b.detach().clone());
   for (int r = world - 1; r >= 0; --r) {
@@ -322,7 +369,7 @@ void ReferenceStep(Case& ref, torch::optim::Optimizer& opt, int step, int world,
     if (total.defined()) total.backward();
   }
   opt.step();
-  opt.zero_grad();
+  if (!keep_grad) opt.zero_grad();
 }
 
 int Run(evenstep::DistContext& dist) {
@@ -331,16 +378,16 @@ int Run(evenstep::DistContext& dist) {
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
   const int steps = absl::GetFlag(FLAGS_steps), micro = absl::GetFlag(FLAGS_micro);
   const int idle = absl::GetFlag(FLAGS_idle_rank);
+  const bool keep_grad = absl::GetFlag(FLAGS_keep_grad);
+  const bool create_graph = absl::GetFlag(FLAGS_create_graph);
+  const std::string abandon = absl::GetFlag(FLAGS_abandon);
   auto model = MakeCase(name);
   auto ref = MakeCase(name);
   if (!model) {
     std::cerr << "unknown case " << name << std::endl;
     return 2;
   }
-  if (scenario == "exception") {
-    static_cast<Reverse&>(*model).fire_rank = 1;
-    static_cast<Reverse&>(*model).fire_step = 3;
-  }
+  if (scenario == "exception") static_cast<Reverse&>(*model).fire_rank = 1;
   evenstep::GradSyncOptions options;
   options.timeout = absl::Seconds(60);
   options.bucket_cap_bytes = 256;  // several buckets even for these small models
@@ -374,17 +421,24 @@ int Run(evenstep::DistContext& dist) {
         for (int m = 0; m < micro; ++m) {
           const bool last = m + 1 == micro;
           (*sync)->set_sync_enabled(last || (scenario == "two_backward" && m == micro - 2));
+          if (scenario == "exception") {
+            // Step 3 throws inside the synced backward, or (--throw_in=first)
+            // in the first micro-step's, before any sync of the step.
+            const bool here = absl::GetFlag(FLAGS_throw_in) == "first" ? m == 0 : last;
+            static_cast<Reverse&>(*model).fire_step = here ? 3 : -1;
+          }
           Tensor loss = model->Loss(split[rank][m], step, rank) / kN;
           if (last) {
             if (absl::Status s = (*sync)->PrepareForBackward(loss); !s.ok()) {
               throw std::runtime_error(s.ToString());
             }
           }
-          loss.backward();
+          loss.backward({}, /*retain_graph=*/c10::nullopt, create_graph);
         }
       } catch (const std::exception& e) {
         std::cout << "step " << step << " failed: " << e.what() << std::endl;
-        if ((*sync)->syncs_completed() == syncs_before) {
+        if (abandon == "always" ||
+            (abandon == "if_needed" && (*sync)->syncs_completed() == syncs_before)) {
           absl::Status joined = (*sync)->AbandonStep(absl::InternalError(e.what()));
           std::cout << "joined with a failure mark: " << joined << std::endl;
         }
@@ -399,7 +453,7 @@ int Run(evenstep::DistContext& dist) {
           return 1;
         }
       }
-      if (scenario == "two_backward" || scenario == "unfreeze" || scenario == "thaw") return 4;
+      if (scenario == "unfreeze" || scenario == "thaw") return 4;
       ZeroGrad(*opt);
       continue;  // the reference skips the step too
     }
@@ -407,8 +461,8 @@ int Run(evenstep::DistContext& dist) {
     if (step == 1) launched_first = stats.buckets_launched_during_backward;
     launched_last = stats.buckets_launched_during_backward;
     opt->step();
-    ZeroGrad(*opt);
-    ReferenceStep(*ref, *ref_opt, step, world, split);
+    if (!keep_grad) ZeroGrad(*opt);
+    ReferenceStep(*ref, *ref_opt, step, world, split, keep_grad);
     // Buffers: equal on every rank after each step.
     for (const auto& item : model->named_buffers()) {
       Tensor root = item.value().detach().clone();
@@ -420,7 +474,7 @@ int Run(evenstep::DistContext& dist) {
       }
     }
   }
-  if (scenario == "two_backward" || scenario == "unfreeze" || scenario == "thaw") {
+  if (scenario == "unfreeze" || scenario == "thaw") {
     std::cout << "UNEXPECTED: no error" << std::endl;
     return 1;
   }

@@ -147,6 +147,36 @@ class Reverse(nn.Module):
     optimizer = staticmethod(momentum_sgd)
 
 
+class OneParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(5, 5)
+        self.w = nn.Linear(5, 3, bias=False)
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+
+    def loss(self, samples, step, rank):
+        return sum_ce(self.w(torch.tanh(self.frozen(rows(samples, step, 5)))),
+                      targets(samples, step, 3))
+
+    optimizer = staticmethod(momentum_sgd)
+
+
+class ControlFlow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.never = (nn.Linear(6, 6) for _ in range(3))
+        self.head = nn.Linear(6, 3)
+
+    def loss(self, samples, step, rank):
+        h = torch.tanh(self.a(rows(samples, step, 6)))
+        if rank == 1 and step % 2 == 1:
+            h = h + self.b(h)
+        return sum_ce(self.head(h), targets(samples, step, 3))
+
+    optimizer = staticmethod(momentum_sgd)
+
+
 CASES = {
     "tied_adam": lambda: Tied(True),
     "tied_sgd": lambda: Tied(False),
@@ -154,6 +184,8 @@ CASES = {
     "batchnorm": BatchNorm,
     "layout": Layout,
     "reverse": Reverse,
+    "one_param": OneParam,
+    "control_flow": ControlFlow,
 }
 
 
@@ -185,7 +217,8 @@ def run(rank, args, store_path):
     model = CASES[args.case]()
     init_parameters(model)
     ddp = nn.parallel.DistributedDataParallel(
-        Wrapped(model), find_unused_parameters=args.case.startswith("tied"))
+        Wrapped(model),
+        find_unused_parameters=args.case.startswith("tied") or args.case == "control_flow")
     opt = model.optimizer([p for p in model.parameters()])
     parts = split(args.world, args.micro)[rank]
     for step in range(1, args.steps + 1):
@@ -193,12 +226,13 @@ def run(rank, args, store_path):
             last = m + 1 == len(parts)
             scale = args.world / N
             if last:
-                (ddp(samples, step, rank) * scale).backward()
+                (ddp(samples, step, rank) * scale).backward(create_graph=args.create_graph)
             else:
                 with ddp.no_sync():
-                    (ddp(samples, step, rank) * scale).backward()
+                    (ddp(samples, step, rank) * scale).backward(create_graph=args.create_graph)
         opt.step()
-        opt.zero_grad(set_to_none=args.zero_grad_to_none)
+        if not args.keep_grad:
+            opt.zero_grad(set_to_none=args.zero_grad_to_none)
     if rank == 0:
         out = {"params": {}, "buffers": {}}
         for name, p in model.named_parameters():
@@ -226,6 +260,10 @@ def main():
     parser.add_argument("--zero_grad_to_none", action="store_true",
                         help="zero_grad resets gradients (libtorch 2.x's default) instead of "
                              "zeroing them (1.13's)")
+    parser.add_argument("--keep_grad", action="store_true",
+                        help="no zero_grad between steps: gradients accumulate over steps")
+    parser.add_argument("--create_graph", action="store_true",
+                        help="every backward with create_graph=True")
     args = parser.parse_args()
     if os.path.exists(args.out):
         os.remove(args.out)

@@ -31,6 +31,8 @@ class FlagsTest : public ::testing::Test {
     absl::SetFlag(&FLAGS_evenstep_cost_quadratic, 0.0);
     absl::SetFlag(&FLAGS_evenstep_ckpt_keep, 3);
     absl::SetFlag(&FLAGS_evenstep_ckpt_in_flight, 1);
+    absl::SetFlag(&FLAGS_evenstep_min_micro_batches, 1);
+    absl::SetFlag(&FLAGS_evenstep_max_micro_batches, 0);
   }
   // Runs ParseEvenstepFlags over `args` (argv[0] added) and returns what is left.
   absl::Status Parse(std::vector<std::string> args, std::vector<std::string>* rest) {
@@ -158,11 +160,11 @@ const std::vector<BadValues>& FlagTable() {
        "(preflight_test: BadInputIsRefusedByName)"},
       {"evenstep_device", {"tpu:9", "cuda:x"}},
       {"evenstep_normalize", {"bytes"}},
-      {"evenstep_cost_quadratic", {"-1", "nan", "inf"}},
+      {"evenstep_cost_quadratic", {"-1", "nan", "inf", "1e308"}},
       {"evenstep_clip_grad_norm", {"-1", "nan", "inf"}},
       {"evenstep_loss_reduction", {"avg", ""}},
-      {"evenstep_data_workers", {"-1", "two"}},
-      {"evenstep_prefetch", {"0", "-2"}},
+      {"evenstep_data_workers", {"-1", "two", "100000"}},
+      {"evenstep_prefetch", {"0", "-2", "100000"}},
       {"evenstep_ckpt_dir",
        {},
        "any path is a valid value; an unusable one fails TrainCheckpointer::Create naming it "
@@ -170,7 +172,7 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_ckpt_keep", {"0", "-1"}},
       {"evenstep_ckpt_in_flight", {"0"}},
       {"evenstep_ckpt_when_busy", {"later"}},
-      {"evenstep_ckpt_slice_mb", {"0", "-1", "nan", "1e30"}},
+      {"evenstep_ckpt_slice_mb", {"0", "-1", "nan", "1e30", "1e-300", "0.0009"}},
       {"evenstep_ckpt_every", {"-1"}},
       {"evenstep_resume", {"maybe", ""}},
       {"evenstep_ckpt_on_error", {"ignore"}},
@@ -180,6 +182,20 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_eval_micro_batch_tokens", {"-1", "1e3"}},
   };
   return table;
+}
+
+// Values each valid alone but not together: the error names both flags.
+TEST_F(FlagsTest, InvalidCombinationsAreErrorsNamingBothFlags) {
+  absl::SetFlag(&FLAGS_evenstep_min_micro_batches, 5);
+  absl::SetFlag(&FLAGS_evenstep_max_micro_batches, 2);
+  const absl::Status s = ValidateEvenstepFlags();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("--evenstep_min_micro_batches=5 is more than "
+                                     "--evenstep_max_micro_batches=2"));
+  absl::SetFlag(&FLAGS_evenstep_max_micro_batches, 0);  // no bound: any minimum
+  EXPECT_TRUE(ValidateEvenstepFlags().ok());
+  absl::SetFlag(&FLAGS_evenstep_max_micro_batches, 5);
+  EXPECT_TRUE(ValidateEvenstepFlags().ok());
 }
 
 TEST_F(FlagsTest, EveryInvalidValueOfEveryFlagIsAnErrorNamingTheFlag) {

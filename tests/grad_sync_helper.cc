@@ -18,14 +18,20 @@
 //                   rank-3 gradient converges to it
 //   sparse_undeclared  an Embedding(sparse) weight attached from a list
 //                   without sparse_parameters: every rank's sync fails naming it
+//   forgotten_sync  rank 1 never joins the sync (it forgets SyncNow): rank 0's
+//                   sync times out naming rank 1, and rank 0's next GradSync
+//                   sync and DistContext collective fail at once with that
+//                   error instead of blocking on the timed-out all_reduce
 // --device=cuda puts the models and the batch of exact, nosync and unused on
 // the GPU (tests/cuda_test.cc: NCCL at world size 1, Gloo with CUDA tensors
 // for several ranks sharing one GPU).
 // Exit codes: 0 passed, 1 check failed (printed), 3 init failed, 4 expected error.
 #include <torch/torch.h>
 
+#include <chrono>
 #include <iostream>
 #include <map>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -401,7 +407,6 @@ int PowerSgd(evenstep::DistContext& dist) {
   torch::manual_seed(3);
   auto lin = torch::nn::Linear(torch::nn::LinearOptions(8, 6).bias(false));
   evenstep::GradSyncOptions options = TinyBuckets();
-  options.check_zero_grad = false;  // one model, many synchronisations
   options.comm_hook = evenstep::PowerSgdHook({});
   auto sync = evenstep::GradSync::Attach(*lin, dist.data_group(), options);
   if (!sync.ok()) {
@@ -475,6 +480,44 @@ int SparseUndeclared(evenstep::DistContext& dist) {
   return 1;
 }
 
+int ForgottenSync(evenstep::DistContext& dist) {
+  torch::manual_seed(1);
+  Net net(kHidden, false);
+  evenstep::GradSyncOptions options = TinyBuckets();
+  options.timeout = dist.options().collective_timeout;
+  options.diagnosis.arrive = [&dist] { return dist.MarkArrival(); };
+  options.diagnosis.diagnose = [&dist](int64_t seq, const std::string& what,
+                                       absl::Duration elapsed, const std::string& error) {
+    return dist.Diagnose(seq, what, elapsed, error);
+  };
+  auto sync = evenstep::GradSync::Attach(net, dist.data_group(), options);
+  if (!sync.ok()) {
+    std::cout << sync.status() << std::endl;
+    return 1;
+  }
+  if (dist.rank() == 1) {
+    // Stays alive (the store answers) without joining, past rank 0's checks.
+    std::this_thread::sleep_for(std::chrono::seconds(8));
+    std::cout << "rank 1 left without syncing" << std::endl;
+    return 0;
+  }
+  try {
+    net.forward(torch::randn({4, kIn})).sum().backward();
+    std::cout << "UNEXPECTED: the sync succeeded" << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cout << "sync failed: " << e.what() << std::endl;
+  }
+  absl::Status again = (*sync)->SyncNow();
+  std::cout << "next sync: " << again << std::endl;
+  torch::Tensor t = torch::ones({2});
+  absl::Status next = dist.AllReduce(t);
+  std::cout << "next all_reduce: " << next << std::endl;
+  absl::Status barrier = dist.Barrier();
+  std::cout << "next barrier: " << barrier << std::endl;
+  return again.ok() || next.ok() || barrier.ok() ? 1 : 4;
+}
+
 int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   std::cout.setf(std::ios::unitbuf);
@@ -505,6 +548,7 @@ int main(int argc, char** argv) {
   if (scenario == "hookinfo") return HookInfo(dist);
   if (scenario == "powersgd") return PowerSgd(dist);
   if (scenario == "sparse_undeclared") return SparseUndeclared(dist);
+  if (scenario == "forgotten_sync") return ForgottenSync(dist);
   std::cerr << "unknown scenario " << scenario << std::endl;
   return 2;
 }

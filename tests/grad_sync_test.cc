@@ -141,6 +141,24 @@ TEST(GradSyncTest, AnUndeclaredSparseGradientFailsOnEveryRankNamingIt) {
   }
 }
 
+TEST(GradSyncTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
+  // Rank 1 never joins the sync: rank 0's times out naming it; rank 0's
+  // next sync, all_reduce and barrier return that failure without starting
+  // (a started one would block on the timed-out all_reduce).
+  auto results = RunRanks(2, {"forgotten_sync", "--evenstep_timeout=3s"});
+  ASSERT_EQ(results[0].exit_code, 4) << Describe(results);
+  EXPECT_EQ(results[1].exit_code, 0) << Describe(results);
+  const std::string& out = results[0].output;
+  EXPECT_THAT(out, ::testing::ContainsRegex("sync failed: .*DEADLINE_EXCEEDED.*rank\\(s\\) 1"))
+      << Describe(results);
+  EXPECT_THAT(out, ::testing::ContainsRegex("next sync: DEADLINE_EXCEEDED"));
+  EXPECT_THAT(out, ::testing::ContainsRegex(
+                       "next all_reduce: DEADLINE_EXCEEDED: rank 0: all_reduce .* not started: an "
+                       "earlier collective failed"));
+  EXPECT_THAT(out, ::testing::ContainsRegex("next barrier: DEADLINE_EXCEEDED: rank 0: barrier not "
+                                            "started"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Hooks, CommHookTest,
                          ::testing::Values("sum", "avg", "fp16", "bf16", "user"));
 

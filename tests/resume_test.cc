@@ -525,6 +525,25 @@ std::map<int, double> Losses(const std::string& output) {
   return losses;
 }
 
+TEST(SessionTest, ASecondSessionOrDistContextIsRefusedAndTheFirstTrainsAndCommits) {
+  // A second Session on one DistContext used to be accepted and never
+  // commit; a second DistContext failed claiming "two processes" for one.
+  TempDir run;
+  auto r = Train(run.path(), 2, {"--second_session"});
+  for (const ProcessResult& p : r) {
+    EXPECT_EQ(p.exit_code, 0) << Describe(r);
+    EXPECT_THAT(p.output, HasSubstr("second session: FAILED_PRECONDITION"));
+    EXPECT_THAT(p.output, HasSubstr("a Session already runs on this DistContext"));
+    EXPECT_THAT(p.output, HasSubstr("second context: FAILED_PRECONDITION"));
+    EXPECT_THAT(p.output, HasSubstr("already holds a DistContext; one per process"));
+    EXPECT_THAT(p.output, HasSubstr("finished")) << Describe(r);
+  }
+  auto listing = ListCheckpoints(*Env::Default(), run.path() + "/ckpt");
+  ASSERT_TRUE(listing.ok()) << listing.status();
+  ASSERT_FALSE(listing->committed.empty());
+  EXPECT_EQ(listing->committed.back(), 2);
+}
+
 TEST(PreemptionTest, ASignalToOneRankSavesTheNextStepOnEveryRankAndResumeContinues) {
   // Rank 1 alone gets SIGTERM after step 4; step 5 (not a --evenstep_ckpt_every
   // step) is saved by every rank, both exit with kPreemptedExitCode, and the

@@ -105,6 +105,28 @@ TEST(SamplerTest, EverySampleExactlyOncePerEpochTailKept) {
   }
 }
 
+TEST(SamplerTest, AGlobalBatchLargerThanTheDatasetIsRefusedNamingTheFlag) {
+  // --evenstep_global_batch=1000000000 used to be accepted: the first step
+  // then held every sample many times over and printed nothing for minutes.
+  for (BatchUnit unit : {BatchUnit::kSamples, BatchUnit::kTokens}) {
+    SamplerOptions options;
+    options.budget_unit = unit;
+    std::vector<int64_t> lengths = {3, 5, 7};
+    options.global_batch = unit == BatchUnit::kSamples ? 3 : 15;  // the whole dataset: fine
+    EXPECT_TRUE(Sampler::Create(lengths, options).ok());
+    options.global_batch = 1000000000;
+    auto sampler = Sampler::Create(lengths, options);
+    ASSERT_FALSE(sampler.ok());
+    EXPECT_EQ(sampler.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(sampler.status().message(),
+                HasSubstr(unit == BatchUnit::kSamples
+                              ? "--evenstep_global_batch=1000000000: more than the whole dataset "
+                                "(3 samples)"
+                              : "--evenstep_global_batch=1000000000: more than the whole dataset "
+                                "(15 tokens in 3 samples)"));
+  }
+}
+
 TEST(SamplerTest, DropLastDropsOnlyTheSmallerTail) {
   SamplerOptions options;
   options.global_batch = 30;

@@ -8,6 +8,10 @@
 //                                        torch.load(OUT) in Python)
 //
 // CKPT is a checkpoint directory (DIR/step-*) or DIR itself (its latest).
+// show, consolidate and export first run verify's structure checks (each
+// shard's HDF5 types, shapes and layout against the manifest; Read checks
+// every checksum): a checkpoint verify refuses is never shown as intact nor
+// written out (exit 1, the problems named).
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
@@ -178,8 +182,14 @@ int main(int argc, char** argv) {
     std::cerr << reader.status() << "\n";
     return 1;
   }
-  if (command == "show") return Show(**reader);
   if (command == "verify") return Verify(**reader);
+  if (const std::vector<std::string> problems = (*reader)->CheckStructure(); !problems.empty()) {
+    for (const std::string& p : problems) std::cerr << "CORRUPT " << p << "\n";
+    std::cerr << "evenstep-ckpt " << command << ": " << (*reader)->path()
+              << " fails verify's checks; nothing written\n";
+    return 1;
+  }
+  if (command == "show") return Show(**reader);
   if (command == "consolidate" && argc == 4) return Consolidate(**reader, argv[3]);
   if (command == "export" && argc == 4) return Export(**reader, argv[3]);
   return Usage();

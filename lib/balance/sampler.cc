@@ -92,10 +92,21 @@ absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOpt
     }
     costs[i] = cost ? cost(lengths[i]) : static_cast<double>(lengths[i]);
     if (!(costs[i] > 0) || !std::isfinite(costs[i])) {
-      return absl::InvalidArgumentError(absl::StrCat("Sampler: the cost function gives ", costs[i],
-                                                     " for sample ", i, " (length ", lengths[i],
-                                                     "); costs must be positive and finite"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Sampler: the cost function gives ", costs[i], " for sample ", i, " (length ",
+          lengths[i],
+          "); costs must be positive and finite (from flags: --evenstep_cost_quadratic)"));
     }
+  }
+  // A global batch larger than the whole dataset is a typo, not a plan: each
+  // step would be one epoch and more.
+  int64_t total = 0;
+  for (int64_t l : lengths) total += options.budget_unit == BatchUnit::kTokens ? l : 1;
+  if (options.global_batch > total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--evenstep_global_batch=", options.global_batch, ": more than the whole dataset (",
+        options.budget_unit == BatchUnit::kTokens ? absl::StrCat(total, " tokens in ") : "",
+        lengths.size(), " samples)"));
   }
   if (counts.empty()) {
     counts.resize(lengths.size());

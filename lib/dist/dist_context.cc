@@ -18,12 +18,16 @@
 #include <signal.h>
 #include <sys/socket.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -49,6 +53,11 @@ struct DistContext::Groups {
   compat::StorePtr ctx_store;  // "evenstep/ctx/" view of it
   compat::ProcessGroupPtr control;
   compat::ProcessGroupPtr data;
+  // The first collective that timed out or lost a peer: c10d cannot cancel
+  // it, so a later collective on these groups would queue behind it or pair
+  // with the wrong operation. Every later one fails at once with it.
+  absl::Mutex mu;
+  absl::Status broken ABSL_GUARDED_BY(mu);
 };
 
 namespace {
@@ -80,10 +89,18 @@ std::string DescribeTensor(const at::Tensor& t) {
 
 }  // namespace
 
-DistContext::DistContext(LaunchEnv env, DistOptions options)
-    : env_(std::move(env)), options_(options), groups_(std::make_unique<Groups>()) {}
+namespace {
+// DistContexts alive in this process: a second one would rendezvous as the
+// same rank of the same job again.
+std::atomic<int> live_contexts{0};
+}  // namespace
 
-DistContext::~DistContext() = default;
+DistContext::DistContext(LaunchEnv env, DistOptions options)
+    : env_(std::move(env)), options_(options), groups_(std::make_unique<Groups>()) {
+  ++live_contexts;
+}
+
+DistContext::~DistContext() { --live_contexts; }
 
 namespace {
 
@@ -120,6 +137,13 @@ absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv
   if (env.rank < 0 || env.rank >= env.world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", env.rank, " is not in [0, world size ", env.world_size, ")"));
+  }
+  if (live_contexts.load() > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", env.rank, ": this process (pid ", getpid(),
+        ") already holds a DistContext; one per process: pass the same DistContext to every "
+        "Session, GradSync and BalancedStep (a second one would join the job again as rank ",
+        env.rank, ")"));
   }
   CatchPipeSignal();
   std::unique_ptr<DistContext> ctx(new DistContext(env, options));
@@ -370,7 +394,19 @@ int64_t DistContext::MarkArrival() {
   return op_seq_;
 }
 
+absl::Status DistContext::Broken(const std::string& what) {
+  absl::MutexLock lock(&groups_->mu);
+  if (groups_->broken.ok()) return absl::OkStatus();
+  return absl::Status(groups_->broken.code(),
+                      absl::StrCat("rank ", env_.rank, ": ", what,
+                                   " not started: an earlier collective failed and c10d cannot "
+                                   "cancel it, so this job's process groups cannot be used any "
+                                   "more (restart the job; a checkpoint resumes it): ",
+                                   groups_->broken.message()));
+}
+
 absl::Status DistContext::Wait(c10d::Work& work, int64_t seq, const std::string& what) {
+  EVENSTEP_RETURN_IF_ERROR(Broken(what));
   const internal::CollectiveWait outcome =
       internal::WaitCollective(&work, options_.collective_timeout);
   return outcome.failed ? Diagnose(seq, what, outcome.elapsed, outcome.error) : absl::OkStatus();
@@ -397,15 +433,22 @@ absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::D
     absl::StrAppend(&message, ": rank(s) ", absl::StrJoin(missing, ", "), " never arrived");
   }
   absl::StrAppend(&message, store_note, "; c10d: ", error);
-  if (elapsed >= options_.collective_timeout) return absl::DeadlineExceededError(message);
-  if (!missing.empty() || !store_note.empty() || absl::StrContains(error, "onnection")) {
-    return absl::UnavailableError(message);
+  absl::Status status = absl::InternalError(message);
+  if (elapsed >= options_.collective_timeout) {
+    status = absl::DeadlineExceededError(message);
+  } else if (!missing.empty() || !store_note.empty() || absl::StrContains(error, "onnection")) {
+    status = absl::UnavailableError(message);
   }
-  return absl::InternalError(message);
+  if (absl::IsDeadlineExceeded(status) || absl::IsUnavailable(status)) {
+    absl::MutexLock lock(&groups_->mu);
+    if (groups_->broken.ok()) groups_->broken = status;
+  }
+  return status;
 }
 
 template <typename Launch>
 absl::Status DistContext::Run(const std::string& what, Launch&& launch) {
+  EVENSTEP_RETURN_IF_ERROR(Broken(what));
   const int64_t seq = MarkArrival();
   const internal::CollectiveWait outcome =
       internal::RunCollective(std::forward<Launch>(launch), options_.collective_timeout);

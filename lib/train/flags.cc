@@ -251,6 +251,7 @@ absl::Status InRange(const char* flag, double value, double lo, double hi, bool 
 
 }  // namespace internal
 
+using internal::InRange;
 using internal::NotBelow;
 
 absl::StatusOr<PreflightOptions> PreflightOptions::FromFlags() {
@@ -336,9 +337,17 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_sort_window", static_cast<double>(config.sampler.sort_window), 0));
   EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_clip_grad_norm", config.clip_grad_norm, 0));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_data_workers", config.data_workers, 0));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_prefetch", config.prefetch, 1));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_cost_quadratic", quadratic, 0));
+  // Upper bounds: a thread per worker, a micro-batch in memory per prefetch
+  // slot, and costs that stay finite for lengths up to 1e6.
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_data_workers", config.data_workers, 0, 256));
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_prefetch", config.prefetch, 1, 1024));
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_cost_quadratic", quadratic, 0, 1e6));
+  if (config.planner.max_micro_batches > 0 &&
+      config.sampler.min_micro_batches > config.planner.max_micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--evenstep_min_micro_batches=", config.sampler.min_micro_batches,
+        " is more than --evenstep_max_micro_batches=", config.planner.max_micro_batches));
+  }
   if (!(config.planner.damping > 0 && config.planner.damping <= 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--evenstep_plan_damping=", config.planner.damping, ": must be in (0, 1]"));

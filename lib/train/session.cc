@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <csignal>
 #include <iostream>
+#include <set>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
@@ -146,10 +148,24 @@ absl::Status ValidateEvenstepFlags() {
   return absl::OkStatus();
 }
 
+namespace {
+// The DistContexts a Session runs on: a second Session on one would save
+// under the same checkpoint agreement and never commit.
+absl::Mutex sessions_mu;
+std::set<const DistContext*>& ContextsWithSession() {
+  static auto* contexts = new std::set<const DistContext*>();
+  return *contexts;
+}
+}  // namespace
+
 Session::Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer)
     : ctx_(ctx), model_(model), optimizer_(optimizer) {}
 
 Session::~Session() {
+  if (owns_context_) {
+    absl::MutexLock lock(&sessions_mu);
+    ContextsWithSession().erase(&ctx_);
+  }
   for (const auto& [sig, old] : old_handlers_) sigaction(sig, &old, nullptr);
   // A Session that was never finished (an error path) starts no new save;
   // it waits for the saves in flight and reports how they ended.
@@ -163,6 +179,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
                                                          std::vector<double> counts) {
   EVENSTEP_RETURN_IF_ERROR(ValidateEvenstepFlags());
   std::unique_ptr<Session> s(new Session(ctx, model, optimizer));
+  {
+    absl::MutexLock lock(&sessions_mu);
+    if (!ContextsWithSession().insert(&ctx).second) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", ctx.rank(),
+          ": a Session already runs on this DistContext; one Session per DistContext (a second "
+          "one's checkpoints would never commit, and its steps would interleave with the first's "
+          "collectives): finish or destroy the first Session before creating another"));
+    }
+    s->owns_context_ = true;
+  }
   EVENSTEP_ASSIGN_OR_RETURN(const ResumeMode resume, ResumeModeFromFlag());
   EVENSTEP_ASSIGN_OR_RETURN(s->stop_after_failures_, StopAfterFailedSaves());
   EVENSTEP_ASSIGN_OR_RETURN(const std::vector<int> preempt_signals, PreemptSignalsFromFlag());

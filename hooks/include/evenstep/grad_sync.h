@@ -6,9 +6,9 @@
 //     (*sync)->set_sync_enabled(m == micro_steps - 1);   // local accumulation until the last
 //     at::Tensor loss = loss_of(m);
 //     (*sync)->PrepareForBackward(loss);                 // optional: unused parameters early
-//     try { loss.backward(); }                           // last one: buckets reduce while
-//     catch (...) { (*sync)->AbandonStep(...); throw; }  // backward runs
-//   }
+//     loss.backward();                                   // last one: buckets reduce while
+//   }                                                    // backward runs
+//   // An exception before the last backward: (*sync)->AbandonStep(why) (see there).
 //   if (micro_steps == 0) (*sync)->SyncNow();           // a rank without work joins with zeros
 //   optimizer.step();
 //
@@ -40,7 +40,9 @@
 //   gradient accumulator ran since the last synchronisation. Every
 //   synchronisation agrees, in a per-rank bitmap carried by the last bucket
 //   (a separate small all_reduce under a user comm hook), which parameters
-//   were used anywhere: a parameter unused on every rank keeps its gradient
+//   were used anywhere; the last bucket starts only once every parameter,
+//   sparse ones included, is ready, so the bitmap is final when it is
+//   reduced. A parameter unused on every rank keeps its gradient
 //   untouched (undefined stays undefined, so optimizers skip it exactly as a
 //   single process would); one used elsewhere counts as zeros here.
 //   PrepareForBackward(loss) walks the autograd graph from the loss (DDP's
@@ -51,26 +53,36 @@
 //   (default), every synchronisation also broadcasts rank 0's buffers (their
 //   values after the step's forward), so the replicas' buffers never drift.
 //
+// - Gradients kept between synchronisations (no zero_grad, as in DDP's
+//   test_ddp_ignore_params_arg and create_graph cases, or two synchronised
+//   backwards in one step): a gradient that is still exactly the tensor the
+//   last synchronisation wrote, unchanged (same tensor, same version), when
+//   its accumulator next runs (or the next synchronisation starts) is the
+//   same on every rank; each rank contributes only what was added on top and
+//   the kept value is added back once, so param.grad() accumulates as in one
+//   process. A gradient zeroed, reset or replaced since counts as this rank's
+//   own. Not told apart: a kept gradient changed in place but not zeroed
+//   (scaled, clipped) also counts as this rank's own, i.e. once per rank;
+//   zero or reset it between synchronisations.
+//
 // Refused, with an error naming the parameter: a requires_grad change after
 // Attach (attach again); a gradient that becomes ready twice in one
-// synchronisation (reentrant checkpointing, or a second backward() after one
-// that threw); a synchronised backward when no gradient was zeroed (zero_grad)
-// since the last synchronisation (a second backward() with sync enabled in one
-// step would reduce the reduced gradient again: disable sync on all but the
-// last backward; `check_zero_grad` turns this check off for code that
-// synchronises twice on purpose). Not seen: a backward with sync disabled
-// between the two (its accumulation looks like a new step), and a model of
-// one parameter.
+// synchronisation (reentrant activation checkpointing).
 //
-// Failure. A local failure (one of the refusals above, an exception inside
-// backward reported with AbandonStep, or a stale step found later) is
-// carried to every rank as a failure mark in the same synchronisation: all
-// ranks' synchronisation then fails with ABORTED naming the failed ranks,
-// every gradient of the step is reset to undefined (never applied), and the
-// next synchronisation starts clean. A failed or timed-out collective is
-// fatal: fatal_status() keeps it and every later synchronisation returns it
-// without a collective. A failure inside a synchronised backward makes
-// backward() throw std::runtime_error with the status text.
+// Failure. A local failure (one of the refusals above, an exception thrown
+// inside a synchronised backward, or one before it reported with
+// AbandonStep) is carried to every rank as a failure mark in the same
+// synchronisation: all ranks' synchronisation then fails with ABORTED naming
+// the failed ranks, every gradient of the step is reset to undefined (never
+// applied), and the next synchronisation starts clean. An exception inside a
+// synchronised backward needs no help: the autograd engine drops that
+// backward without running its end-of-backward callback, and GradSync then
+// joins with the failure mark itself, so no rank finishes with a gradient
+// that lacks this rank's part and no later backward lands in this
+// synchronisation. A failed or timed-out collective is fatal: fatal_status()
+// keeps it and every later synchronisation returns it without a collective.
+// A failure inside a synchronised backward makes backward() throw
+// std::runtime_error with the status text.
 // Thread-safety: one training thread drives a GradSync; the hooks it installs
 // synchronise with it internally.
 #pragma once
@@ -125,10 +137,6 @@ struct GradSyncOptions {
   // Rebuild the buckets once, after the first synchronisation, in the order
   // rank 0's gradients became ready.
   bool rebuild_buckets = true;
-  // Refuse a synchronisation when no gradient was zeroed or reset (and no
-  // parameter bumped its version) since the last one: its gradients still
-  // hold the reduced values, which would be reduced again.
-  bool check_zero_grad = true;
   // Parameters (by name) whose gradients are sparse, beside the
   // Embedding/EmbeddingBag modules with sparse(true) that Attach(module)
   // finds itself.
@@ -195,11 +203,13 @@ class GradSync {
   absl::Status PrepareForBackward(const at::Tensor& loss);
 
   // This rank cannot complete the current synchronisation (an exception
-  // inside or before its synchronised backward): joins it with a failure
-  // mark, so every rank's synchronisation fails with ABORTED naming this
-  // rank and `why`, and resets this step's gradients. Call it only when this
-  // rank has not completed the synchronisation (syncs_completed() did not
-  // advance in this step). Returns the synchronisation's status.
+  // before its synchronised backward): joins it with a failure mark, so
+  // every rank's synchronisation fails with ABORTED naming this rank and
+  // `why`, and resets this step's gradients. Called after a synchronised
+  // backward threw (here or, through the failure mark, on a peer) and before
+  // the next synchronisation begins, it returns that synchronisation's
+  // failure and starts nothing, so `catch (...) { AbandonStep(why); }` around
+  // a whole step is right on every rank. Returns the synchronisation's status.
   absl::Status AbandonStep(const absl::Status& why);
 
   // Synchronisations completed on this rank (successfully or not).

@@ -154,6 +154,9 @@ class DistContext {
   // The failure status for operation `seq` (from MarkArrival) that failed
   // with `error` after `elapsed`: names this rank and the ranks that never
   // arrived at it (through the store), DeadlineExceeded past the timeout.
+  // A DeadlineExceeded or Unavailable failure leaves the groups unusable
+  // (c10d cannot cancel the operation): every later AllReduce, AllGather,
+  // Broadcast, Barrier and Wait fails at once with it instead of blocking.
   absl::Status Diagnose(int64_t seq, const std::string& what, absl::Duration elapsed,
                         const std::string& error);
 
@@ -167,6 +170,8 @@ class DistContext {
   std::string GlooDevice() const;
   template <typename Launch>
   absl::Status Run(const std::string& what, Launch&& launch);
+  // OK, or the failure that made the groups unusable, for `what`.
+  absl::Status Broken(const std::string& what);
 
   const LaunchEnv env_;
   const DistOptions options_;

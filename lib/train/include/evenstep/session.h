@@ -36,6 +36,8 @@ class Timeline;
 
 class Session {
  public:
+  // One Session per DistContext at a time: a second one is refused
+  // (FailedPrecondition) while the first exists.
   // Validates every --evenstep_* flag (InvalidArgument naming the flag and
   // its valid values), creates the parts from them, with RUN_DIR as the
   // default place for checkpoints (RUN_DIR/ckpt), timelines and logs, and
@@ -131,6 +133,7 @@ class Session {
   int64_t last_step_ = 0;
   int64_t last_saved_ = 0;
   bool created_ = false;  // Create finished: every part exists
+  bool owns_context_ = false;  // the one Session registered on ctx_
   bool finished_ = false;
   bool preempted_ = false;
   std::vector<std::pair<int, struct sigaction>> old_handlers_;
