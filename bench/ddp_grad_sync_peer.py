@@ -12,7 +12,6 @@ compute_ms and ddp_ms.
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -93,10 +92,16 @@ def run(rank, args, store):
                 ms = (time.perf_counter() - start) * 1e3
                 if s >= 2:
                     times[mode].append(ms)
-        t = torch.tensor([statistics.median(times["compute"]), statistics.median(times["ddp"])],
-                         dtype=torch.float64)
+        def q(v, p):  # nearest rank, as bench/grad_sync.cc's QuantileMs
+            v = sorted(v)
+            return v[min(len(v) - 1, int(p * len(v)))]
+        t = torch.tensor([q(times["compute"], 0.5), q(times["ddp"], 0.5),
+                          q(times["compute"], 0.1), q(times["compute"], 0.9),
+                          q(times["ddp"], 0.1), q(times["ddp"], 0.9)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        results[shape] = {"compute_ms": t[0].item(), "ddp_ms": t[1].item()}
+        results[shape] = {"compute_ms": t[0].item(), "ddp_ms": t[1].item(),
+                          "compute_p10_ms": t[2].item(), "compute_p90_ms": t[3].item(),
+                          "ddp_p10_ms": t[4].item(), "ddp_p90_ms": t[5].item()}
     if rank == 0:
         print("DDP_PEER " + json.dumps({"torch": torch.__version__, "shapes": results}), flush=True)
     dist.barrier()

@@ -59,9 +59,18 @@ ABSL_FLAG(std::string, torch_python, "/usr/bin/python3",
 
 namespace {
 
-double MedianMs(std::vector<double> v) {
+// The q-quantile of `v` (nearest rank; 0.5 is the upper middle, as before).
+double QuantileMs(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+double MedianMs(const std::vector<double>& v) { return QuantileMs(v, 0.5); }
+
+// A difference of two medians means something only when it is larger than
+// either figure's own spread (p10-p90 over the steps): on a loaded machine
+// it is not, and a ratio over it is noise.
+bool Determined(double hi_median, double lo_median, double spread_hi, double spread_lo) {
+  return hi_median - lo_median > std::max(spread_hi, spread_lo);
 }
 
 // Pre-norm residual block shaped like a transformer layer's parameters (two
@@ -116,12 +125,18 @@ struct Result {
   double a = 0, b = 0, c = 0, d = 0;  // median ms, max over ranks
   double walk_ms = 0;                 // PrepareForBackward alone, median
   double ddp_compute = -1, ddp = -1;  // the DDP peer's, when it ran
+  // p10 and p90 of (a), (b), (c), (d), DDP's compute and DDP (max over ranks).
+  double p10[6] = {0, 0, 0, 0, 0, 0}, p90[6] = {0, 0, 0, 0, 0, 0};
   evenstep::SyncStats stats;
+  double spread(int i) const { return p90[i] - p10[i]; }
+  // (b) - (a) stands out of the noise: the ratio over it means something.
+  bool ratio_determined() const { return Determined(b, a, spread(1), spread(0)); }
   double ratio() const { return b > a ? (c - a) / (b - a) : 0; }
-  // Negative when DDP did not run or showed no overhead to compare with.
-  double vs_ddp() const {
-    return ddp > ddp_compute && ddp_compute >= 0 ? (d - a) / (ddp - ddp_compute) : -1;
+  bool ddp_ran() const { return ddp >= 0 && ddp_compute >= 0; }
+  bool vs_ddp_determined() const {
+    return ddp_ran() && Determined(ddp, ddp_compute, spread(5), spread(4));
   }
+  double vs_ddp() const { return (d - a) / (ddp - ddp_compute); }
 };
 
 // Times (a) compute only, (b) per-parameter all_reduce after backward,
@@ -189,17 +204,25 @@ absl::StatusOr<Result> Measure(evenstep::DistContext& dist, const std::string& n
   }
   r.stats = sync->last_stats();
   EVENSTEP_RETURN_IF_ERROR(sync->status());
-  // The slowest rank sets the pace: reduce the medians with MAX.
-  at::Tensor t =
-      at::tensor({MedianMs(times[kCompute]), MedianMs(times[kPerParam]), MedianMs(times[kEvenstep]),
-                  MedianMs(times[kPrepared]), MedianMs(walk)},
-                 at::kDouble);
+  // The slowest rank sets the pace: reduce the medians (and spreads) with MAX.
+  std::vector<double> figures = {MedianMs(times[kCompute]), MedianMs(times[kPerParam]),
+                                 MedianMs(times[kEvenstep]), MedianMs(times[kPrepared]),
+                                 MedianMs(walk)};
+  for (Mode mode : {kCompute, kPerParam, kEvenstep, kPrepared}) {
+    figures.push_back(QuantileMs(times[mode], 0.1));
+    figures.push_back(QuantileMs(times[mode], 0.9));
+  }
+  at::Tensor t = at::tensor(figures, at::kDouble);
   EVENSTEP_RETURN_IF_ERROR(dist.AllReduce(t, evenstep::ReduceOp::kMax));
   r.a = t[0].item<double>();
   r.b = t[1].item<double>();
   r.c = t[2].item<double>();
   r.d = t[3].item<double>();
   r.walk_ms = t[4].item<double>();
+  for (int m = 0; m < 4; ++m) {
+    r.p10[m] = t[5 + 2 * m].item<double>();
+    r.p90[m] = t[6 + 2 * m].item<double>();
+  }
   return r;
 }
 
@@ -235,12 +258,20 @@ void RunDdpPeer(std::vector<Result>& results, int layers, int batch, int steps) 
   std::cout << "PyTorch " << peer.value("torch", "?") << " DDP, same shapes:\n";
   for (Result& r : results) {
     if (!peer["shapes"].contains(r.model)) continue;
-    r.ddp_compute = peer["shapes"][r.model].value("compute_ms", -1.0);
-    r.ddp = peer["shapes"][r.model].value("ddp_ms", -1.0);
+    const nlohmann::json& s = peer["shapes"][r.model];
+    r.ddp_compute = s.value("compute_ms", -1.0);
+    r.ddp = s.value("ddp_ms", -1.0);
+    r.p10[4] = s.value("compute_p10_ms", r.ddp_compute);
+    r.p90[4] = s.value("compute_p90_ms", r.ddp_compute);
+    r.p10[5] = s.value("ddp_p10_ms", r.ddp);
+    r.p90[5] = s.value("ddp_p90_ms", r.ddp);
     std::cout << absl::StrFormat(
-        "  %-6s compute %8.2f ms, DDP %8.2f ms (+%.2f); evenstep (d) +%.2f: overhead_vs_ddp "
-        "%.3f\n",
-        r.model, r.ddp_compute, r.ddp, r.ddp - r.ddp_compute, r.d - r.a, r.vs_ddp());
+        "  %-6s compute %8.2f ms (p10-p90 %.2f-%.2f), DDP %8.2f ms (%.2f-%.2f; +%.2f); "
+        "evenstep (d) +%.2f: overhead_vs_ddp %s\n",
+        r.model, r.ddp_compute, r.p10[4], r.p90[4], r.ddp, r.p10[5], r.p90[5],
+        r.ddp - r.ddp_compute, r.d - r.a,
+        r.vs_ddp_determined() ? absl::StrFormat("%.3f", r.vs_ddp())
+                              : std::string("undetermined: DDP's overhead is within its noise"));
   }
 }
 
@@ -250,19 +281,26 @@ void Print(const Result& r, int batch, int steps) {
       "%d steps; median step time, max over ranks\n",
       r.model, r.params / 1e6, r.tensors, r.params * 4 / 1048576.0, r.buckets, r.width, batch,
       steps);
-  std::cout << absl::StrFormat("  (a) compute only                       %8.2f ms\n", r.a);
-  std::cout << absl::StrFormat("  (b) per-parameter all_reduce after bwd %8.2f ms  (+%.2f)\n", r.b,
-                               r.b - r.a);
-  std::cout << absl::StrFormat("  (c) evenstep GradSync                  %8.2f ms  (+%.2f)\n", r.c,
-                               r.c - r.a);
+  std::cout << absl::StrFormat("  (a) compute only                       %8.2f ms  p10-p90 %.2f-%.2f\n",
+                               r.a, r.p10[0], r.p90[0]);
   std::cout << absl::StrFormat(
-      "  (d) evenstep + PrepareForBackward      %8.2f ms  (+%.2f; the graph walk %.3f ms)\n", r.d,
-      r.d - r.a, r.walk_ms);
+      "  (b) per-parameter all_reduce after bwd %8.2f ms  p10-p90 %.2f-%.2f  (+%.2f)\n", r.b,
+      r.p10[1], r.p90[1], r.b - r.a);
   std::cout << absl::StrFormat(
-      "  buckets launched during backward: %d of %d; sync wait %.2f ms; overhead_ratio %.3f; "
+      "  (c) evenstep GradSync                  %8.2f ms  p10-p90 %.2f-%.2f  (+%.2f)\n", r.c,
+      r.p10[2], r.p90[2], r.c - r.a);
+  std::cout << absl::StrFormat(
+      "  (d) evenstep + PrepareForBackward      %8.2f ms  p10-p90 %.2f-%.2f  (+%.2f; the graph "
+      "walk %.3f ms)\n",
+      r.d, r.p10[3], r.p90[3], r.d - r.a, r.walk_ms);
+  std::cout << absl::StrFormat(
+      "  buckets launched during backward: %d of %d; sync wait %.2f ms; overhead_ratio %s; "
       "speedup b/c %.3f\n",
       r.stats.buckets_launched_during_backward, r.stats.buckets,
-      absl::ToDoubleMilliseconds(r.stats.wait), r.ratio(), r.b / r.c);
+      absl::ToDoubleMilliseconds(r.stats.wait),
+      r.ratio_determined() ? absl::StrFormat("%.3f", r.ratio())
+                           : std::string("undetermined: (b) - (a) is within their noise"),
+      r.b / r.c);
 }
 
 }  // namespace
@@ -324,33 +362,72 @@ int main(int argc, char** argv) {
     std::cerr << s << "\n";
     return 1;
   }
+  bool valid = true;
   if (print) {
     // The headline is the worst shape, so a good figure on one cannot hide a
-    // bad one on another.
-    const Result* worst = &results[0];
-    const Result* worst_ddp = &results[0];
+    // bad one on another; a ratio whose denominator is within the noise is
+    // "undetermined: noise", and the whole run is then not valid.
+    const char* kNoise = "\"undetermined: noise\"";
+    nlohmann::json summary = {{"bench", "grad_sync"}};
+    const Result* worst = nullptr;
+    const Result* worst_ddp = nullptr;
     for (const Result& r : results) {
-      if (r.ratio() > worst->ratio()) worst = &r;
-      if (r.vs_ddp() > worst_ddp->vs_ddp()) worst_ddp = &r;
+      valid &= r.ratio_determined() && (!r.ddp_ran() || r.vs_ddp_determined());
+      if (r.ratio_determined() && (worst == nullptr || r.ratio() > worst->ratio())) worst = &r;
+      if (r.vs_ddp_determined() && (worst_ddp == nullptr || r.vs_ddp() > worst_ddp->vs_ddp())) {
+        worst_ddp = &r;
+      }
     }
-    auto num = [](double v) { return v < 0 ? std::string("null") : absl::StrFormat("%.4f", v); };
-    std::string per_model;
+    auto spread = [](const Result& r, int i) {
+      return nlohmann::json::array({r.p10[i], r.p90[i]});
+    };
+    summary["valid"] = valid;
+    summary["overhead_ratio"] = valid && worst ? nlohmann::json(worst->ratio()) : nullptr;
+    summary["worst_model"] = worst ? worst->model : "";
+    summary["overhead_vs_ddp"] =
+        valid && worst_ddp ? nlohmann::json(worst_ddp->vs_ddp()) : nullptr;
+    summary["worst_vs_ddp_model"] = worst_ddp ? worst_ddp->model : "";
     for (const Result& r : results) {
-      per_model += absl::StrFormat(
-          ", \"%s\": {\"overhead_ratio\": %.4f, \"overhead_vs_ddp\": %s, "
-          "\"speedup_vs_per_param\": %.4f, \"compute_ms\": %.3f, \"per_param_ms\": %.3f, "
-          "\"evenstep_ms\": %.3f, \"evenstep_prepared_ms\": %.3f, \"graph_walk_ms\": %.4f, "
-          "\"ddp_compute_ms\": %s, \"ddp_ms\": %s, \"tensors\": %d, \"buckets\": %d, "
-          "\"params\": %d}",
-          r.model, r.ratio(), num(r.vs_ddp()), r.b / r.c, r.a, r.b, r.c, r.d, r.walk_ms,
-          num(r.ddp_compute), num(r.ddp), r.tensors, r.buckets, r.params);
+      nlohmann::json m = {{"overhead_ratio", r.ratio_determined() ? nlohmann::json(r.ratio())
+                                                                  : nlohmann::json::parse(kNoise)},
+                          {"overhead_vs_ddp", !r.ddp_ran() ? nlohmann::json(nullptr)
+                                              : r.vs_ddp_determined()
+                                                  ? nlohmann::json(r.vs_ddp())
+                                                  : nlohmann::json::parse(kNoise)},
+                          {"speedup_vs_per_param", r.b / r.c},
+                          {"compute_ms", r.a},
+                          {"per_param_ms", r.b},
+                          {"evenstep_ms", r.c},
+                          {"evenstep_prepared_ms", r.d},
+                          {"p10_p90_ms", {{"compute", spread(r, 0)},
+                                          {"per_param", spread(r, 1)},
+                                          {"evenstep", spread(r, 2)},
+                                          {"evenstep_prepared", spread(r, 3)}}},
+                          {"graph_walk_ms", r.walk_ms},
+                          {"tensors", r.tensors},
+                          {"buckets", r.buckets},
+                          {"params", r.params}};
+      if (r.ddp_ran()) {
+        m["ddp_compute_ms"] = r.ddp_compute;
+        m["ddp_ms"] = r.ddp;
+        m["p10_p90_ms"]["ddp_compute"] = spread(r, 4);
+        m["p10_p90_ms"]["ddp"] = spread(r, 5);
+      }
+      summary[r.model] = m;
     }
-    std::cout << absl::StrFormat(
-        "SUMMARY {\"bench\": \"grad_sync\", \"overhead_ratio\": %.4f, \"worst_model\": "
-        "\"%s\", \"overhead_vs_ddp\": %s, \"worst_vs_ddp_model\": \"%s\"%s, \"device\": "
-        "\"%s\", \"quick\": %s}\n",
-        worst->ratio(), worst->model, num(worst_ddp->vs_ddp()), worst_ddp->model, per_model,
-        device_name, quick ? "true" : "false");
+    summary["device"] = device_name;
+    summary["quick"] = quick;
+    if (!valid) {
+      std::cout << "NOT VALID: some differences are within the step times' spread (a loaded "
+                   "machine?); rerun on a quiet one. The ratios marked undetermined are noise.\n";
+    }
+    std::cout << "SUMMARY " << summary.dump() << std::endl;
   }
-  return 0;
+  // Every rank exits alike: rank 0's verdict, shared.
+  at::Tensor verdict = at::full({1}, valid ? 0.0 : 1.0, at::kDouble);
+  if (absl::Status s = dist.Broadcast(verdict, 0); !s.ok()) {
+    std::cerr << s << "\n";
+    return 1;
+  }
+  return verdict.item<double>() == 0 ? 0 : 3;
 }

@@ -6,6 +6,7 @@
 // global batch (mean loss, normalised by the global count).
 //
 //   balance_helper [--evenstep_*...] [--steps N] [--split_seed S] [--fail_rank R]
+//                  [--outside_backward]
 //
 // --split_seed seeds random initial shares with one rank at zero (before the
 // planner has measurements, so with a large --evenstep_warmup_steps they
@@ -40,6 +41,10 @@
 #include "evenstep/train_checkpointer.h"
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
+ABSL_FLAG(bool, outside_backward, false,
+          "After every step, rank 0 alone runs a backward through the model outside the step "
+          "(a GAN generator's loss through the discriminator), checks that its gradients are "
+          "this rank's own, then zeroes them as the single-process loop would.");
 ABSL_FLAG(std::string, device, "cpu", "Where the model and the data live (cpu, cuda).");
 ABSL_FLAG(bool, load_tensors, false,
           "The load function also returns each sample's input as a new CPU tensor, which the "
@@ -335,6 +340,24 @@ int main(int argc, char** argv) {
       continue;
     }
     if (timeline) timeline->AddStep(*report);
+    if (absl::GetFlag(FLAGS_outside_backward) && rank == 0) {
+      // No collective may start (rank 1 would never join it): the gradient
+      // must be rank 0's local one, exactly.
+      const std::vector<int64_t> few = {0, 1, 2};
+      LossSum(model, data, few, per_token, nullptr).backward();
+      std::vector<torch::Tensor> local;
+      for (const auto& p : model->parameters()) local.push_back(p.grad().clone());
+      optimizer.zero_grad();
+      LossSum(model, data, few, per_token, nullptr).backward();
+      double diff = 0;
+      size_t k = 0;
+      for (const auto& p : model->parameters()) {
+        diff = std::max(diff, (p.grad() - local[k++]).abs().max().item<double>());
+      }
+      std::cout << "outside backward: local gradient, difference " << diff << std::endl;
+      if (diff != 0) return 1;
+      optimizer.zero_grad();
+    }
     if (metrics) {
       metrics->Log(s, "loss", report->loss);
       metrics->Log(s, "rank", rank);

@@ -268,6 +268,19 @@ TEST(BalancedStepTest, EveryRankAbandonsTheSameStepAndGoesOn) {
   }
 }
 
+TEST(BalancedStepTest, ABackwardOutsideAStepStaysLocalAndStartsNoCollective) {
+  // Rank 0 alone runs a backward through the model between steps (a GAN
+  // generator's loss through the discriminator): its gradients are its own
+  // (a collective started from the hooks would wait for rank 1 until the
+  // timeout), and after zero_grad every step's gradient is still exact.
+  auto results = RunHelper(2, {"--outside_backward", "--steps=3", "--evenstep_timeout=60s",
+                               "--evenstep_micro_batch_samples=4"});
+  for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
+  EXPECT_THAT(results[0].output, HasSubstr("outside backward: local gradient, difference 0"))
+      << Describe(results);
+  EXPECT_THAT(results[0].output, ::testing::ContainsRegex("step 3 rank 0 micro"));
+}
+
 TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--evenstep_balance=fast", "--evenstep_balance=fast: expected static, work or dynamic"},

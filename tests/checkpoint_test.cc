@@ -28,6 +28,7 @@ namespace evenstep {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // On /dev/shm when there is one: these tests exercise the protocol through
 // the Env (crashes and faults are injected), not the disk, and fsync is free
@@ -588,6 +589,29 @@ TEST(CheckpointTest, EveryToolRefusesADtypeRelabelledWithARecomputedIndexChecksu
     EXPECT_THAT(out, HasSubstr("its HDF5 type is not that of int32")) << command << ": " << out;
     EXPECT_FALSE(std::filesystem::exists(out_file)) << command;
   }
+  auto [rc, out] =
+      RunShell(absl::StrCat("/usr/bin/python3 ", EVENSTEP_CKPT_READER, " ", ckpt, " 2>&1"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, HasSubstr("the HDF5 dataset is <f4 ")) << out;
+  EXPECT_THAT(out, HasSubstr("the manifest says int32")) << out;
+}
+
+TEST(CheckpointTest, PythonReaderRefusesNonJsonNumbersAsVerifyDoes) {
+  // Python's json reads Infinity and NaN; JSON and evenstep's reader do not.
+  TempDir dir;
+  ASSERT_TRUE(SaveAsRanks(dir.path(), MakeState(4, 1), 2).ok());
+  const std::string path = CheckpointPath(dir.path(), 4) + "/manifest.json";
+  std::string text = *ReadFileToString(*Env::Default(), path);
+  const size_t at = text.find("\"step\": 4");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 9, "\"step\": Infinity");
+  std::ofstream(path, std::ios::trunc) << text;
+  auto [rc, out] = RunShell(absl::StrCat(EVENSTEP_CKPT_TOOL, " verify ", dir.path(), " 2>&1"));
+  EXPECT_EQ(rc, 1) << out;
+  std::tie(rc, out) =
+      RunShell(absl::StrCat("/usr/bin/python3 ", EVENSTEP_CKPT_READER, " ", dir.path(), " 2>&1"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, HasSubstr("Infinity is not a JSON value"));
 }
 
 TEST(CheckpointTest, VerifyOpensEveryShardWithHdf5) {
@@ -605,6 +629,12 @@ TEST(CheckpointTest, VerifyOpensEveryShardWithHdf5) {
   auto [rc, out] = RunShell(tool + " verify " + dir.path());
   EXPECT_EQ(rc, 1) << out;
   EXPECT_THAT(out, HasSubstr("CORRUPT " + shard + ": not an HDF5 file"));
+  // The Python reader names the file too (h5py's OSError named none).
+  std::tie(rc, out) =
+      RunShell(absl::StrCat("/usr/bin/python3 ", EVENSTEP_CKPT_READER, " ", dir.path(), " 2>&1"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, HasSubstr(shard + ": not a readable HDF5 file"));
+  EXPECT_THAT(out, Not(HasSubstr("Traceback")));
   // The resume path reads by offset and still gets the right bytes; the
   // manifest-level checks are unaffected.
   auto reader = CheckpointReader::Open(*Env::Default(), CheckpointPath(dir.path(), 4));

@@ -52,6 +52,10 @@ ABSL_FLAG(int, idle_rank, -1, "This rank has no micro-batch in any step (joins b
 ABSL_FLAG(std::string, out, "", "Rank 0 writes its parameters and buffers there (JSON).");
 ABSL_FLAG(std::string, throw_in, "synced",
           "exception scenario: rank 1 throws in step 3's synced backward, or in its first.");
+ABSL_FLAG(uint64_t, seed, 0,
+          "random case: the seed of the model's shape (sparse or dense embedding, tied head "
+          "or not), of the layers each rank uses at each step and of each rank's micro-steps "
+          "(1-3) per step.");
 ABSL_FLAG(bool, keep_grad, false, "No zero_grad between steps (model and reference).");
 ABSL_FLAG(bool, create_graph, false, "Every backward of the model with create_graph.");
 ABSL_FLAG(std::string, abandon, "if_needed",
@@ -294,6 +298,63 @@ struct ControlFlow : Case {
   torch::nn::Linear a{nullptr}, b{nullptr}, never{nullptr}, head{nullptr};
 };
 
+// A deterministic hash of the seed and a few small numbers.
+uint64_t Mix(uint64_t seed, int64_t a, int64_t b = 0, int64_t c = 0) {
+  uint64_t h = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  for (int64_t v : {a, b, c}) {
+    h ^= static_cast<uint64_t>(v) + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+
+// The fuzz-like case: its shape and, per step and rank, which layers run
+// come from --seed; the same formulas on every rank and in the reference.
+struct Random : Case {
+  static constexpr int kV = 9, kD = 6, kLayers = 4;
+  explicit Random(uint64_t seed) : seed(seed) {
+    sparse = Mix(seed, 1) % 2 == 0;
+    tied = !sparse && Mix(seed, 2) % 2 == 0;
+    embed = register_module(
+        "embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(kV, kD).sparse(sparse)));
+    frozen = register_module("frozen", torch::nn::Linear(kD, kD));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    for (int i = 0; i < kLayers; ++i) {
+      layers.push_back(register_module(absl::StrCat("l", i), torch::nn::Linear(kD, kD)));
+    }
+    if (tied) {
+      head_weight = register_parameter("head_weight", embed->weight);
+    } else {
+      head = register_module("head", torch::nn::Linear(kD, kV));
+    }
+  }
+  // Layer i runs for (step, rank) about two times in three; layer 3 never
+  // on odd seeds (unused everywhere).
+  bool Uses(int step, int rank, int i) const {
+    if (i == kLayers - 1 && seed % 2 == 1) return false;
+    return Mix(seed, step, rank, 10 + i) % 3 != 0;
+  }
+  int Micro(int step, int rank) const { return 1 + static_cast<int>(Mix(seed, step, rank, 7) % 3); }
+  Tensor Loss(const std::vector<int64_t>& samples, int step, int rank) override {
+    Tensor h = torch::tanh(frozen(embed(Ids(samples, step, kV))));
+    for (int i = 0; i < kLayers; ++i) {
+      if (Uses(step, rank, i)) h = h + torch::tanh(layers[i](h));
+    }
+    Tensor logits = tied ? h.matmul(head_weight.t()) : head(h);
+    return SumCE(logits, Targets(samples, step, kV));
+  }
+  std::unique_ptr<torch::optim::Optimizer> Optimizer() override {
+    return std::make_unique<torch::optim::SGD>(Params(), torch::optim::SGDOptions(0.1));
+  }
+  uint64_t seed;
+  bool sparse = false, tied = false;
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::Linear frozen{nullptr}, head{nullptr};
+  std::vector<torch::nn::Linear> layers;
+  Tensor head_weight;
+};
+
 std::shared_ptr<Case> MakeCase(const std::string& name) {
   std::shared_ptr<Case> c;
   if (name == "tied_adam") c = std::make_shared<Tied>(true);
@@ -305,6 +366,7 @@ std::shared_ptr<Case> MakeCase(const std::string& name) {
   if (name == "reverse") c = std::make_shared<Reverse>();
   if (name == "one_param") c = std::make_shared<OneParam>();
   if (name == "control_flow") c = std::make_shared<ControlFlow>();
+  if (name == "random") c = std::make_shared<Random>(absl::GetFlag(FLAGS_seed));
   if (c) InitParameters(*c);
   return c;
 }
@@ -399,9 +461,18 @@ int Run(evenstep::DistContext& dist) {
   }
   auto opt = model->Optimizer();
   auto ref_opt = ref->Optimizer();
-  const auto split = Split(world, idle, micro);
+  auto split = Split(world, idle, micro);
+  auto* random = dynamic_cast<Random*>(model.get());
   int launched_first = -1, launched_last = -1;
   for (int step = 1; step <= steps; ++step) {
+    if (random != nullptr) {
+      // This step's micro-steps, per rank: 1-3, from the seed.
+      for (int r = 0; r < world; ++r) {
+        const int m = random->Micro(step, r);
+        split[r] = Split(world, idle, m)[r];
+      }
+    }
+    const int my_micro = static_cast<int>(split[rank].size());
     if (scenario == "unfreeze" && step == 3) {
       static_cast<Reverse&>(*model).l[1]->weight.set_requires_grad(false);
     }
@@ -418,9 +489,9 @@ int Run(evenstep::DistContext& dist) {
       }
     } else {
       try {
-        for (int m = 0; m < micro; ++m) {
-          const bool last = m + 1 == micro;
-          (*sync)->set_sync_enabled(last || (scenario == "two_backward" && m == micro - 2));
+        for (int m = 0; m < my_micro; ++m) {
+          const bool last = m + 1 == my_micro;
+          (*sync)->set_sync_enabled(last || (scenario == "two_backward" && m == my_micro - 2));
           if (scenario == "exception") {
             // Step 3 throws inside the synced backward, or (--throw_in=first)
             // in the first micro-step's, before any sync of the step.

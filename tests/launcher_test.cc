@@ -136,21 +136,27 @@ TEST(LauncherTest, ForwardsSigtermToEveryRank) {
 TEST(LauncherTest, ForwardedSignalGivesTheRanksTheGraceToSaveThenExits83) {
   // Each rank takes 4 s to "save" after SIGTERM (beyond the old fixed 3 s)
   // and exits with kPreemptedExitCode; the launcher waits (--grace 60s) and
-  // exits 83 itself, which a job script can requeue on.
-  PidDir pids;
-  Subprocess run(ProcessSpec{
-      {EVENSTEP_RUN, "-n", "2", "--grace", "60s", "--", "/bin/sh", "-c",
-       "trap 'sleep 4; echo saved; exit 83' TERM; echo $$ > $EVENSTEP_TEST_PID_DIR/rank$RANK.pid;"
-       " while :; do sleep 0.05; done"},
-      {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
-  ASSERT_TRUE(pids.WaitForAll(2, kHangBound));
-  ASSERT_EQ(kill(run.pid(), SIGTERM), 0);
-  ProcessResult result = run.Wait(kHangBound);
-  ASSERT_FALSE(result.timed_out) << result.output;
-  EXPECT_EQ(result.exit_code, 83) << result.output;
-  EXPECT_THAT(result.output, HasSubstr("[0] saved"));
-  EXPECT_THAT(result.output, HasSubstr("[1] saved"));
-  EXPECT_THAT(result.output, Not(HasSubstr("after the grace period")));
+  // exits 83 itself, which a job script can requeue on. Ctrl-C (SIGINT to
+  // the launcher) reaches the ranks as SIGTERM, the signal a Session saves
+  // on (SIGINT used to end them with nothing saved, rc 130).
+  for (int sig : {SIGTERM, SIGINT}) {
+    SCOPED_TRACE(strsignal(sig));
+    PidDir pids;
+    Subprocess run(ProcessSpec{{EVENSTEP_RUN, "-n", "2", "--grace", "60s", "--", "/bin/sh", "-c",
+                                "trap 'sleep 4; echo saved; exit 83' TERM; echo $$ > "
+                                "$EVENSTEP_TEST_PID_DIR/rank$RANK.pid;"
+                                " while :; do sleep 0.05; done"},
+                               {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+    ASSERT_TRUE(pids.WaitForAll(2, kHangBound));
+    ASSERT_EQ(kill(run.pid(), sig), 0);
+    ProcessResult result = run.Wait(kHangBound);
+    ASSERT_FALSE(result.timed_out) << result.output;
+    EXPECT_EQ(result.exit_code, 83) << result.output;
+    EXPECT_THAT(result.output, HasSubstr("[0] saved"));
+    EXPECT_THAT(result.output, HasSubstr("[1] saved"));
+    EXPECT_THAT(result.output, Not(HasSubstr("after the grace period")));
+    if (sig == SIGINT) EXPECT_THAT(result.output, HasSubstr("sending SIGTERM to 2 rank(s)"));
+  }
 }
 
 TEST(LauncherTest, ASecondSignalKillsAtOnce) {

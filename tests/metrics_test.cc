@@ -122,7 +122,9 @@ TEST(MetricsTest, SessionEvaluateUsesEvalModeNoGradAndCappedMicroBatches) {
     EXPECT_THAT(results[0].output, HasSubstr("eval samples 300 grad_enabled 0 training 0 "
                                              "frozen_training 0 requires_grad 0"));
   }
-  // A cap below the longest evaluation sample is refused naming the flag.
+  // A cap below the longest training sample (13 tokens) is refused naming
+  // the flag at Session::Create, before any step; one below the longest
+  // evaluation sample (24 tokens) at the evaluation.
   evenstep::testing::TempDir dir("evenstep_eval");
   auto results = evenstep::testing::RunRanks(
       2, {EVENSTEP_CKPT_HELPER, "--mode=session", "--run_dir=" + dir.path(), "--steps=1",
@@ -130,6 +132,16 @@ TEST(MetricsTest, SessionEvaluateUsesEvalModeNoGradAndCappedMicroBatches) {
   for (const ProcessResult& r : results) {
     EXPECT_EQ(r.exit_code, 2) << Describe(results);
     EXPECT_THAT(r.output, HasSubstr("--evenstep_eval_micro_batch_tokens=10 is below the longest "
+                                    "training sample (13 tokens)"));
+    EXPECT_THAT(r.output, ::testing::Not(HasSubstr("step 1 loss")));
+  }
+  evenstep::testing::TempDir dir2("evenstep_eval");
+  results = evenstep::testing::RunRanks(
+      2, {EVENSTEP_CKPT_HELPER, "--mode=session", "--run_dir=" + dir2.path(), "--steps=1",
+          "--evaluate", "--evenstep_eval_micro_batch_tokens=20"});
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 2) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("--evenstep_eval_micro_batch_tokens=20 is below the longest "
                                     "evaluation sample (24 tokens)"));
   }
 }

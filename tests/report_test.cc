@@ -153,6 +153,27 @@ TEST(ReportTest, NamesRank0WithTheUsualDuties) {
   EXPECT_THAT(out, ::testing::Not(HasSubstr("degrading"))) << out;
 }
 
+TEST(ReportTest, ARunDirectoryWithASpaceOrQuoteGetsItsPicturesAndAFailedPlotIsAnError) {
+  // The plot used to be started through the shell unquoted: a space in the
+  // path split it, no picture was written, and the tool still exited 0.
+  const TempDir temp("evenstep_report");
+  const std::string dir = temp.path() + "/my run's dir";
+  std::filesystem::create_directories(dir);
+  ScriptedRun(dir, [](int rank, int) { return rank == 0 ? 80 : 0; });
+  auto results = evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, dir}, {}}},
+                                           evenstep::testing::HangBound(2));
+  EXPECT_EQ(results[0].exit_code, 0) << results[0].output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/phases.png")) << results[0].output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/report.html")) << results[0].output;
+  // A plot that fails (its output file is a directory): exit 1, named.
+  std::filesystem::remove(dir + "/phases.png");
+  std::filesystem::create_directories(dir + "/phases.png");
+  results = evenstep::testing::RunAll({{{EVENSTEP_REPORT_TOOL, dir}, {}}},
+                                      evenstep::testing::HangBound(2));
+  EXPECT_EQ(results[0].exit_code, 1) << results[0].output;
+  EXPECT_THAT(results[0].output, HasSubstr("evenstep-report: the plot of " + dir + " failed"));
+}
+
 TEST(ReportTest, NamesARankThatSlowedAgainstItsOwnBest) {
   // Rank 1's health falls from step 6 to 0.6 at step 12; rank 2 dips to
   // 0.85 (above the 0.8 line) and recovers.

@@ -251,13 +251,17 @@ TEST(SamplerTest, ASampleLongerThanTheTokenCapIsAnErrorNamingIt) {
 TEST(SamplerTest, CountsForNormalisation) {
   SamplerOptions options;
   options.normalization = Normalization::kTokens;
-  options.global_batch = 10;
+  options.global_batch = 4;  // the whole dataset
   auto sampler = Sampler::Create({5, 6, 7, 8}, options);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
   const GlobalBatch batch = sampler->Next();
   EXPECT_EQ(batch.count, 26);
   auto custom = Sampler::Create({5, 6, 7, 8}, options, nullptr, {4, 5, 6, 7});
+  ASSERT_TRUE(custom.ok()) << custom.status();
   EXPECT_EQ(custom->Next().count, 22);
+  options.global_batch = 1;
   auto quadratic = Sampler::Create({10}, options, [](int64_t l) { return l + 0.5 * l * l; });
+  ASSERT_TRUE(quadratic.ok()) << quadratic.status();
   EXPECT_EQ(quadratic->cost(0), 60);
 }
 

@@ -31,6 +31,11 @@ NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
          "bfloat16": np.uint16, "int8": np.int8, "int16": np.int16, "int32": np.int32,
          "int64": np.int64, "uint8": np.uint8, "bool": np.bool_}
 SIZE = {k: np.dtype(v).itemsize for k, v in NUMPY.items()}
+# The HDF5 type evenstep writes for each dtype, as h5py shows it (little-endian
+# on disk whatever the host; bool as uint8, bfloat16 as its uint16 words).
+STORED = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2",
+          "int8": "|i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1",
+          "bool": "|u1"}
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_JSON_DEPTH = 64
 STEP_DIR = re.compile(r"^step-[0-9]{10,19}$")
@@ -84,6 +89,11 @@ def _depth(text):
         elif c in "]}":
             depth -= 1
     return deepest
+
+
+def _not_json(name):
+    """Python's json reads NaN, Infinity and -Infinity; JSON (and evenstep) does not."""
+    raise ValueError("%s is not a JSON value" % name)
 
 
 def index_text(m):
@@ -215,7 +225,7 @@ def load(path, as_torch=None):
     if _depth(text) > MAX_JSON_DEPTH:
         raise CheckpointError("%s: JSON nested deeper than %d" % (manifest_path, MAX_JSON_DEPTH))
     try:
-        manifest = json.loads(text)
+        manifest = json.loads(text, parse_constant=_not_json)
     except ValueError as e:
         raise CheckpointError("%s: not JSON: %s" % (manifest_path, e))
     validate(manifest, path)
@@ -226,7 +236,14 @@ def load(path, as_torch=None):
         xxhash = None
         print("evenstep_ckpt_reader: python3-xxhash is not installed: checksums NOT verified",
               file=sys.stderr)
-    shards = [h5py.File(p, "r") for p in shard_paths]
+    shards = []
+    for p in shard_paths:
+        try:
+            shards.append(h5py.File(p, "r"))
+        except OSError as e:  # h5py's message does not name the file
+            for f in shards:
+                f.close()
+            raise CheckpointError("%s: not a readable HDF5 file (%s)" % (p, e))
     out = {}
     for t in manifest["tensors"]:
         count = int(np.prod(t["shape"], dtype=np.int64))
@@ -244,6 +261,14 @@ def load(path, as_torch=None):
                                       "what the manifest says" % (where, ds.id.get_offset(),
                                                                   ds.id.get_storage_size(),
                                                                   ds.attrs.get("dtype")))
+            # What verify checks too: the stored type (not relabelled, not
+            # big-endian) and the dataset's shape (the tensor's for a whole
+            # tensor, the slice's length for a slice).
+            want_shape = tuple(t["shape"]) if len(t["slices"]) == 1 else (s["end"] - s["begin"],)
+            if ds.dtype.str != STORED[t["dtype"]] or ds.shape != want_shape:
+                raise CheckpointError("%s: the HDF5 dataset is %s %s, the manifest says %s %s" %
+                                      (where, ds.dtype.str, list(ds.shape), t["dtype"],
+                                       list(want_shape)))
             data = np.ascontiguousarray(ds[...]).view(flat.dtype).reshape(-1)
             if data.size != s["end"] - s["begin"]:
                 raise CheckpointError("%s: %d elements, the manifest says %d" %

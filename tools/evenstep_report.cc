@@ -12,9 +12,13 @@
 // chrome://tracing), RUN_DIR/report.json, and with Debian's
 // python3-matplotlib RUN_DIR/phases.png, RUN_DIR/arrival_skew.png and
 // RUN_DIR/report.html.
+#include <sys/wait.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -100,6 +104,13 @@ bool ReadTrace(const std::string& path, json* events) {
 }
 
 }  // namespace
+
+// `s` as one word for /bin/sh: single-quoted, each ' written as '\''.
+static std::string ShellQuoted(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
 
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -385,12 +396,24 @@ int main(int argc, char** argv) {
   std::cout << "  wrote " << dir
             << "/trace.json (open in https://ui.perfetto.dev or chrome://tracing), " << dir
             << "/report.json\n";
-  // Pictures.
-  const std::string plot =
-      absl::StrCat("/usr/bin/python3 ", EVENSTEP_PLOT_SCRIPT, " ", dir, " 2>&1");
+  // Pictures. The run directory is quoted for the shell (a path with a
+  // space or a quote is a path too); a failed plot is this tool's failure.
+  const std::string plot = absl::StrCat("/usr/bin/python3 ", ShellQuoted(EVENSTEP_PLOT_SCRIPT),
+                                        " ", ShellQuoted(dir), " 2>&1");
   FILE* p = popen(plot.c_str(), "r");
+  if (p == nullptr) {
+    std::cerr << "evenstep-report: cannot start the plot (" << strerror(errno) << ")\n";
+    return 1;
+  }
   char buf[1024];
-  while (p != nullptr && fgets(buf, sizeof(buf), p) != nullptr) std::cout << "  " << buf;
-  if (p != nullptr) pclose(p);
+  while (fgets(buf, sizeof(buf), p) != nullptr) std::cout << "  " << buf;
+  const int status = pclose(p);
+  if (status != 0) {
+    std::cerr << "evenstep-report: the plot of " << dir << " failed ("
+              << (WIFEXITED(status) ? absl::StrCat("exit ", WEXITSTATUS(status))
+                                    : absl::StrCat("status ", status))
+              << "): no phases.png / report.html; the text report and JSON above stand\n";
+    return 1;
+  }
   return 0;
 }

@@ -8,9 +8,10 @@
 //   and sets TORCHELASTIC_USE_AGENT_STORE=True, so every rank is a client.
 // - Prefixes each output line of rank r with "[r] " (stdout to stdout,
 //   stderr to stderr).
-// - Forwards SIGINT / SIGTERM / SIGUSR1 to every rank and gives them --grace
-//   (120 s) to stop before SIGKILL: a Session trainer saves the step it is
-//   in and exits with kPreemptedExitCode (83). A second signal kills at once.
+// - Forwards SIGTERM / SIGUSR1 to every rank, and SIGINT (Ctrl-C) as SIGTERM,
+//   and gives them --grace (120 s) to stop before SIGKILL: a Session trainer
+//   saves the step it is in and exits with kPreemptedExitCode (83). A second
+//   signal kills at once.
 // - A rank that exits with 83 (preempted: a signal reached the ranks
 //   directly) is not a failure: the others are stopping too and get --grace.
 //   When every rank exits with 83, so does the launcher.
@@ -349,15 +350,21 @@ int main(int argc, char** argv) {
       const int sig = g_signal;
       g_signal = 0;
       if (forwarded_signal == 0) {
-        forwarded_signal = sig;
+        // Ctrl-C reaches the launcher alone (each rank has its own process
+        // group); the ranks get SIGTERM, which a Session saves on by
+        // default (--evenstep_preempt_signals), instead of SIGINT, which
+        // would end them with nothing saved.
+        const int to_ranks = sig == SIGINT ? SIGTERM : sig;
+        forwarded_signal = to_ranks;
         fprintf(stderr,
-                "evenstep-run: got signal %d (%s), forwarding it to %d rank(s); they have %s to "
+                "evenstep-run: got signal %d (%s), sending %s to %d rank(s); they have %s to "
                 "save and stop (--grace), a second signal kills them at once\n",
-                sig, strsignal(sig), running, absl::FormatDuration(options.grace).c_str());
+                sig, strsignal(sig), to_ranks == sig ? "it" : "SIGTERM", running,
+                absl::FormatDuration(options.grace).c_str());
         if (shutting_down) {
-          SignalAll(ranks, sig);  // ranks stopping after a preemption exit get it too
+          SignalAll(ranks, to_ranks);  // ranks stopping after a preemption exit get it too
         } else {
-          begin_shutdown(sig, options.grace);
+          begin_shutdown(to_ranks, options.grace);
         }
       } else if (!killed) {
         fprintf(stderr, "evenstep-run: second signal %d: killing %d rank(s) now\n", sig, running);

@@ -79,6 +79,11 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   config.grad_sync.on_arrival = [c = clock.get()] { c->Arrive(); };
   EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync,
                             GradSync::Attach(model, ctx.data_group(), config.grad_sync));
+  // Outside a step the hooks only mark gradients as used: a backward through
+  // this model outside Step (a GAN generator's loss through the
+  // discriminator) accumulates locally, as in one process, and starts no
+  // collective that the other ranks would not join.
+  sync->set_sync_enabled(false);
   std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, model, optimizer, std::move(sampler),
                                                       std::move(config), std::move(sync),
                                                       std::move(clock)));
@@ -279,7 +284,7 @@ std::string BalancedStep::LoadFailure(size_t micro_batch, const absl::Status& er
 
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {
   in_step_ = false;
-  sync_->set_sync_enabled(true);
+  sync_->set_sync_enabled(false);
   const std::string where = absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
                                          ", micro-batch ", micro_batch + 1, " of ", micro_.size());
   absl::Status status;
@@ -314,6 +319,7 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
                                              micro_.size(), " micro-batches"));
   }
   in_step_ = false;
+  sync_->set_sync_enabled(false);
   if (micro_.empty()) {
     // No work on this rank this step: join the collectives with zeros.
     report_.arrived = absl::Now();

@@ -238,6 +238,8 @@ SamplerState Sampler::state() const {
   state.step = step_;
   state.seed = options_.seed;
   state.num_samples = num_samples();
+  state.global_batch = options_.global_batch;
+  state.tokens = options_.budget_unit == BatchUnit::kTokens;
   return state;
 }
 
@@ -245,7 +247,21 @@ absl::Status Sampler::Restore(const SamplerState& state) {
   if (state.seed != options_.seed || state.num_samples != num_samples()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "Sampler::Restore: the state is for seed ", state.seed, " and ", state.num_samples,
-        " samples; this sampler has seed ", options_.seed, " and ", num_samples(), " samples"));
+        " samples; this sampler has seed ", options_.seed, " and ", num_samples(),
+        " samples (--evenstep_seed, or a changed dataset)"));
+  }
+  const bool tokens = options_.budget_unit == BatchUnit::kTokens;
+  if (state.global_batch > 0 &&
+      (state.global_batch != options_.global_batch || state.tokens != tokens)) {
+    auto flags = [](int64_t batch, bool in_tokens) {
+      return absl::StrCat("--evenstep_global_batch=", batch,
+                          " --evenstep_batch_unit=", in_tokens ? "tokens" : "samples");
+    };
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Sampler::Restore: the state was saved with ", flags(state.global_batch, state.tokens),
+        "; this run has ", flags(options_.global_batch, tokens),
+        ": resuming would change the sample order and what one optimizer step means (the "
+        "learning rate's scale); resume with the saved values, or start a new run"));
   }
   if (state.epoch < 0 || state.step < 0) {
     return absl::InvalidArgumentError(absl::StrCat("Sampler::Restore: epoch ", state.epoch,

@@ -2,10 +2,16 @@
 #include "evenstep/session.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <csignal>
 #include <iostream>
 #include <set>
@@ -162,6 +168,7 @@ Session::Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optim
     : ctx_(ctx), model_(model), optimizer_(optimizer) {}
 
 Session::~Session() {
+  if (run_dir_lock_ >= 0) close(run_dir_lock_);  // releases the flock
   if (owns_context_) {
     absl::MutexLock lock(&sessions_mu);
     ContextsWithSession().erase(&ctx_);
@@ -190,6 +197,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
     }
     s->owns_context_ = true;
   }
+  EVENSTEP_RETURN_IF_ERROR(s->LockRunDir(run_dir));
   EVENSTEP_ASSIGN_OR_RETURN(const ResumeMode resume, ResumeModeFromFlag());
   EVENSTEP_ASSIGN_OR_RETURN(s->stop_after_failures_, StopAfterFailedSaves());
   EVENSTEP_ASSIGN_OR_RETURN(const std::vector<int> preempt_signals, PreemptSignalsFromFlag());
@@ -200,13 +208,27 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
   if (preflight != PreflightMode::kOff) {
     EVENSTEP_RETURN_IF_ERROR(RunSessionPreflight(ctx, preflight, options.dir, &config));
   }
+  // An evaluation cap below the longest training sample cannot be meant: say
+  // so now, not at the first evaluation after hours of training (Evaluate
+  // checks it again against the evaluation set's own lengths).
+  if (const int64_t eval_cap = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
+      eval_cap > 0 && !lengths.empty()) {
+    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+    if (eval_cap < longest) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--evenstep_eval_micro_batch_tokens=", eval_cap,
+          " is below the longest training sample (", longest,
+          " tokens): an evaluation micro-batch must hold at least one sample"));
+    }
+  }
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
                             BalancedStep::Create(ctx, model, optimizer, std::move(lengths),
                                                  std::move(config), std::move(counts)),
                             "Session::Create, rank ", ctx.rank(),
                             ": balanced steps and gradient sync");
   EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, TrainCheckpointer::Create(ctx, options),
-                            "Session::Create, rank ", ctx.rank(), ": checkpoints in ", options.dir);
+                            "Session::Create, rank ", ctx.rank(), ": checkpoints in ", options.dir,
+                            " (--evenstep_ckpt_dir; default RUN_DIR/ckpt)");
   if (absl::GetFlag(FLAGS_evenstep_timeline)) {
     EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()),
                               "Session::Create, rank ", ctx.rank(), ": the timeline in ", run_dir,
@@ -234,6 +256,22 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
       s->last_step_ = s->last_saved_ = loaded->step;
     } else if (!absl::IsNotFound(loaded.status())) {
       return loaded.status();
+    } else if (ctx.rank() == 0) {
+      // Say so: a run killed during its very first save restarts here too,
+      // and its uncommitted step directory is the only trace of it.
+      std::string uncommitted;
+      if (absl::StatusOr<std::vector<std::string>> names = Env::Default()->List(options.dir);
+          names.ok()) {
+        for (const std::string& n : *names) {
+          if (absl::StartsWith(n, "step-")) absl::StrAppend(&uncommitted, " ", n);
+        }
+      }
+      std::cout << "[evenstep] no committed checkpoint in " << options.dir << ": starting at step 1"
+                << (uncommitted.empty()
+                        ? std::string()
+                        : absl::StrCat(" (never committed, a save that was interrupted:",
+                                       uncommitted, ")"))
+                << std::endl;
     }
   } else if (ctx.rank() == 0) {
     absl::StatusOr<CheckpointListing> listing = ListCheckpoints(*Env::Default(), options.dir);
@@ -255,6 +293,45 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
   g_preempt_signal = 0;
   s->created_ = true;
   return s;
+}
+
+// Two runs in one run directory would interleave their checkpoints, logs
+// and timelines. Rank 0 holds an flock on RUN_DIR/.evenstep.lock (released
+// by the kernel when the process ends, however it ends); every rank learns
+// the outcome in one all-reduce, so none waits for a rank that stopped.
+absl::Status Session::LockRunDir(const std::string& given) {
+  const std::string run_dir = given.empty() ? "." : given;
+  std::string holder;
+  if (ctx_.rank() == 0) {
+    std::error_code error;
+    std::filesystem::create_directories(run_dir, error);
+    const std::string path = run_dir + "/.evenstep.lock";
+    run_dir_lock_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (run_dir_lock_ < 0) {
+      holder = absl::StrCat("cannot open ", path, ": ", strerror(errno));
+    } else if (flock(run_dir_lock_, LOCK_EX | LOCK_NB) != 0) {
+      char pid[32] = {};
+      const ssize_t n = pread(run_dir_lock_, pid, sizeof(pid) - 1, 0);
+      holder = absl::StrCat("another run (pid ", n > 0 ? absl::StripAsciiWhitespace(pid) : "?",
+                            ") holds ", path);
+      close(run_dir_lock_);
+      run_dir_lock_ = -1;
+    } else {
+      const std::string mine = absl::StrCat(getpid(), "\n");
+      if (ftruncate(run_dir_lock_, 0) != 0 ||
+          pwrite(run_dir_lock_, mine.data(), mine.size(), 0) < 0) {
+        // Only the holder's pid in the message is lost; the lock holds.
+      }
+    }
+  }
+  at::Tensor refused = at::full({1}, holder.empty() ? 0.0 : 1.0, at::kDouble);
+  EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(refused), "Session::Create, rank ", ctx_.rank(),
+                           ": agreeing on the run directory ", run_dir);
+  if (refused.item<double>() == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir,
+      " is in use by another run", holder.empty() ? " (rank 0 says which)" : ": " + holder,
+      "; wait for it to end, or give this run another directory"));
 }
 
 void Session::BeforeStep() {

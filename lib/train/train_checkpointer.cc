@@ -52,6 +52,10 @@ std::string BalanceJson(const BalanceState& b) {
   nlohmann::json j = {{"epoch", b.sampler.epoch}, {"step", b.sampler.step},
                       {"seed", b.sampler.seed},   {"num_samples", b.sampler.num_samples},
                       {"steps", b.steps},         {"shares", b.shares}};
+  if (b.sampler.global_batch > 0) {
+    j["global_batch"] = b.sampler.global_batch;
+    j["batch_unit"] = b.sampler.tokens ? "tokens" : "samples";
+  }
   return j.dump();
 }
 
@@ -79,6 +83,14 @@ absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
     }
   }
   b.sampler.seed = j["seed"].get<uint64_t>();
+  if (j.contains("global_batch")) {  // absent in checkpoints of earlier builds
+    if (!integer("global_batch", &b.sampler.global_batch) || b.sampler.global_batch <= 0 ||
+        !j.contains("batch_unit") || !j["batch_unit"].is_string() ||
+        (j["batch_unit"] != "samples" && j["batch_unit"] != "tokens")) {
+      return bad("global_batch must be a positive integer with batch_unit samples or tokens");
+    }
+    b.sampler.tokens = j["batch_unit"] == "tokens";
+  }
   if (!j.contains("shares") || !j["shares"].is_array()) return bad("shares must be an array");
   for (const auto& v : j["shares"]) {
     if (!v.is_number()) return bad("a share is not a number");

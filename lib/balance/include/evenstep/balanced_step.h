@@ -36,6 +36,11 @@
 // timeout, a peer that died) leaves the ranks out of step: every later
 // BeginStep/Step on this rank fails saying so (restart from the last
 // checkpoint) instead of mixing steps.
+// Outside a step the model's gradients are not synchronised: a backward
+// through its parameters between steps (a GAN generator's loss through the
+// discriminator) accumulates into their .grad on this rank only, as in one
+// process, and starts no collective; zero them before the next Step (as
+// the single-process loop does) unless that step should include them.
 // Thread-safety: one training thread drives a BalancedStep.
 #pragma once
 

@@ -90,6 +90,11 @@ struct SamplerState {
   int64_t step = 0;
   uint64_t seed = 0;
   int64_t num_samples = 0;  // checked on restore
+  // What a global batch is (checked on restore when known: 0 in checkpoints
+  // written before it was saved). A resume with another global batch would
+  // change the sample order and what one optimizer step means.
+  int64_t global_batch = 0;
+  bool tokens = false;  // --evenstep_batch_unit=tokens
 };
 
 enum class PartitionBy {

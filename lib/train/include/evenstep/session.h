@@ -114,6 +114,7 @@ class Session {
   absl::Status AfterStep(StepReport* report);
   void BeforeStep();
   absl::Status StopForPreemption(int signal, int64_t step);
+  absl::Status LockRunDir(const std::string& run_dir);
   // Reports the outcome of the save of `step` (a line when it failed).
   void Observe(int64_t step, const absl::Status& outcome);
   // Observes the saves that have finished, oldest first.
@@ -134,6 +135,7 @@ class Session {
   int64_t last_saved_ = 0;
   bool created_ = false;  // Create finished: every part exists
   bool owns_context_ = false;  // the one Session registered on ctx_
+  int run_dir_lock_ = -1;      // rank 0: RUN_DIR/.evenstep.lock, flock'ed while it lives
   bool finished_ = false;
   bool preempted_ = false;
   std::vector<std::pair<int, struct sigaction>> old_handlers_;
