@@ -258,9 +258,10 @@ def load(path, as_torch=None):
             if ds.id.get_offset() != s["offset"] or ds.id.get_storage_size() != s["bytes"] or \
                     ds.attrs.get("dtype") not in (t["dtype"], t["dtype"].encode()):
                 raise CheckpointError("%s: the HDF5 dataset (offset %s, %d bytes, dtype %r) is not "
-                                      "what the manifest says" % (where, ds.id.get_offset(),
-                                                                  ds.id.get_storage_size(),
-                                                                  ds.attrs.get("dtype")))
+                                      "what the manifest says (offset %d, %d bytes, dtype %s)" %
+                                      (where, ds.id.get_offset(), ds.id.get_storage_size(),
+                                       ds.attrs.get("dtype"), s["offset"], s["bytes"],
+                                       t["dtype"]))
             # What verify checks too: the stored type (not relabelled, not
             # big-endian) and the dataset's shape (the tensor's for a whole
             # tensor, the slice's length for a slice).
