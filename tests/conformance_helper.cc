@@ -56,6 +56,9 @@ ABSL_FLAG(uint64_t, seed, 0,
           "random case: the seed of the model's shape (sparse or dense embedding, tied head "
           "or not), of the layers each rank uses at each step and of each rank's micro-steps "
           "(1-3) per step.");
+ABSL_FLAG(bool, inference, false,
+          "Before every step, a forward of the model under NoGradGuard and one with autograd "
+          "whose graph is dropped (DDP's test_ddp_inference): neither may change anything.");
 ABSL_FLAG(bool, keep_grad, false, "No zero_grad between steps (model and reference).");
 ABSL_FLAG(bool, create_graph, false, "Every backward of the model with create_graph.");
 ABSL_FLAG(std::string, abandon, "if_needed",
@@ -75,6 +78,10 @@ void InitParameters(torch::nn::Module& m) {
     Tensor p = item.value();
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     const int64_t n = p.numel();
+    if (n == 0) {  // zero output features: nothing to set
+      ++k;
+      continue;
+    }
     const double scale = p.dim() >= 2 ? 0.5 / std::sqrt(static_cast<double>(n / p.size(0))) : 0.1;
     Tensor v = torch::sin(torch::arange(n, torch::kDouble) * 0.7 + 1.3 * k + 0.2) * scale;
     p.copy_(v.view(p.sizes()).to(p.scalar_type()));
@@ -282,6 +289,22 @@ struct OneParam : Case {
   torch::nn::Linear frozen{nullptr}, w{nullptr};
 };
 
+// A layer with zero output features (empty weight and bias) beside real
+// ones: DDP's test_ddp_zero_output_features.
+struct ZeroFeatures : Case {
+  ZeroFeatures() {
+    a = register_module("a", torch::nn::Linear(6, 6));
+    zero = register_module("zero", torch::nn::Linear(6, 0));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  Tensor Loss(const std::vector<int64_t>& samples, int step, int) override {
+    Tensor x = Rows(samples, step, 6);
+    Tensor h = torch::tanh(a(x));
+    return SumCE(head(h), Targets(samples, step, 3)) + zero(h).sum();
+  }
+  torch::nn::Linear a{nullptr}, zero{nullptr}, head{nullptr};
+};
+
 // A layer only rank 1 uses, on odd steps; a layer no rank ever uses.
 struct ControlFlow : Case {
   ControlFlow() {
@@ -366,6 +389,7 @@ std::shared_ptr<Case> MakeCase(const std::string& name) {
   if (name == "reverse") c = std::make_shared<Reverse>();
   if (name == "one_param") c = std::make_shared<OneParam>();
   if (name == "control_flow") c = std::make_shared<ControlFlow>();
+  if (name == "zero_features") c = std::make_shared<ZeroFeatures>();
   if (name == "random") c = std::make_shared<Random>(absl::GetFlag(FLAGS_seed));
   if (c) InitParameters(*c);
   return c;
@@ -402,6 +426,7 @@ std::vector<std::pair<std::string, Tensor>> UniqueParams(torch::nn::Module& m) {
 }
 
 double MaxRelError(const Tensor& got, const Tensor& want) {
+  if (got.numel() == 0 && want.numel() == 0) return 0;  // zero output features
   const Tensor g = got.to(torch::kDouble), w = want.to(torch::kDouble);
   const double scale = std::max(w.abs().max().item<double>(), 1e-12);
   return (g - w).abs().max().item<double>() / scale;
@@ -473,6 +498,13 @@ int Run(evenstep::DistContext& dist) {
       }
     }
     const int my_micro = static_cast<int>(split[rank].size());
+    if (absl::GetFlag(FLAGS_inference) && rank != idle) {
+      {
+        torch::NoGradGuard no_grad;
+        model->Loss(split[rank][0], step, rank);
+      }
+      model->Loss(split[rank][0], step, rank);  // a graph nobody runs backward on
+    }
     if (scenario == "unfreeze" && step == 3) {
       static_cast<Reverse&>(*model).l[1]->weight.set_requires_grad(false);
     }

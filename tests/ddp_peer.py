@@ -32,6 +32,8 @@ def init_parameters(model):
     with torch.no_grad():
         for k, (_, p) in enumerate(model.named_parameters()):
             n = p.numel()
+            if n == 0:  # zero output features: nothing to set
+                continue
             scale = 0.5 / math.sqrt(n // p.shape[0]) if p.dim() >= 2 else 0.1
             v = torch.sin(torch.arange(n, dtype=torch.float64) * 0.7 + 1.3 * k + 0.2) * scale
             p.copy_(v.view(p.shape).to(p.dtype))
@@ -177,6 +179,20 @@ class ControlFlow(nn.Module):
     optimizer = staticmethod(momentum_sgd)
 
 
+class ZeroFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.zero = nn.Linear(6, 0)
+        self.head = nn.Linear(6, 3)
+
+    def loss(self, samples, step, rank):
+        h = torch.tanh(self.a(rows(samples, step, 6)))
+        return sum_ce(self.head(h), targets(samples, step, 3)) + self.zero(h).sum()
+
+    optimizer = staticmethod(momentum_sgd)
+
+
 CASES = {
     "tied_adam": lambda: Tied(True),
     "tied_sgd": lambda: Tied(False),
@@ -186,6 +202,7 @@ CASES = {
     "reverse": Reverse,
     "one_param": OneParam,
     "control_flow": ControlFlow,
+    "zero_features": ZeroFeatures,
 }
 
 
