@@ -41,6 +41,10 @@
 #include "evenstep/train_checkpointer.h"
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
+ABSL_FLAG(bool, sparse_embedding, false,
+          "The model's input also gets a per-sample vector from an Embedding with sparse "
+          "gradients (its id: the sample's index mod 17): the first layer, whose gradient "
+          "backward produces last.");
 ABSL_FLAG(bool, outside_backward, false,
           "After every step, rank 0 alone runs a backward through the model outside the step "
           "(a GAN generator's loss through the discriminator), checks that its gradients are "
@@ -118,8 +122,23 @@ torch::nn::Sequential MakeModel() {
   torch::nn::Sequential model(torch::nn::Linear(kDim, kHidden), torch::nn::Tanh(),
                               torch::nn::Linear(kHidden, kHidden), torch::nn::Tanh(),
                               torch::nn::Linear(kHidden, 1));
+  if (absl::GetFlag(FLAGS_sparse_embedding)) {
+    // Not in the Sequential's chain: Predict adds it (GradSync finds it).
+    model->register_module("embed",
+                           torch::nn::Embedding(torch::nn::EmbeddingOptions(17, kDim).sparse(true)));
+  }
   model->to(torch::Device(absl::GetFlag(FLAGS_device)));
   return model;
+}
+
+// The model's output for sample i's input x (with --sparse_embedding, x
+// plus the sample's embedded vector).
+torch::Tensor Predict(torch::nn::Sequential& model, const torch::Tensor& x, int64_t i) {
+  if (auto* embed = model->named_children().find("embed")) {
+    const torch::Tensor id = torch::full({1}, i % 17, torch::kLong).to(x.device());
+    return model->forward(x + (*embed)->as<torch::nn::Embedding>()->forward(id));
+  }
+  return model->forward(x);
 }
 
 // Sum over `samples` of each sample's loss: the mean squared error over its
@@ -132,7 +151,7 @@ torch::Tensor LossSum(torch::nn::Sequential& model, const Data& d,
   for (size_t k = 0; k < samples.size(); ++k) {
     const int64_t i = samples[k];
     const torch::Tensor& x = inputs != nullptr ? (*inputs)[k] : d.x[i];
-    const torch::Tensor err = (model->forward(x) - d.y[i]).pow(2);
+    const torch::Tensor err = (Predict(model, x, i) - d.y[i]).pow(2);
     total = total + (per_token ? err.sum() : err.mean());
   }
   return total;
@@ -149,7 +168,7 @@ torch::Tensor LossMean(torch::nn::Sequential& model, const Data& d,
   for (size_t k = 0; k < samples.size(); ++k) {
     const int64_t i = samples[k];
     const torch::Tensor& x = inputs != nullptr ? (*inputs)[k] : d.x[i];
-    const torch::Tensor err = (model->forward(x) - d.y[i]).pow(2);
+    const torch::Tensor err = (Predict(model, x, i) - d.y[i]).pow(2);
     parts.push_back(per_token ? err.reshape({-1}) : err.mean().reshape({1}));
   }
   return torch::cat(parts).mean();
@@ -205,9 +224,10 @@ int main(int argc, char** argv) {
       (LossSum(reference, data, batch.samples, per_token) / batch.count).backward();
     }
     for (size_t i = 0; i < params.size(); ++i) {
-      const torch::Tensor ref = ref_params[i].grad();
+      auto dense = [](const torch::Tensor& g) { return g.is_sparse() ? g.to_dense() : g; };
+      const torch::Tensor ref = dense(ref_params[i].grad());
       const double scale = ref.abs().max().item<double>();
-      const double err = (params[i].grad() - ref).abs().max().item<double>() / scale;
+      const double err = (dense(params[i].grad()) - ref).abs().max().item<double>() / scale;
       max_err = std::max(max_err, err);
     }
   };
