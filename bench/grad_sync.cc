@@ -31,6 +31,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -70,10 +71,15 @@ double QuantileMs(std::vector<double> v, double q) {
 double MedianMs(const std::vector<double>& v) { return QuantileMs(v, 0.5); }
 
 // A difference of two medians means something only when it is larger than
-// either figure's own spread (p10-p90 over the steps): on a loaded machine
-// it is not, and a ratio over it is noise.
-bool Determined(double hi_median, double lo_median, double spread_hi, double spread_lo) {
-  return hi_median - lo_median > std::max(spread_hi, spread_lo);
+// twice its standard error. Each median's error is estimated from its
+// figure's p10-p90 spread over `n` steps (sigma ~ spread / 2.563 for a
+// normal spread; the median's standard error ~ 1.2533 sigma / sqrt(n)); the
+// difference's is the root of the sum of squares. On a loaded machine the
+// spreads grow and the ratio over the difference is reported as noise.
+bool Determined(double hi_median, double lo_median, double spread_hi, double spread_lo, int n) {
+  const double k = 1.2533 / 2.563 / std::sqrt(static_cast<double>(std::max(n, 1)));
+  const double se = k * std::sqrt(spread_hi * spread_hi + spread_lo * spread_lo);
+  return hi_median - lo_median > 2 * se;
 }
 
 // Pre-norm residual block shaped like a transformer layer's parameters (two
@@ -133,11 +139,12 @@ struct Result {
   evenstep::SyncStats stats;
   double spread(int i) const { return p90[i] - p10[i]; }
   // (b) - (a) stands out of the noise: the ratio over it means something.
-  bool ratio_determined() const { return Determined(b, a, spread(1), spread(0)); }
+  int steps = 0;  // measured steps per mode (the spreads' sample size)
+  bool ratio_determined() const { return Determined(b, a, spread(1), spread(0), steps); }
   double ratio() const { return b > a ? (c - a) / (b - a) : 0; }
   bool ddp_ran() const { return ddp >= 0 && ddp_compute >= 0; }
   bool vs_ddp_determined() const {
-    return ddp_ran() && Determined(ddp, ddp_compute, spread(5), spread(4));
+    return ddp_ran() && Determined(ddp, ddp_compute, spread(5), spread(4), steps);
   }
   double vs_ddp() const { return (d - a) / (ddp - ddp_compute); }
 };
@@ -242,6 +249,7 @@ absl::Status Summarise(evenstep::DistContext& dist, const Samples& samples, Resu
     r.p10[m] = t[5 + 2 * m].item<double>();
     r.p90[m] = t[6 + 2 * m].item<double>();
   }
+  r.steps = static_cast<int>(times[kCompute].size());
   return absl::OkStatus();
 }
 
