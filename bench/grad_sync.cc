@@ -293,9 +293,8 @@ void RunDdpPeer(std::vector<Result>& results, int layers, int batch, int steps) 
     r.p10[5] = s.value("ddp_p10_ms", r.ddp);
     r.p90[5] = s.value("ddp_p90_ms", r.ddp);
     std::cout << absl::StrFormat(
-        "  %-6s compute %8.2f ms (p10-p90 %.2f-%.2f), DDP %8.2f ms (%.2f-%.2f; +%.2f)\n",
-        r.model, r.ddp_compute, r.p10[4], r.p90[4], r.ddp, r.p10[5], r.p90[5],
-        r.ddp - r.ddp_compute);
+        "  %-6s compute %8.2f ms (p10-p90 %.2f-%.2f), DDP %8.2f ms (%.2f-%.2f; +%.2f)\n", r.model,
+        r.ddp_compute, r.p10[4], r.p90[4], r.ddp, r.p10[5], r.p90[5], r.ddp - r.ddp_compute);
   }
 }
 
@@ -305,8 +304,9 @@ void Print(const Result& r, int batch, int steps) {
       "%d steps; median step time, max over ranks\n",
       r.model, r.params / 1e6, r.tensors, r.params * 4 / 1048576.0, r.buckets, r.width, batch,
       steps);
-  std::cout << absl::StrFormat("  (a) compute only                       %8.2f ms  p10-p90 %.2f-%.2f\n",
-                               r.a, r.p10[0], r.p90[0]);
+  std::cout << absl::StrFormat(
+      "  (a) compute only                       %8.2f ms  p10-p90 %.2f-%.2f\n", r.a, r.p10[0],
+      r.p90[0]);
   std::cout << absl::StrFormat(
       "  (b) per-parameter all_reduce after bwd %8.2f ms  p10-p90 %.2f-%.2f  (+%.2f)\n", r.b,
       r.p10[1], r.p90[1], r.b - r.a);
@@ -387,8 +387,9 @@ int main(int argc, char** argv) {
   for (int half = 0; half < 2; ++half) {
     for (size_t i = 0; i < models.size(); ++i) {
       const auto& [name, model, width] = models[i];
-      const absl::Status s = Measure(dist, name, model, width, half == 0 ? first_half : steps - first_half,
-                                     batch, *device, results[i], samples[i]);
+      const absl::Status s =
+          Measure(dist, name, model, width, half == 0 ? first_half : steps - first_half, batch,
+                  *device, results[i], samples[i]);
       if (!s.ok()) {
         std::cerr << "rank " << dist.rank() << ": " << name << ": " << s << "\n";
         return 1;
@@ -415,7 +416,7 @@ int main(int argc, char** argv) {
     // The headline is the worst shape, so a good figure on one cannot hide a
     // bad one on another; a ratio whose denominator is within the noise is
     // "undetermined: noise", and the whole run is then not valid.
-    const char* kNoise = "\"undetermined: noise\"";
+    const nlohmann::json noise = "undetermined: noise";
     nlohmann::json summary = {{"bench", "grad_sync"}};
     const Result* worst = nullptr;
     const Result* worst_ddp = nullptr;
@@ -432,29 +433,29 @@ int main(int argc, char** argv) {
     summary["valid"] = valid;
     summary["overhead_ratio"] = valid && worst ? nlohmann::json(worst->ratio()) : nullptr;
     summary["worst_model"] = worst ? worst->model : "";
-    summary["overhead_vs_ddp"] =
-        valid && worst_ddp ? nlohmann::json(worst_ddp->vs_ddp()) : nullptr;
+    summary["overhead_vs_ddp"] = valid && worst_ddp ? nlohmann::json(worst_ddp->vs_ddp()) : nullptr;
     summary["worst_vs_ddp_model"] = worst_ddp ? worst_ddp->model : "";
     for (const Result& r : results) {
-      nlohmann::json m = {{"overhead_ratio", r.ratio_determined() ? nlohmann::json(r.ratio())
-                                                                  : nlohmann::json::parse(kNoise)},
-                          {"overhead_vs_ddp", !r.ddp_ran() ? nlohmann::json(nullptr)
-                                              : r.vs_ddp_determined()
-                                                  ? nlohmann::json(r.vs_ddp())
-                                                  : nlohmann::json::parse(kNoise)},
-                          {"speedup_vs_per_param", r.b / r.c},
-                          {"compute_ms", r.a},
-                          {"per_param_ms", r.b},
-                          {"evenstep_ms", r.c},
-                          {"evenstep_prepared_ms", r.d},
-                          {"p10_p90_ms", {{"compute", spread(r, 0)},
-                                          {"per_param", spread(r, 1)},
-                                          {"evenstep", spread(r, 2)},
-                                          {"evenstep_prepared", spread(r, 3)}}},
-                          {"graph_walk_ms", r.walk_ms},
-                          {"tensors", r.tensors},
-                          {"buckets", r.buckets},
-                          {"params", r.params}};
+      nlohmann::json m = {
+          {"overhead_ratio",
+           r.ratio_determined() ? nlohmann::json(r.ratio()) : noise},
+          {"overhead_vs_ddp", !r.ddp_ran()            ? nlohmann::json(nullptr)
+                              : r.vs_ddp_determined() ? nlohmann::json(r.vs_ddp())
+                                                      : noise},
+          {"speedup_vs_per_param", r.b / r.c},
+          {"compute_ms", r.a},
+          {"per_param_ms", r.b},
+          {"evenstep_ms", r.c},
+          {"evenstep_prepared_ms", r.d},
+          {"p10_p90_ms",
+           {{"compute", spread(r, 0)},
+            {"per_param", spread(r, 1)},
+            {"evenstep", spread(r, 2)},
+            {"evenstep_prepared", spread(r, 3)}}},
+          {"graph_walk_ms", r.walk_ms},
+          {"tensors", r.tensors},
+          {"buckets", r.buckets},
+          {"params", r.params}};
       if (r.ddp_ran()) {
         m["ddp_compute_ms"] = r.ddp_compute;
         m["ddp_ms"] = r.ddp;

@@ -517,9 +517,9 @@ void GradSyncState::OnBackwardEnded(int64_t sync, bool completed) {
     std::lock_guard<std::mutex> lock(mu);
     if (!step_open || sync != seq) return;
     if (!completed) {
-      Fail(absl::AbortedError(absl::StrCat(
-          "an exception inside the synchronised backward of synchronisation #", sync,
-          " (GradSync joined it with a failure mark)")));
+      Fail(absl::AbortedError(
+          absl::StrCat("an exception inside the synchronised backward of synchronisation #", sync,
+                       " (GradSync joined it with a failure mark)")));
     }
     s = Finish();
     failed_in_backward = !s.ok();
@@ -685,8 +685,8 @@ void GradSyncState::WriteBack(const std::vector<char>& used_anywhere) {
     ParamSlot& p = params[i];
     if (!p.used) ++stats.unused_here;
     p.used = false;
-    at::Tensor view = p.sparse ? at::Tensor()
-                               : buckets[p.bucket].buffer.as_strided(p.sizes, p.strides, p.offset);
+    at::Tensor view =
+        p.sparse ? at::Tensor() : buckets[p.bucket].buffer.as_strided(p.sizes, p.strides, p.offset);
     // A kept gradient: every rank contributed its increment; add the kept
     // value back once (into the storage a kept gradient may share, too).
     if (view.defined() && p.base.defined()) view.add_(p.base);

@@ -1,15 +1,15 @@
 // CheckpointWriter: snapshot on the training thread, everything else on the
 // I/O fibers; the commit protocol is written down in checkpoint_files.h.
 #include <ATen/ATen.h>
-#include <unistd.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -155,9 +155,9 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(
   // first save after hours of training. On the real file system only: a
   // test's Env has no such directory.
   if (impl->env == Env::Default() && access(impl->options.dir.c_str(), W_OK | X_OK) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint writer, rank ", rank, ": ", impl->options.dir,
-                     " cannot be written to (", strerror(errno), ")"));
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint writer, rank ", rank, ": ",
+                                                      impl->options.dir, " cannot be written to (",
+                                                      strerror(errno), ")"));
   }
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }

@@ -124,8 +124,8 @@ torch::nn::Sequential MakeModel() {
                               torch::nn::Linear(kHidden, 1));
   if (absl::GetFlag(FLAGS_sparse_embedding)) {
     // Not in the Sequential's chain: Predict adds it (GradSync finds it).
-    model->register_module("embed",
-                           torch::nn::Embedding(torch::nn::EmbeddingOptions(17, kDim).sparse(true)));
+    model->register_module(
+        "embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(17, kDim).sparse(true)));
   }
   model->to(torch::Device(absl::GetFlag(FLAGS_device)));
   return model;

@@ -81,8 +81,11 @@ std::vector<Conf> AllCases() {
       for (const char* name : {"one_param", "tied_adam", "sparse", "control_flow"}) {
         cases.push_back({name, world, micro, {"--keep_grad"}, "_keep_grad"});
       }
-      cases.push_back(
-          {"one_param", world, micro, {"--keep_grad", "--create_graph"}, "_keep_grad_create_graph"});
+      cases.push_back({"one_param",
+                       world,
+                       micro,
+                       {"--keep_grad", "--create_graph"},
+                       "_keep_grad_create_graph"});
     }
     for (const char* name : {"reverse", "tied_adam", "one_param"}) {
       cases.push_back({name, world, 3, {"--scenario=two_backward"}, "_two_backward"});
@@ -153,16 +156,15 @@ TEST(ConformanceTest, AnExceptionInsideBackwardAbandonsTheStepOnEveryRank) {
     const char* abandon;
     const char* throw_in;
   };
-  for (const Way way : {Way{"never", "synced"}, Way{"if_needed", "synced"},
-                        Way{"always", "synced"}, Way{"if_needed", "first"},
-                        Way{"always", "first"}}) {
+  for (const Way way : {Way{"never", "synced"}, Way{"if_needed", "synced"}, Way{"always", "synced"},
+                        Way{"if_needed", "first"}, Way{"always", "first"}}) {
     for (int world : {2, 3}) {
       for (int micro : {1, 3}) {
         if (std::string(way.throw_in) == "first" && micro == 1) continue;  // the same backward
         auto results = RunCase(
-            world, {"--case_name=reverse", "--scenario=exception",
-                    absl::StrCat("--abandon=", way.abandon),
-                    absl::StrCat("--throw_in=", way.throw_in), absl::StrCat("--micro=", micro)});
+            world,
+            {"--case_name=reverse", "--scenario=exception", absl::StrCat("--abandon=", way.abandon),
+             absl::StrCat("--throw_in=", way.throw_in), absl::StrCat("--micro=", micro)});
         SCOPED_TRACE(absl::StrCat("--abandon=", way.abandon, " --throw_in=", way.throw_in,
                                   " world ", world, " micro ", micro));
         for (const ProcessResult& r : results) {
@@ -287,7 +289,8 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
 // (DDP averages kept gradients back to themselves).
 std::vector<DdpCase> DdpCases() {
   std::vector<DdpCase> cases;
-  for (const char* name : {"tied_adam", "sparse", "batchnorm", "layout", "reverse", "control_flow"}) {
+  for (const char* name :
+       {"tied_adam", "sparse", "batchnorm", "layout", "reverse", "control_flow"}) {
     cases.push_back({name, 3, {}, ""});
   }
   if (TORCH_VERSION_MAJOR < 2) cases.push_back({"tied_sgd", 3, {}, ""});

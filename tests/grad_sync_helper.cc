@@ -31,8 +31,8 @@
 #include <chrono>
 #include <iostream>
 #include <map>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -486,8 +486,8 @@ int ForgottenSync(evenstep::DistContext& dist) {
   evenstep::GradSyncOptions options = TinyBuckets();
   options.timeout = dist.options().collective_timeout;
   options.diagnosis.arrive = [&dist] { return dist.MarkArrival(); };
-  options.diagnosis.diagnose = [&dist](int64_t seq, const std::string& what,
-                                       absl::Duration elapsed, const std::string& error) {
+  options.diagnosis.diagnose = [&dist](int64_t seq, const std::string& what, absl::Duration elapsed,
+                                       const std::string& error) {
     return dist.Diagnose(seq, what, elapsed, error);
   };
   auto sync = evenstep::GradSync::Attach(net, dist.data_group(), options);

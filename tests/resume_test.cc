@@ -569,11 +569,13 @@ TEST(SessionTest, ARunDirectoryInUseByAnotherRunIsRefusedOnEveryRank) {
   auto r = Train(run.path(), 2, {});
   for (const ProcessResult& p : r) {
     EXPECT_EQ(p.exit_code, 2) << Describe(r);
-    EXPECT_THAT(p.output, HasSubstr("the run directory " + run.path() + " is in use by another run"))
+    EXPECT_THAT(p.output,
+                HasSubstr("the run directory " + run.path() + " is in use by another run"))
         << Describe(r);
     EXPECT_THAT(p.output, Not(HasSubstr("first step"))) << Describe(r);
   }
-  EXPECT_THAT(r[0].output, HasSubstr(absl::StrCat("another run (pid ", getpid(), ") holds ", lock)));
+  EXPECT_THAT(r[0].output,
+              HasSubstr(absl::StrCat("another run (pid ", getpid(), ") holds ", lock)));
   close(fd);  // released: the same run starts
   r = Train(run.path(), 2, {});
   for (const ProcessResult& p : r) EXPECT_EQ(p.exit_code, 0) << Describe(r);

@@ -398,8 +398,8 @@ int main(int argc, char** argv) {
             << "/report.json\n";
   // Pictures. The run directory is quoted for the shell (a path with a
   // space or a quote is a path too); a failed plot is this tool's failure.
-  const std::string plot = absl::StrCat("/usr/bin/python3 ", ShellQuoted(EVENSTEP_PLOT_SCRIPT),
-                                        " ", ShellQuoted(dir), " 2>&1");
+  const std::string plot = absl::StrCat("/usr/bin/python3 ", ShellQuoted(EVENSTEP_PLOT_SCRIPT), " ",
+                                        ShellQuoted(dir), " 2>&1");
   FILE* p = popen(plot.c_str(), "r");
   if (p == nullptr) {
     std::cerr << "evenstep-report: cannot start the plot (" << strerror(errno) << ")\n";

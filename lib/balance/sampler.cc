@@ -93,8 +93,7 @@ absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOpt
     costs[i] = cost ? cost(lengths[i]) : static_cast<double>(lengths[i]);
     if (!(costs[i] > 0) || !std::isfinite(costs[i])) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "Sampler: the cost function gives ", costs[i], " for sample ", i, " (length ",
-          lengths[i],
+          "Sampler: the cost function gives ", costs[i], " for sample ", i, " (length ", lengths[i],
           "); costs must be positive and finite (from flags: --evenstep_cost_quadratic)"));
     }
   }
@@ -245,10 +244,10 @@ SamplerState Sampler::state() const {
 
 absl::Status Sampler::Restore(const SamplerState& state) {
   if (state.seed != options_.seed || state.num_samples != num_samples()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Sampler::Restore: the state is for seed ", state.seed, " and ", state.num_samples,
-        " samples; this sampler has seed ", options_.seed, " and ", num_samples(),
-        " samples (--evenstep_seed, or a changed dataset)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("Sampler::Restore: the state is for seed ", state.seed, " and ",
+                     state.num_samples, " samples; this sampler has seed ", options_.seed, " and ",
+                     num_samples(), " samples (--evenstep_seed, or a changed dataset)"));
   }
   const bool tokens = options_.budget_unit == BatchUnit::kTokens;
   if (state.global_batch > 0 &&

@@ -17,7 +17,6 @@
 #include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,12 +26,12 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "evenstep/checkpoint_files.h"
 #include "evenstep/internal/c10d_compat.h"
 #include "evenstep/internal/collective.h"

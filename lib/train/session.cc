@@ -5,14 +5,14 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
-#include <unistd.h>
 #include <torch/nn/module.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
-#include <csignal>
 #include <iostream>
 #include <set>
 
@@ -215,10 +215,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
       eval_cap > 0 && !lengths.empty()) {
     const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
     if (eval_cap < longest) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--evenstep_eval_micro_batch_tokens=", eval_cap,
-          " is below the longest training sample (", longest,
-          " tokens): an evaluation micro-batch must hold at least one sample"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--evenstep_eval_micro_batch_tokens=", eval_cap,
+                       " is below the longest training sample (", longest,
+                       " tokens): an evaluation micro-batch must hold at least one sample"));
     }
   }
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
@@ -269,8 +269,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
       std::cout << "[evenstep] no committed checkpoint in " << options.dir << ": starting at step 1"
                 << (uncommitted.empty()
                         ? std::string()
-                        : absl::StrCat(" (never committed, a save that was interrupted:",
-                                       uncommitted, ")"))
+                        : absl::StrCat(
+                              " (never committed, a save that was interrupted:", uncommitted, ")"))
                 << std::endl;
     }
   } else if (ctx.rank() == 0) {
