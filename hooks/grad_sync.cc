@@ -1061,6 +1061,12 @@ void GradSync::set_sync_enabled(bool enabled) {
   state_->sync_enabled = enabled;
 }
 
+void GradSync::ForgetUse() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (state_->step_open) return;
+  for (internal::ParamSlot& p : state_->params) p.used = false;
+}
+
 bool GradSync::sync_enabled() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->sync_enabled;

@@ -14,11 +14,16 @@
 #include <torch/nn/module.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
+#include <ATen/Context.h>
+#include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
+#include <set>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -35,10 +40,9 @@ enum ExchangeField {
   kFitPerUnit,
   kFitObservations,
   kBusy,
-  kLossSum,
   kMicroBatches,
   kAgreed,  // kAgreementSlots values follow
-  kExchangeFields = kAgreed + kAgreementSlots
+  kPartLosses = kAgreed + kAgreementSlots,  // one loss sum per part follows
 };
 
 // The device the model trains on (its first parameter's; CPU without any).
@@ -52,6 +56,50 @@ c10::Device ModelDevice(torch::nn::Module& model) {
 absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
     DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     std::vector<int64_t> lengths, BalanceConfig config, std::vector<double> counts) {
+  return Create(ctx, {ModelPart("model", model, optimizer)}, std::move(lengths),
+                std::move(config), std::move(counts));
+}
+
+namespace {
+
+absl::Status CheckParts(const std::vector<ModelPart>& parts) {
+  if (parts.empty()) return absl::InvalidArgumentError("BalancedStep: no model part");
+  std::map<const c10::TensorImpl*, std::string> owner;  // parameter -> "part 'P' (name)"
+  std::set<std::string> names;
+  for (const ModelPart& part : parts) {
+    const bool name_ok =
+        !part.name.empty() && std::all_of(part.name.begin(), part.name.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+        });
+    if (!name_ok || !names.insert(part.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "BalancedStep: model part name '", part.name, "': ",
+          name_ok ? "given twice" : "expected letters, digits, '_' and '-' (not empty)"));
+    }
+    if (part.module == nullptr || part.optimizer == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("BalancedStep: model part '", part.name,
+                                                     "' has no ",
+                                                     part.module == nullptr ? "module" : "optimizer"));
+    }
+    for (const auto& p : part.module->named_parameters(/*recurse=*/true)) {
+      const std::string here = absl::StrCat("part '", part.name, "' (", p.key(), ")");
+      auto [it, fresh] = owner.emplace(p.value().unsafeGetTensorImpl(), here);
+      if (!fresh && it->second != here) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "BalancedStep: a parameter is in two model parts, ", it->second, " and ", here,
+            ": it would be synchronised and stepped twice; give each parameter to one part"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
+    DistContext& ctx, std::vector<ModelPart> model_parts, std::vector<int64_t> lengths,
+    BalanceConfig config, std::vector<double> counts) {
+  EVENSTEP_RETURN_IF_ERROR(CheckParts(model_parts));
   if (config.plan_interval < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("BalancedStep: plan_interval=", config.plan_interval, ": must be >= 1"));
@@ -75,24 +123,29 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   };
   // The arrival at the sync splits the last micro-step's compute from its
   // sync wait on the same clock.
-  auto clock = std::make_unique<internal::MicroStepClock>(ModelDevice(model), config.now);
+  const c10::Device device = ModelDevice(*model_parts[0].module);
+  auto clock = std::make_unique<internal::MicroStepClock>(device, config.now);
   config.grad_sync.on_arrival = [c = clock.get()] { c->Arrive(); };
-  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync,
-                            GradSync::Attach(model, ctx.data_group(), config.grad_sync));
-  // Outside a step the hooks only mark gradients as used: a backward through
-  // this model outside Step (a GAN generator's loss through the
-  // discriminator) accumulates locally, as in one process, and starts no
-  // collective that the other ranks would not join.
-  sync->set_sync_enabled(false);
-  std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, model, optimizer, std::move(sampler),
-                                                      std::move(config), std::move(sync),
-                                                      std::move(clock)));
+  std::vector<Part> parts;
+  for (ModelPart& spec : model_parts) {
+    EVENSTEP_ASSIGN_OR_RETURN(
+        std::unique_ptr<GradSync> sync,
+        GradSync::Attach(*spec.module, ctx.data_group(), config.grad_sync),
+        model_parts.size() > 1 ? absl::StrCat("model part '", spec.name, "'") : std::string());
+    // Outside its part of a step the hooks only mark gradients as used: a
+    // backward through this model outside it (a GAN generator's loss through
+    // the discriminator) accumulates locally, as in one process, and starts
+    // no collective that the other ranks would not join.
+    sync->set_sync_enabled(false);
+    parts.push_back({std::move(spec), std::move(sync)});
+  }
+  std::unique_ptr<BalancedStep> step(new BalancedStep(
+      ctx, std::move(parts), std::move(sampler), std::move(config), std::move(clock)));
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
   }
   if (step->config_.data_workers > 0) {
     step->workers_ = std::make_unique<WorkerPool>(step->config_.data_workers);
-    const c10::Device device = ModelDevice(model);
     if (step->config_.pin_memory && !device.is_cpu()) {
       step->feeder_ = std::make_unique<DeviceFeeder>(device, /*pinned=*/true);
     }
@@ -100,19 +153,78 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   return step;
 }
 
-BalancedStep::BalancedStep(DistContext& ctx, torch::nn::Module& model,
-                           torch::optim::Optimizer& optimizer, Sampler sampler,
-                           BalanceConfig config, std::unique_ptr<GradSync> sync,
-                           std::unique_ptr<internal::MicroStepClock> clock)
+BalancedStep::BalancedStep(DistContext& ctx, std::vector<Part> parts, Sampler sampler,
+                           BalanceConfig config, std::unique_ptr<internal::MicroStepClock> clock)
     : ctx_(ctx),
-      model_(model),
-      optimizer_(optimizer),
+      parts_(std::move(parts)),
       sampler_(std::move(sampler)),
       config_(std::move(config)),
-      sync_(std::move(sync)),
       clock_(std::move(clock)),
       cost_model_(config_.cost_model),
       planner_(ctx.world_size(), config_.planner) {}
+
+absl::Status BalancedStep::OnePart() const {
+  if (parts_.size() == 1) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": this step has ", parts_.size(),
+                   " model parts: Step takes one loss function per part (Step({loss_",
+                   parts_[0].spec.name, ", ...}))"));
+}
+
+std::string BalancedStep::Where() const {
+  return absl::StrCat("rank ", ctx_.rank(), ", step ", steps_ + 1,
+                      parts_.size() > 1 ? absl::StrCat(", part '", parts_[part_].spec.name, "'")
+                                        : std::string());
+}
+
+uint64_t MicroBatchSeed(uint64_t seed, int64_t step, int rank, int64_t micro_batch) {
+  const uint64_t key[4] = {seed, static_cast<uint64_t>(step), static_cast<uint64_t>(rank),
+                           static_cast<uint64_t>(micro_batch)};
+  return XXH64(key, sizeof(key), 0x65766e73);
+}
+
+void BalancedStep::Reseed(size_t i) {
+  if (!config_.reseed || i >= micro_.size()) return;
+  // Seeds the CPU generator and every accelerator's.
+  at::manual_seed(MicroBatchSeed(sampler_.options().seed, steps_ + 1, ctx_.rank(),
+                                    static_cast<int64_t>(i)));
+}
+
+void BalancedStep::StartPart(size_t k) {
+  part_ = k;
+  next_micro_ = 0;
+  data_marked_ = false;
+  Reseed(0);
+  Part& part = parts_[k];
+  syncs_at_begin_ = part.sync->syncs_completed();
+  if (parts_.size() == 1) return;
+  // What the plain loop's zero_grad does before this model's backward: drop
+  // what other parts' backwards left here, and their use marks.
+  part.spec.optimizer->zero_grad();
+  part.sync->ForgetUse();
+}
+
+absl::StatusOr<StepReport> BalancedStep::Step(const std::vector<PartLoss>& losses) {
+  if (losses.size() != parts_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": ",
+                                                   losses.size(), " loss functions for ",
+                                                   parts_.size(), " model parts"));
+  }
+  EVENSTEP_RETURN_IF_ERROR(BeginStep());
+  const std::vector<MicroBatch>& mbs = micro_batches();
+  for (size_t k = 0; k < parts_.size(); ++k) {
+    if (k > 0) EVENSTEP_RETURN_IF_ERROR(EndPart());
+    for (size_t i = 0; i < mbs.size(); ++i) {
+      try {
+        DataReady();
+        EVENSTEP_RETURN_IF_ERROR(Backward(losses[k](mbs[i])));
+      } catch (const std::exception& e) {
+        return Abandon(i, internal::ErrorText(e));
+      }
+    }
+  }
+  return FinishStep();
+}
 
 BalancedStep::~BalancedStep() { CancelPrefetch(); }
 
@@ -157,13 +269,11 @@ absl::Status BalancedStep::BeginStep() {
   micro_ = std::move(planned_->micro);
   planned_.reset();
   const Plan& plan = planner_.plan();
-  next_micro_ = 0;
   scale_ = batch_.count > 0 ? 1.0 / batch_.count : 0.0;
-  loss_sum_ = 0;
-  loss_on_device_ = at::Tensor();
-  data_marked_ = false;
+  loss_on_device_.assign(parts_.size(), at::Tensor());
+  part_loss_sums_.assign(parts_.size(), 0.0);
   in_step_ = true;
-  syncs_at_begin_ = sync_->syncs_completed();
+  StartPart(0);
   clock_->Begin();
   report_.epoch = batch_.epoch;
   report_.epoch_step = batch_.step;
@@ -192,14 +302,15 @@ void BalancedStep::DataReady() {
 
 absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
   if (!in_step_ || next_micro_ >= micro_.size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BalancedStep: rank ", ctx_.rank(), ": Backward without a pending micro-batch (step ",
-        steps_ + 1, " has ", micro_.size(), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("BalancedStep: ", Where(), ": Backward without a pending micro-batch (",
+                     micro_.size(), " in this step", parts_.size() > 1 ? "; EndPart?" : "", ")"));
   }
   if (!data_marked_) DataReady();
   const size_t index = next_micro_++;
   const bool last = next_micro_ == micro_.size();
-  sync_->set_sync_enabled(last);
+  GradSync& sync = *parts_[part_].sync;
+  sync.set_sync_enabled(last);
   try {
     if (loss_sum.dim() != 0) {
       return Abandon(
@@ -217,23 +328,25 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
     if (last) {
       // Parameters the loss cannot reach are ready at once (their buckets
       // are not held back to the end of backward).
-      if (absl::Status s = sync_->PrepareForBackward(scaled_loss); !s.ok()) {
+      if (absl::Status s = sync.PrepareForBackward(scaled_loss); !s.ok()) {
         return Abandon(index, std::string(s.message()));
       }
     }
     scaled_loss.backward();
     clock_->End();
     const at::Tensor scaled = loss_sum.detach().to(at::kDouble) * factor;
-    loss_on_device_ = loss_on_device_.defined() ? loss_on_device_ + scaled : scaled;
+    at::Tensor& sum = loss_on_device_[part_];
+    sum = sum.defined() ? sum + scaled : scaled;
   } catch (const std::exception& e) {
     return Abandon(index, internal::ErrorText(e));
   }
   if (last) {
-    const SyncStats stats = sync_->last_stats();
+    const SyncStats stats = sync.last_stats();
     report_.arrived = stats.arrived;
     report_.synced = stats.done;
   }
   data_marked_ = false;
+  Reseed(next_micro_);
   return absl::OkStatus();
 }
 
@@ -243,23 +356,34 @@ absl::Status BalancedStep::Account() {
   internal::MicroStepTimes times;
   try {
     times = clock_->Read();
-    loss_sum_ = loss_on_device_.defined() ? loss_on_device_.item<double>() : 0.0;
+    for (size_t k = 0; k < parts_.size(); ++k) {
+      const at::Tensor& sum = loss_on_device_[k];
+      part_loss_sums_[k] = sum.defined() ? sum.item<double>() : 0.0;
+    }
   } catch (const std::exception& e) {
     return absl::InternalError(
         absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
                      ", reading the micro-step times and losses: ", internal::ErrorText(e)));
   }
+  // Micro-step j is micro-batch j % n of part j / n: the cost model learns
+  // each micro-batch's time summed over the parts.
+  const size_t n = micro_.size();
+  std::vector<absl::Duration> data(n), compute(n);
   absl::Time at = clock_->begun();
-  for (size_t k = 0; k < times.data.size() && k < micro_.size(); ++k) {
-    const absl::Time data_end = at + times.data[k];
-    const bool last = k + 1 == times.data.size();
-    const absl::Time end = data_end + times.compute[k] + (last ? times.sync : absl::ZeroDuration());
-    report_.micro.push_back({at, data_end, end, micro_[k].cost});
-    report_.data += times.data[k];
-    report_.compute += times.compute[k];
-    cost_model_.Record(micro_[k].cost, absl::ToDoubleSeconds(times.data[k]),
-                       absl::ToDoubleSeconds(times.compute[k]));
+  for (size_t j = 0; j < times.data.size() && j < n * parts_.size(); ++j) {
+    const absl::Time data_end = at + times.data[j];
+    const bool last = j + 1 == times.data.size();
+    const absl::Time end = data_end + times.compute[j] + (last ? times.sync : absl::ZeroDuration());
+    report_.micro.push_back({at, data_end, end, micro_[j % n].cost});
+    data[j % n] += times.data[j];
+    compute[j % n] += times.compute[j];
     at = end;
+  }
+  for (size_t k = 0; k < n; ++k) {
+    report_.data += data[k];
+    report_.compute += compute[k];
+    cost_model_.Record(micro_[k].cost, absl::ToDoubleSeconds(data[k]),
+                       absl::ToDoubleSeconds(compute[k]));
   }
   if (!micro_.empty()) report_.sync_wait += times.sync;
   report_.busy = report_.data + report_.compute;
@@ -284,29 +408,81 @@ std::string BalancedStep::LoadFailure(size_t micro_batch, const absl::Status& er
 
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {
   in_step_ = false;
-  sync_->set_sync_enabled(false);
-  const std::string where = absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
-                                         ", micro-batch ", micro_batch + 1, " of ", micro_.size());
+  GradSync& sync = *parts_[part_].sync;
+  sync.set_sync_enabled(false);
+  const std::string where = absl::StrCat("BalancedStep: ", Where(), ", micro-batch ",
+                                         micro_batch + 1, " of ", micro_.size());
   absl::Status status;
-  if (sync_->syncs_completed() == syncs_at_begin_) {
+  if (sync.syncs_completed() == syncs_at_begin_) {
     // The peers are (or will be) in this step's synchronisation: join it
     // with a failure mark, so every rank abandons this same step.
-    absl::Status joined = sync_->AbandonStep(absl::InternalError(absl::StrCat(where, ": ", what)));
+    absl::Status joined = sync.AbandonStep(absl::InternalError(absl::StrCat(where, ": ", what)));
     status = absl::Status(joined.ok() ? absl::StatusCode::kAborted : joined.code(),
                           absl::StrCat(where, ": ", what, "; ", joined.message()));
   } else {
     // The failure came from (or after) the synchronisation itself.
-    const absl::Status synced = sync_->status();
+    const absl::Status synced = sync.status();
     status = synced.ok() ? absl::InternalError(absl::StrCat(where, ": ", what))
                          : Annotate(synced, where);
   }
   // The abandoned step's gradients must never reach an optimizer step.
   try {
-    optimizer_.zero_grad();
+    parts_[part_].spec.optimizer->zero_grad();
   } catch (const std::exception&) {
   }
-  if (!sync_->fatal_status().ok()) abandoned_ = status;
+  if (!sync.fatal_status().ok()) abandoned_ = status;
   return status;
+}
+
+absl::Status BalancedStep::ApplyPart() {
+  if (next_micro_ != micro_.size()) {
+    return Abandon(next_micro_, absl::StrCat(part_ + 1 < parts_.size() ? "EndPart" : "FinishStep",
+                                             " after ", next_micro_, " of ", micro_.size(),
+                                             " micro-batches"));
+  }
+  Part& part = parts_[part_];
+  part.sync->set_sync_enabled(false);
+  if (micro_.empty()) {
+    // No work on this rank this step: join the collectives with zeros.
+    const absl::Time arrived = absl::Now();
+    absl::Status synced = part.sync->SyncNow();
+    report_.arrived = arrived;
+    report_.synced = absl::Now();
+    report_.sync_wait += report_.synced - arrived;
+    if (!synced.ok()) in_step_ = false;
+    EVENSTEP_RETURN_IF_ERROR(synced, "BalancedStep: ", Where(), " (no micro-batch on this rank)");
+  } else if (absl::Status synced = part.sync->status(); !synced.ok()) {
+    in_step_ = false;
+    return Annotate(synced, absl::StrCat("BalancedStep: ", Where()));
+  }
+  const absl::Time optimizer_begin = absl::Now();
+  report_.optimizer_begin = optimizer_begin;
+  try {
+    if (config_.after_sync) config_.after_sync();
+    if (config_.clip_grad_norm > 0) {
+      torch::nn::utils::clip_grad_norm_(part.spec.module->parameters(), config_.clip_grad_norm);
+    }
+    part.spec.optimizer->step();
+    part.spec.optimizer->zero_grad();
+  } catch (const std::exception& e) {
+    in_step_ = false;
+    return absl::InternalError(absl::StrCat("BalancedStep: ", Where(),
+                                            ", optimizer step: ", internal::ErrorText(e)));
+  }
+  report_.optimizer = absl::Now() - optimizer_begin;
+  return absl::OkStatus();
+}
+
+absl::Status BalancedStep::EndPart() {
+  if (!in_step_ || part_ + 1 >= parts_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BalancedStep: rank ", ctx_.rank(), ": EndPart ",
+        in_step_ ? "in the last part (call FinishStep)" : "without BeginStep"));
+  }
+  EVENSTEP_RETURN_IF_ERROR(ApplyPart());
+  StartPart(part_ + 1);
+  clock_->Resume();  // the optimizer step just taken is no data wait
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepReport> BalancedStep::FinishStep() {
@@ -314,39 +490,12 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
     return absl::FailedPreconditionError(
         absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": FinishStep without BeginStep"));
   }
-  if (next_micro_ != micro_.size()) {
-    return Abandon(next_micro_, absl::StrCat("FinishStep after ", next_micro_, " of ",
-                                             micro_.size(), " micro-batches"));
+  if (part_ + 1 < parts_.size()) {
+    return Abandon(next_micro_, absl::StrCat("FinishStep in part ", part_ + 1, " of ",
+                                             parts_.size(), " (EndPart moves to the next part)"));
   }
+  EVENSTEP_RETURN_IF_ERROR(ApplyPart());
   in_step_ = false;
-  sync_->set_sync_enabled(false);
-  if (micro_.empty()) {
-    // No work on this rank this step: join the collectives with zeros.
-    report_.arrived = absl::Now();
-    absl::Status synced = sync_->SyncNow();
-    report_.synced = absl::Now();
-    report_.sync_wait = report_.synced - report_.arrived;
-    EVENSTEP_RETURN_IF_ERROR(synced, "BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
-                             " (no micro-batch on this rank)");
-  } else {
-    EVENSTEP_RETURN_IF_ERROR(sync_->status(), "BalancedStep: rank ", ctx_.rank(), ", step ",
-                             steps_ + 1);
-  }
-  const absl::Time optimizer_begin = absl::Now();
-  report_.optimizer_begin = optimizer_begin;
-  try {
-    if (config_.after_sync) config_.after_sync();
-    if (config_.clip_grad_norm > 0) {
-      torch::nn::utils::clip_grad_norm_(model_.parameters(), config_.clip_grad_norm);
-    }
-    optimizer_.step();
-    optimizer_.zero_grad();
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ",
-                                            steps_ + 1,
-                                            ", optimizer step: ", internal::ErrorText(e)));
-  }
-  report_.optimizer = absl::Now() - optimizer_begin;
   EVENSTEP_RETURN_IF_ERROR(Account(), "BalancedStep: step ", steps_ + 1, ", accounting costs");
   ++steps_;
   report_.step = steps_;
@@ -361,13 +510,14 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
 
 absl::Status BalancedStep::Exchange() {
   const CostFit fit = cost_model_.total_fit();
-  at::Tensor mine = at::zeros({kExchangeFields}, at::kDouble);
+  const int fields = kPartLosses + static_cast<int>(parts_.size());
+  at::Tensor mine = at::zeros({fields}, at::kDouble);
   double* m = mine.data_ptr<double>();
   m[kFitFixed] = fit.fixed_s;
   m[kFitPerUnit] = fit.per_unit_s;
   m[kFitObservations] = static_cast<double>(fit.observations);
   m[kBusy] = absl::ToDoubleSeconds(report_.busy);
-  m[kLossSum] = loss_sum_;
+  for (size_t k = 0; k < parts_.size(); ++k) m[kPartLosses + k] = part_loss_sums_[k];
   m[kMicroBatches] = static_cast<double>(micro_.size());
   for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
   std::vector<at::Tensor> all;
@@ -377,7 +527,8 @@ absl::Status BalancedStep::Exchange() {
   fits_.assign(world, CostFit{});
   report_.rank_busy_s.assign(world, 0);
   report_.rank_micro_batches.assign(world, 0);
-  double loss = 0, busy_sum = 0, busy_max = 0;
+  report_.part_losses.assign(parts_.size(), 0.0);
+  double busy_sum = 0, busy_max = 0;
   report_.agreed.fill(-std::numeric_limits<double>::infinity());
   for (int r = 0; r < world; ++r) {
     const double* v = all[r].data_ptr<double>();
@@ -389,11 +540,11 @@ absl::Status BalancedStep::Exchange() {
     fits_[r].observations = static_cast<int64_t>(v[kFitObservations]);
     report_.rank_busy_s[r] = v[kBusy];
     report_.rank_micro_batches[r] = static_cast<int>(v[kMicroBatches]);
-    loss += v[kLossSum];
+    for (size_t k = 0; k < parts_.size(); ++k) report_.part_losses[k] += v[kPartLosses + k];
     busy_sum += v[kBusy];
     busy_max = std::max(busy_max, v[kBusy]);
   }
-  report_.loss = loss;
+  report_.loss = report_.part_losses[0];
   report_.balance_efficiency = busy_max > 0 ? busy_sum / world / busy_max : 1.0;
   UpdateHealth();
   return absl::OkStatus();

@@ -6,7 +6,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
-#include <optional>
+#include <map>
 #include <utility>
 
 #include "absl/time/clock.h"
@@ -23,7 +23,10 @@ struct MicroStepClock::Mark {
 struct MicroStepClock::Marks {
   Mark begin;
   std::vector<Mark> start, end;
-  std::optional<Mark> arrive;
+  // By micro-step: its arrival at a gradient sync (the last micro-step of
+  // each model part), and the mark its data wait counts from when it is not
+  // the previous micro-step's end (Resume).
+  std::map<size_t, Mark> arrive, resume;
 };
 
 MicroStepClock::MicroStepClock(c10::Device device, std::function<absl::Time()> now)
@@ -64,7 +67,9 @@ void MicroStepClock::Begin() {
 
 void MicroStepClock::Start() { marks_->start.push_back(Take()); }
 
-void MicroStepClock::Arrive() { marks_->arrive = Take(); }
+void MicroStepClock::Arrive() { marks_->arrive[marks_->end.size()] = Take(); }
+
+void MicroStepClock::Resume() { marks_->resume[marks_->start.size()] = Take(); }
 
 void MicroStepClock::End() { marks_->end.push_back(Take()); }
 
@@ -87,14 +92,15 @@ MicroStepTimes MicroStepClock::Read() {
   wait(m.begin);
   for (const Mark& mark : m.start) wait(mark);
   for (const Mark& mark : m.end) wait(mark);
-  if (m.arrive) wait(*m.arrive);
+  for (const auto& [k, mark] : m.arrive) wait(mark);
+  for (const auto& [k, mark] : m.resume) wait(mark);
   const Mark* previous = &m.begin;
   for (size_t k = 0; k < done; ++k) {
+    if (auto r = m.resume.find(k); r != m.resume.end()) previous = &r->second;
     times.data.push_back(Between(*previous, m.start[k]));
-    const bool last = k + 1 == done;
-    if (last && m.arrive) {
-      times.compute.push_back(Between(m.start[k], *m.arrive));
-      times.sync = Between(*m.arrive, m.end[k]);
+    if (auto a = m.arrive.find(k); a != m.arrive.end()) {
+      times.compute.push_back(Between(m.start[k], a->second));
+      times.sync += Between(a->second, m.end[k]);
     } else {
       times.compute.push_back(Between(m.start[k], m.end[k]));
     }

@@ -1,6 +1,9 @@
 // Launcher environment conventions; see launch_env.h.
 #include "evenstep/launch_env.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <vector>
 
@@ -13,6 +16,21 @@
 
 namespace evenstep {
 namespace {
+
+// A rank started by a launcher (evenstep-run, torchrun, srun with RANK set)
+// writes its stdout into a pipe or a file, which stdio buffers in blocks:
+// a loop's progress lines would appear only when the rank exits. Line
+// buffering from the start, before main writes anything (like Python's
+// PYTHONUNBUFFERED under torchrun); EVENSTEP_STDOUT_BUFFERED=1 keeps stdio's
+// default.
+const bool kStdoutLineBuffered = [] {
+  const char* keep = std::getenv("EVENSTEP_STDOUT_BUFFERED");
+  if (std::getenv("RANK") == nullptr || isatty(STDOUT_FILENO) ||
+      (keep != nullptr && std::string(keep) == "1")) {
+    return false;
+  }
+  return setvbuf(stdout, nullptr, _IOLBF, BUFSIZ) == 0;
+}();
 
 constexpr int kDefaultMasterPort = 29500;
 

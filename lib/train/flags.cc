@@ -75,6 +75,14 @@ ABSL_FLAG(int64_t, evenstep_sort_window, 1,
           "longest first), 0 = 50 global batches, N = N samples. Larger windows pad less but "
           "make each global batch's lengths alike, which costs held-out quality at equal steps "
           "(docs/benchmarks.md#sorting-window).");
+ABSL_FLAG(bool, evenstep_shuffle, true,
+          "Shuffle the samples each epoch (by --evenstep_seed and the epoch); false = dataset "
+          "order, every epoch.");
+ABSL_FLAG(bool, evenstep_reseed, true,
+          "Before each micro-batch, seed torch's default generators (CPU and accelerators) from "
+          "--evenstep_seed, the step, the rank and the micro-batch: dropout and augmentation "
+          "drawn from them differ between ranks and repeat exactly after a resume. Every model "
+          "part's micro-batch i starts from the same seed. false = leave the generators alone.");
 ABSL_FLAG(bool, evenstep_drop_last, false,
           "Drop the smaller last global batch of each epoch instead of keeping it.");
 ABSL_FLAG(std::string, evenstep_normalize, "samples",
@@ -307,6 +315,8 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.sampler.seed = absl::GetFlag(FLAGS_evenstep_seed);
   config.sampler.sort_window = absl::GetFlag(FLAGS_evenstep_sort_window);
   config.sampler.drop_last = absl::GetFlag(FLAGS_evenstep_drop_last);
+  config.sampler.shuffle = absl::GetFlag(FLAGS_evenstep_shuffle);
+  config.reseed = absl::GetFlag(FLAGS_evenstep_reseed);
   config.planner.max_micro_batches = absl::GetFlag(FLAGS_evenstep_max_micro_batches);
   config.planner.damping = absl::GetFlag(FLAGS_evenstep_plan_damping);
   config.plan_interval = absl::GetFlag(FLAGS_evenstep_plan_interval);

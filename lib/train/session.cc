@@ -6,6 +6,8 @@
 #include <signal.h>
 #include <sys/file.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "nlohmann/json.hpp"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
@@ -164,8 +167,97 @@ std::set<const DistContext*>& ContextsWithSession() {
 }
 }  // namespace
 
-Session::Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer)
-    : ctx_(ctx), model_(model), optimizer_(optimizer) {}
+Session::Session(DistContext& ctx, std::vector<ModelPart> parts)
+    : ctx_(ctx), parts_(std::move(parts)) {}
+
+TrainState Session::State() const {
+  TrainState state;
+  state.balance = step_.get();
+  if (parts_module_ == nullptr) {
+    state.model = parts_[0].module;
+    state.optimizer = parts_[0].optimizer;
+  } else {
+    state.model = parts_module_.get();
+    for (const ModelPart& part : parts_) state.optimizers.emplace_back(part.name, part.optimizer);
+  }
+  nlohmann::json session = {{"lr_schedulers", nlohmann::json::array()}};
+  for (const LrSchedule& s : schedules_) {
+    if (s.scheduler != nullptr) session["lr_schedulers"].push_back(s.count);
+  }
+  if (user_state_) {
+    nlohmann::json loop = nlohmann::json::parse(user_state_(), nullptr, false);
+    // An invalid document is kept as a string: Save then stores it as is
+    // rather than failing the checkpoint.
+    session["loop"] = loop.is_discarded() ? nlohmann::json(user_state_()) : loop;
+  }
+  state.user_json = session.dump();
+  return state;
+}
+
+absl::StatusOr<size_t> Session::PartIndex(const std::string& part) const {
+  if (part.empty()) return 0;
+  std::vector<std::string> names;
+  for (size_t k = 0; k < parts_.size(); ++k) {
+    if (parts_[k].name == part) return k;
+    names.push_back(parts_[k].name);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("no model part '", part, "' (the parts: ",
+                                                 absl::StrJoin(names, ", "), ")"));
+}
+
+absl::Status Session::ScheduleLearningRate(std::function<double(int64_t, int64_t)> lr,
+                                           const std::string& part) {
+  EVENSTEP_ASSIGN_OR_RETURN(const size_t index, PartIndex(part),
+                            "Session::ScheduleLearningRate");
+  if (!lr) return absl::InvalidArgumentError("Session::ScheduleLearningRate: no function");
+  schedules_.push_back({std::move(lr), nullptr, index, false, 0});
+  return absl::OkStatus();
+}
+
+absl::Status Session::Schedule(torch::optim::LRScheduler& scheduler, Every every) {
+  size_t registered = 0;
+  for (const LrSchedule& s : schedules_) registered += s.scheduler != nullptr ? 1 : 0;
+  LrSchedule schedule{nullptr, &scheduler, 0, every == Every::kEpoch, 0};
+  if (registered < resumed_counts_.size()) {
+    // Replay its steps to restore its own count; the rates the replay sets
+    // give way to the checkpoint's (already in the optimizers).
+    std::vector<std::vector<double>> rates;
+    for (const ModelPart& part : parts_) {
+      rates.emplace_back();
+      for (auto& g : part.optimizer->param_groups()) rates.back().push_back(g.options().get_lr());
+    }
+    schedule.count = resumed_counts_[registered];
+    try {
+      for (int64_t i = 0; i < schedule.count; ++i) scheduler.step();
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("Session::Schedule: replaying ", schedule.count,
+                                              " scheduler steps: ", e.what()));
+    }
+    for (size_t k = 0; k < parts_.size(); ++k) {
+      auto& groups = parts_[k].optimizer->param_groups();
+      for (size_t g = 0; g < groups.size(); ++g) groups[g].options().set_lr(rates[k][g]);
+    }
+  }
+  schedules_.push_back(std::move(schedule));
+  return absl::OkStatus();
+}
+
+void Session::StepSchedulers(const StepReport& report) {
+  const bool epoch_ended = step_->epoch() != report.epoch;
+  for (LrSchedule& s : schedules_) {
+    if (s.scheduler == nullptr || (s.per_epoch && !epoch_ended)) continue;
+    s.scheduler->step();
+    ++s.count;
+  }
+}
+
+absl::StatusOr<StepReport> Session::Step(const std::vector<PartLoss>& losses) {
+  BeforeStep();
+  absl::StatusOr<StepReport> report = step_->Step(losses);
+  if (!report.ok()) return report;
+  EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
+  return report;
+}
 
 Session::~Session() {
   if (run_dir_lock_ >= 0) close(run_dir_lock_);  // releases the flock
@@ -184,8 +276,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir,
                                                          std::vector<double> counts) {
+  return Create(ctx, {ModelPart("model", model, optimizer)}, std::move(lengths), run_dir,
+                std::move(counts));
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
+                                                         std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         const std::string& run_dir,
+                                                         std::vector<double> counts) {
   EVENSTEP_RETURN_IF_ERROR(ValidateEvenstepFlags());
-  std::unique_ptr<Session> s(new Session(ctx, model, optimizer));
+  std::unique_ptr<Session> s(new Session(ctx, parts));
   {
     absl::MutexLock lock(&sessions_mu);
     if (!ContextsWithSession().insert(&ctx).second) {
@@ -222,10 +323,19 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
     }
   }
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
-                            BalancedStep::Create(ctx, model, optimizer, std::move(lengths),
+                            BalancedStep::Create(ctx, std::move(parts), std::move(lengths),
                                                  std::move(config), std::move(counts)),
                             "Session::Create, rank ", ctx.rank(),
                             ": balanced steps and gradient sync");
+  if (s->parts_.size() > 1) {
+    // The parts' names are valid and distinct (BalancedStep checked them).
+    s->parts_module_ = std::make_shared<torch::nn::Module>("ModelParts");
+    for (const ModelPart& part : s->parts_) {
+      // Not owned: the caller's module outlives the Session.
+      s->parts_module_->register_module(
+          part.name, std::shared_ptr<torch::nn::Module>(part.module, [](torch::nn::Module*) {}));
+    }
+  }
   EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, TrainCheckpointer::Create(ctx, options),
                             "Session::Create, rank ", ctx.rank(), ": checkpoints in ", options.dir,
                             " (--evenstep_ckpt_dir; default RUN_DIR/ckpt)");
@@ -239,7 +349,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
   metrics.interval = absl::GetFlag(FLAGS_evenstep_log_every);
   EVENSTEP_ASSIGN_OR_RETURN(s->metrics_, MetricsLogger::Create(ctx, metrics),
                             "Session::Create, rank ", ctx.rank(), ": metric logs in ", run_dir);
-  const TrainState state{&model, &optimizer, s->step_.get(), "{}"};
+  const TrainState state = s->State();
   if (resume != ResumeMode::kOff) {
     LoadOptions load;
     load.fallback = resume == ResumeMode::kNewestValid;
@@ -254,6 +364,18 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
       }
       s->first_step_ = loaded->step + 1;
       s->last_step_ = s->last_saved_ = loaded->step;
+      // Checkpoints of earlier versions hold "{}" here.
+      const nlohmann::json session = nlohmann::json::parse(loaded->user_json, nullptr, false);
+      if (session.is_object() && session.contains("loop")) {
+        s->resumed_user_state_ =
+            session["loop"].is_string() ? session["loop"].get<std::string>() : session["loop"].dump();
+      }
+      if (session.is_object() && session.contains("lr_schedulers") &&
+          session["lr_schedulers"].is_array()) {
+        for (const nlohmann::json& count : session["lr_schedulers"]) {
+          s->resumed_counts_.push_back(count.is_number_integer() ? count.get<int64_t>() : 0);
+        }
+      }
     } else if (!absl::IsNotFound(loaded.status())) {
       return loaded.status();
     } else if (ctx.rank() == 0) {
@@ -335,6 +457,12 @@ absl::Status Session::LockRunDir(const std::string& given) {
 }
 
 void Session::BeforeStep() {
+  const int64_t step = last_step_ + 1, epoch = step_->epoch();
+  for (const LrSchedule& s : schedules_) {
+    if (!s.lr) continue;
+    const double lr = s.lr(step, epoch);
+    for (auto& g : parts_[s.part].optimizer->param_groups()) g.options().set_lr(lr);
+  }
   // Shared in this step's exchange: after it, every rank knows.
   step_->ShareAtNextExchange(kPreemptSignal, static_cast<double>(g_preempt_signal));
 }
@@ -401,6 +529,9 @@ void Session::PollSaves() {
 
 absl::Status Session::AfterStep(StepReport* report) {
   last_step_ = report->step;
+  last_report_ = *report;
+  StepSchedulers(*report);
+  if (user_update_) user_update_(*report);
   if (timeline_) timeline_->AddStep(*report);
   if (ctx_.rank() == 0) {
     for (const std::string& alert : report->health_alerts) {
@@ -408,6 +539,9 @@ absl::Status Session::AfterStep(StepReport* report) {
     }
   }
   metrics_->Log(report->step, "loss", report->loss);
+  for (size_t k = 1; k < parts_.size(); ++k) {
+    metrics_->Log(report->step, "loss_" + parts_[k].name, report->part_losses[k]);
+  }
   metrics_->Log(report->step, "balance_efficiency", report->balance_efficiency);
   EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report->step), "rank ", ctx_.rank(), ", step ",
                            report->step, ": metrics");
@@ -448,7 +582,7 @@ absl::Status Session::AfterStep(StepReport* report) {
 absl::Status Session::Checkpoint() {
   const absl::Time begin = absl::Now();
   absl::StatusOr<SaveTicket> ticket =
-      checkpointer_->Save(last_step_, {&model_, &optimizer_, step_.get(), "{}"});
+      checkpointer_->Save(last_step_, State());
   if (timeline_) timeline_->Span("checkpoint", begin, absl::Now(), last_step_);
   if (!ticket.ok()) return ticket.status();
   if (ticket->skipped) {
@@ -535,7 +669,7 @@ absl::StatusOr<std::vector<double>> Session::Evaluate(
   const absl::Time begin = absl::Now();
   absl::StatusOr<std::vector<double>> result;
   {
-    EvalModeGuard eval_mode(model_);
+    EvalModeGuard eval_mode(parts_module_ ? *parts_module_ : *parts_[0].module);
     result = evenstep::Evaluate(ctx_, set, [&](const MicroBatch& mb) { return fn(mb.samples); });
   }
   if (timeline_) timeline_->Span("eval", begin, absl::Now(), last_step_);

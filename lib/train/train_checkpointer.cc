@@ -101,6 +101,41 @@ absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
 
 }  // namespace
 
+namespace {
+
+// The optimizers of `state`, each with the first segment of its tensors'
+// names (and its key in the extras).
+std::vector<std::pair<std::string, torch::optim::Optimizer*>> OptimizersOf(
+    const TrainState& state) {
+  std::vector<std::pair<std::string, torch::optim::Optimizer*>> out;
+  if (state.optimizer != nullptr) out.emplace_back("optimizer", state.optimizer);
+  for (const auto& [name, optimizer] : state.optimizers) {
+    if (optimizer != nullptr) out.emplace_back("optimizer-" + name, optimizer);
+  }
+  return out;
+}
+
+absl::Status CaptureOptimizer(torch::optim::Optimizer& optimizer, const std::string& prefix,
+                              NamedTensors* out) {
+  EVENSTEP_ASSIGN_OR_RETURN(const internal::OptimizerKind* kind,
+                            internal::OptimizerKindOf(optimizer));
+  auto& groups = optimizer.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    out->push_back({absl::StrCat(prefix, "/", g, "/lr"),
+                    at::scalar_tensor(groups[g].options().get_lr(), at::kDouble)});
+    const auto& params = groups[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto it = optimizer.state().find(StateKeyIn(optimizer.state(), params[i]));
+      if (it == optimizer.state().end()) continue;  // no step taken yet
+      EVENSTEP_RETURN_IF_ERROR(
+          kind->capture(*it->second, out, absl::StrCat(prefix, "/", g, "/", i, "/")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<NamedTensors> CaptureTensors(torch::nn::Module* model,
                                             torch::optim::Optimizer* optimizer) {
   NamedTensors out;
@@ -112,22 +147,7 @@ absl::StatusOr<NamedTensors> CaptureTensors(torch::nn::Module* model,
       out.push_back({"model/" + b.key(), b.value()});
     }
   }
-  if (optimizer != nullptr) {
-    EVENSTEP_ASSIGN_OR_RETURN(const internal::OptimizerKind* kind,
-                              internal::OptimizerKindOf(*optimizer));
-    auto& groups = optimizer->param_groups();
-    for (size_t g = 0; g < groups.size(); ++g) {
-      out.push_back({absl::StrCat("optimizer/", g, "/lr"),
-                     at::scalar_tensor(groups[g].options().get_lr(), at::kDouble)});
-      const auto& params = groups[g].params();
-      for (size_t i = 0; i < params.size(); ++i) {
-        auto it = optimizer->state().find(StateKeyIn(optimizer->state(), params[i]));
-        if (it == optimizer->state().end()) continue;  // no step taken yet
-        EVENSTEP_RETURN_IF_ERROR(
-            kind->capture(*it->second, &out, absl::StrCat("optimizer/", g, "/", i, "/")));
-      }
-    }
-  }
+  if (optimizer != nullptr) EVENSTEP_RETURN_IF_ERROR(CaptureOptimizer(*optimizer, "optimizer", &out));
   return out;
 }
 
@@ -179,8 +199,13 @@ absl::StatusOr<std::unique_ptr<TrainCheckpointer>> TrainCheckpointer::Create(
 absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainState& state) {
   CheckpointContents ckpt;
   ckpt.step = step;
-  EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, state.optimizer),
+  EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, nullptr),
                             "checkpoint of step ", step);
+  const auto optimizers = OptimizersOf(state);
+  for (const auto& [prefix, optimizer] : optimizers) {
+    EVENSTEP_RETURN_IF_ERROR(CaptureOptimizer(*optimizer, prefix, &ckpt.tensors),
+                             "checkpoint of step ", step, ", ", prefix);
+  }
   if (JsonNestingDepth(state.user_json) > kMaxJsonDepth - 2) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint of step ", step,
                                                    ": user_json nests deeper than ",
@@ -194,24 +219,23 @@ absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainStat
   if (state.balance != nullptr) {
     extras["balance"] = nlohmann::json::parse(BalanceJson(state.balance->state()));
   }
-  if (state.optimizer != nullptr) {
+  for (const auto& [prefix, optimizer] : optimizers) {
     // What the optimizer tensors must add up to, so that a load can tell a
     // fresh optimizer from state that went missing.
     EVENSTEP_ASSIGN_OR_RETURN(const internal::OptimizerKind* kind,
-                              internal::OptimizerKindOf(*state.optimizer));
+                              internal::OptimizerKindOf(*optimizer));
     std::vector<int64_t> groups;
-    for (const auto& g : state.optimizer->param_groups()) {
+    for (const auto& g : optimizer->param_groups()) {
       groups.push_back(static_cast<int64_t>(g.params().size()));
     }
     std::set<std::string> with_state;
     for (const auto& [name, tensor] : ckpt.tensors) {
       std::vector<std::string> parts = absl::StrSplit(name, '/');
-      if (parts.size() == 4 && parts[0] == "optimizer")
-        with_state.insert(parts[1] + "/" + parts[2]);
+      if (parts.size() == 4 && parts[0] == prefix) with_state.insert(parts[1] + "/" + parts[2]);
     }
-    extras["optimizer"] = {{"type", kind->name},
-                           {"groups", groups},
-                           {"states", static_cast<int64_t>(with_state.size())}};
+    extras[prefix] = {{"type", kind->name},
+                      {"groups", groups},
+                      {"states", static_cast<int64_t>(with_state.size())}};
   }
   ckpt.extras_json = extras.dump();
   return writer_->Save(ckpt);
@@ -275,8 +299,8 @@ struct OptimizerPlan {
 };
 
 absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extras,
-                           torch::optim::Optimizer& optimizer, bool strict, OptimizerPlan* plan_out,
-                           bool* mismatch) {
+                           const std::string& prefix, torch::optim::Optimizer& optimizer,
+                           bool strict, OptimizerPlan* plan_out, bool* mismatch) {
   OptimizerPlan& plan = *plan_out;
   auto mismatch_error = [&](const std::string& what) {
     *mismatch = true;
@@ -288,15 +312,15 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
   EVENSTEP_ASSIGN_OR_RETURN(plan.kind, internal::OptimizerKindOf(optimizer));
   auto& groups = optimizer.param_groups();
   int64_t states = -1;
-  if (extras.contains("optimizer")) {
-    const nlohmann::json& o = extras["optimizer"];
+  if (extras.contains(prefix)) {
+    const nlohmann::json& o = extras[prefix];
     if (!o.is_object() || !o.contains("type") || !o["type"].is_string() || !o.contains("groups") ||
         !o["groups"].is_array() || !o.contains("states") || !o["states"].is_number_integer()) {
-      return absl::DataLossError("manifest extras: \"optimizer\" is malformed");
+      return absl::DataLossError(absl::StrCat("manifest extras: \"", prefix, "\" is malformed"));
     }
     if (o["type"].get<std::string>() != plan.kind->name) {
-      return mismatch_error(absl::StrCat("it holds ", o["type"].get<std::string>(),
-                                         " state; the optimizer is ", plan.kind->name));
+      return mismatch_error(absl::StrCat("it holds ", o["type"].get<std::string>(), " state for ",
+                                         prefix, "; the optimizer is ", plan.kind->name));
     }
     std::vector<int64_t> sizes;
     for (const auto& g : groups) sizes.push_back(static_cast<int64_t>(g.params().size()));
@@ -306,7 +330,7 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
       same = saved[g].is_number_integer() && saved[g].get<int64_t>() == sizes[g];
     }
     if (!same) {
-      return mismatch_error(absl::StrCat("its optimizer has groups of ", saved.dump(),
+      return mismatch_error(absl::StrCat("its ", prefix, " has groups of ", saved.dump(),
                                          " parameters; this one [", absl::StrJoin(sizes, ","),
                                          "]"));
     }
@@ -314,10 +338,11 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
   }
   for (const TensorInfo& t : manifest.tensors) {
     std::vector<std::string> parts = absl::StrSplit(t.name, '/');
-    if (parts[0] != "optimizer") continue;
+    if (parts[0] != prefix) continue;
     size_t g = 0, i = 0;
     if (parts.size() < 3 || !absl::SimpleAtoi(parts[1], &g)) {
-      return corrupt(t.name, "not optimizer/<group>/lr or optimizer/<group>/<index>/<field>");
+      return corrupt(t.name, absl::StrCat("not ", prefix, "/<group>/lr or ", prefix,
+                                          "/<group>/<index>/<field>"));
     }
     if (g >= groups.size()) {
       return mismatch_error(
@@ -332,7 +357,8 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
       continue;
     }
     if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &i)) {
-      return corrupt(t.name, "not optimizer/<group>/lr or optimizer/<group>/<index>/<field>");
+      return corrupt(t.name, absl::StrCat("not ", prefix, "/<group>/lr or ", prefix,
+                                          "/<group>/<index>/<field>"));
     }
     if (i >= groups[g].params().size()) {
       return mismatch_error(absl::StrCat("tensor ", t.name, ": group ", g, " has ",
@@ -364,20 +390,21 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
     if (plan.kind->has_step) needed.push_back("step");
     for (const std::string& f : needed) {
       if (!names.count(f)) {
-        return absl::DataLossError(absl::StrCat("optimizer state of group ", index.first,
+        return absl::DataLossError(absl::StrCat(prefix, " state of group ", index.first,
                                                 " parameter ", index.second, " lacks ", f));
       }
     }
   }
   if (states >= 0 && static_cast<int64_t>(plan.fields.size()) != states) {
-    return absl::DataLossError(absl::StrCat("the optimizer state of ", states,
+    return absl::DataLossError(absl::StrCat("the ", prefix, " state of ", states,
                                             " parameters was saved; ", plan.fields.size(),
                                             " are in the checkpoint"));
   }
   if (plan.lrs.size() != groups.size() && (strict || states >= 0)) {
     // A checkpoint without optimizer state would resume with a fresh one.
     return absl::DataLossError(absl::StrCat("learning rates of ", plan.lrs.size(), " of ",
-                                            groups.size(), " optimizer groups in the checkpoint"));
+                                            groups.size(), " ", prefix,
+                                            " groups in the checkpoint"));
   }
   return absl::OkStatus();
 }
@@ -480,7 +507,8 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
   NamedTensors expected;
   std::map<std::string, at::Tensor> targets;
   std::set<std::string> seen;
-  OptimizerPlan opt;
+  const auto optimizers = OptimizersOf(state);
+  std::vector<OptimizerPlan> opt(optimizers.size());
   std::optional<BalanceState> balance;
   bool mismatch = false;
   auto prepare = [&]() -> absl::Status {
@@ -521,9 +549,19 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
                                          absl::StrJoin(result.missing, ", "), "], unexpected [",
                                          absl::StrJoin(result.unexpected, ", "), "]"));
     }
-    if (state.optimizer != nullptr) {
-      EVENSTEP_RETURN_IF_ERROR(
-          PlanOptimizer(manifest, extras, *state.optimizer, options.strict, &opt, &mismatch));
+    std::set<std::string> live;
+    for (size_t k = 0; k < optimizers.size(); ++k) {
+      const auto& [prefix, optimizer] = optimizers[k];
+      live.insert(prefix);
+      EVENSTEP_RETURN_IF_ERROR(PlanOptimizer(manifest, extras, prefix, *optimizer, options.strict,
+                                             &opt[k], &mismatch));
+    }
+    for (const TensorInfo& t : manifest.tensors) {
+      const std::string first = t.name.substr(0, t.name.find('/'));
+      if (options.strict && absl::StartsWith(first, "optimizer-") && !live.count(first)) {
+        return mismatch_error(absl::StrCat("it holds the state of ", first,
+                                           " (tensor ", t.name, "), which this run does not have"));
+      }
     }
     if (state.balance != nullptr) {
       if (extras.contains("balance")) {
@@ -632,16 +670,17 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
       std::memcpy(cpu.data_ptr(), loaded[name].data_ptr(), loaded[name].numel());
       dst.copy_(cpu);
     }
-    if (state.optimizer != nullptr) {
+    for (size_t k = 0; k < optimizers.size(); ++k) {
+      torch::optim::Optimizer& optimizer = *optimizers[k].second;
       auto typed = [&](const std::string& name) {
         absl::StatusOr<at::Tensor> value = reader->FromBytes(name, loaded[name]);
         // Every name was validated against the manifest in step 1.
         if (!value.ok()) throw std::runtime_error(std::string(value.status().message()));
         return *value;
       };
-      auto& groups = state.optimizer->param_groups();
-      for (const auto& [g, name] : opt.lrs) groups[g].options().set_lr(typed(name).item<double>());
-      for (const auto& [index, names] : opt.fields) {
+      auto& groups = optimizer.param_groups();
+      for (const auto& [g, name] : opt[k].lrs) groups[g].options().set_lr(typed(name).item<double>());
+      for (const auto& [index, names] : opt[k].fields) {
         const at::Tensor& param = groups[index.first].params()[index.second];
         std::map<std::string, at::Tensor> values;
         for (const auto& [field, name] : names) {
@@ -649,8 +688,7 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
           if (value.dim() > 0) value = value.to(param.device());
           values[field] = value;
         }
-        state.optimizer->state()[StateKeyIn(state.optimizer->state(), param)] =
-            opt.kind->restore(values);
+        optimizer.state()[StateKeyIn(optimizer.state(), param)] = opt[k].kind->restore(values);
       }
     }
   } catch (const std::exception& e) {

@@ -189,6 +189,12 @@ class GradSync {
   // When false, backward only accumulates gradients locally (no collective).
   void set_sync_enabled(bool enabled);
   bool sync_enabled() const;
+  // Forgets which parameters a backward used since the last
+  // synchronisation (a backward with sync disabled marks them): for a model
+  // part whose gradients from another part's backward were just zeroed, so
+  // that only its own backward counts as use in its next synchronisation.
+  // No effect while a synchronisation is open.
+  void ForgetUse();
 
   // Reduces the current local gradients now (zeros where a parameter has
   // none): for a rank with no micro-batch in a step, or after a backward run

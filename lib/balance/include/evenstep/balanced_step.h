@@ -41,6 +41,17 @@
 // discriminator) accumulates into their .grad on this rank only, as in one
 // process, and starts no collective; zero them before the next Step (as
 // the single-process loop does) unless that step should include them.
+//
+// Several models in one step (a GAN's discriminator and generator,
+// actor-critic, teacher-student): Create with named ModelParts, each with its
+// own optimizer and GradSync. A step runs the parts in order over the SAME
+// micro-batches: part k's micro-batches (its gradients zeroed first, as the
+// plain loop's zero_grad does), its sync, clipping and optimizer step, then
+// part k+1's — so a generator's loss sees the discriminator its own loop
+// would see (already stepped). A backward of one part through another part's
+// parameters (the generator's loss through the discriminator) accumulates
+// into the other part's .grad locally and is never synchronised: that part's
+// gradients are zeroed before its own micro-batches.
 // Thread-safety: one training thread drives a BalancedStep.
 #pragma once
 
@@ -130,6 +141,12 @@ struct BalanceConfig {
   // simulation may drive a virtual one. On an accelerator the micro-steps
   // are timed with device events instead.
   std::function<absl::Time()> now;
+  // Before each micro-batch on the training thread (before its load without
+  // data workers), seed torch's default generators with MicroBatchSeed(
+  // sampler seed, step, rank, micro-batch): random draws differ between
+  // ranks and repeat after a resume. Every part's micro-batch i gets the
+  // same seed. Loads on data workers are not reseeded.
+  bool reseed = false;
   // Called after the sync with the global gradient in param.grad(), before
   // clipping and the optimizer step (e.g. to log gradient norms).
   std::function<void()> after_sync;
@@ -138,6 +155,27 @@ struct BalanceConfig {
   // for a bad value.
   static absl::StatusOr<BalanceConfig> FromFlags();
 };
+
+// One model of a step with several (BalancedStep::Create with parts): a
+// name (in errors, checkpoints and reports: letters, digits, '_' and '-'),
+// the module and its optimizer; the parts' parameters must not overlap.
+struct ModelPart {
+  ModelPart(std::string name, torch::nn::Module& module, torch::optim::Optimizer& optimizer)
+      : name(std::move(name)), module(&module), optimizer(&optimizer) {}
+  std::string name;
+  torch::nn::Module* module;
+  torch::optim::Optimizer* optimizer;
+};
+
+// A part's loss for one micro-batch (BalancedStep::Step with one per part):
+// loads what it needs and returns the SUM (or with LossReduction::kMean the
+// MEAN) of the micro-batch's losses.
+using PartLoss = std::function<at::Tensor(const MicroBatch&)>;
+
+// The seed of the default generators for micro-batch `micro_batch` (0-based)
+// of step `step` (1-based) on `rank` (BalanceConfig::reseed): a hash of the
+// four, stable across platforms and versions.
+uint64_t MicroBatchSeed(uint64_t seed, int64_t step, int rank, int64_t micro_batch);
 
 // One micro-step's timestamps (for the timeline).
 struct MicroTiming {
@@ -164,8 +202,10 @@ struct StepReport {
   double units = 0;
   double global_count = 0;    // the normaliser: samples or tokens of the global batch
   int64_t global_tokens = 0;  // tokens of the global batch (all ranks)
-  // Mean loss over the global batch (sum of every rank's scaled losses).
+  // Mean loss over the global batch (sum of every rank's scaled losses); with
+  // several parts, the first part's, and every part's in part_losses.
   double loss = 0;
+  std::vector<double> part_losses;
   // mean / max over ranks of the busy time (data + compute) before the sync.
   double balance_efficiency = 1;
   absl::Duration data, compute, sync_wait, optimizer;
@@ -212,7 +252,21 @@ class BalancedStep {
   static absl::StatusOr<std::unique_ptr<BalancedStep>> Create(
       DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
       std::vector<int64_t> lengths, BalanceConfig config, std::vector<double> counts = {});
+  // Several models stepped in order over the same micro-batches (see the
+  // top of this file). InvalidArgument for no part, a null module or
+  // optimizer, a bad or repeated name, or a parameter in two parts (naming
+  // it).
+  static absl::StatusOr<std::unique_ptr<BalancedStep>> Create(
+      DistContext& ctx, std::vector<ModelPart> parts, std::vector<int64_t> lengths,
+      BalanceConfig config, std::vector<double> counts = {});
   ~BalancedStep();
+
+  // One optimizer step of every part: `losses[k]` is part k's loss of a
+  // micro-batch (it loads what it needs; timed as compute). A failure in
+  // part k abandons part k of this step on every rank (ABORTED naming the
+  // rank, the part and the micro-batch); the parts before it have stepped,
+  // as in a plain loop that throws there.
+  absl::StatusOr<StepReport> Step(const std::vector<PartLoss>& losses);
 
   // One optimizer step. `load(const MicroBatch&)` returns the micro-batch's
   // data (timed as data wait); `loss_sum(data)` returns the SUM of its
@@ -229,6 +283,7 @@ class BalancedStep {
   // micro-batch's samples.
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
+    EVENSTEP_RETURN_IF_ERROR(OnePart());
     EVENSTEP_RETURN_IF_ERROR(BeginStep());
     const std::vector<MicroBatch>& mbs = micro_batches();
     if (workers_ == nullptr) {
@@ -298,8 +353,17 @@ class BalancedStep {
 
   // The same step, piece by piece, for loops that cannot be written as two
   // callbacks: BeginStep(); for each micro_batches()[i]: load it, DataReady(),
-  // Backward(loss_sum); then FinishStep().
+  // Backward(loss_sum); then FinishStep(). With several parts, EndPart()
+  // after each part's micro-batches but the last's.
   absl::Status BeginStep();
+  // The current part's sync, clipping and optimizer step; the next part
+  // begins (its gradients zeroed). Not for the last part: FinishStep.
+  absl::Status EndPart();
+  // The part whose micro-batches run now, and the parts.
+  size_t current_part() const { return part_; }
+  size_t num_parts() const { return parts_.size(); }
+  const ModelPart& part(size_t k) const { return parts_[k].spec; }
+  GradSync& grad_sync(size_t k) { return *parts_[k].sync; }
   const std::vector<MicroBatch>& micro_batches() const { return micro_; }
   // The global batch of the current step (every rank knows all of it).
   const GlobalBatch& global_batch() const { return batch_; }
@@ -319,7 +383,7 @@ class BalancedStep {
   const Plan& plan() const { return planner_.plan(); }
   const StepReport& last_report() const { return report_; }
   Sampler& sampler() { return sampler_; }
-  GradSync& grad_sync() { return *sync_; }
+  GradSync& grad_sync() { return *parts_[0].sync; }
   const CostModel& cost_model() const { return cost_model_; }
   DistContext& context() { return ctx_; }
 
@@ -337,10 +401,24 @@ class BalancedStep {
   void ShareAtNextExchange(AgreementSlot slot, double value) { shared_[slot] = value; }
 
  private:
-  BalancedStep(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-               Sampler sampler, BalanceConfig config, std::unique_ptr<GradSync> sync,
+  struct Part {
+    ModelPart spec;
+    std::unique_ptr<GradSync> sync;
+  };
+  BalancedStep(DistContext& ctx, std::vector<Part> parts, Sampler sampler, BalanceConfig config,
                std::unique_ptr<internal::MicroStepClock> clock);
+  // FailedPrecondition when there are several parts (the two-callback Step).
+  absl::Status OnePart() const;
   absl::Status Abandon(size_t micro_batch, const std::string& what);
+  // The current part's sync, clipping, optimizer step and zero_grad.
+  absl::Status ApplyPart();
+  // Zeroes part `k`'s gradients and forgets its use marks (a step of
+  // several parts, as the part's micro-batches begin).
+  void StartPart(size_t k);
+  // Seeds the default generators for micro-batch `i` (BalanceConfig::reseed).
+  void Reseed(size_t i);
+  // "rank R, step S" and, with several parts, ", part 'NAME'".
+  std::string Where() const;
   // On a data worker: `data`'s CPU tensors moved to the model's device by
   // `feeder` (null: as it is).
   template <typename Data>
@@ -358,11 +436,10 @@ class BalancedStep {
   absl::Status Exchange();
 
   DistContext& ctx_;
-  torch::nn::Module& model_;
-  torch::optim::Optimizer& optimizer_;
+  std::vector<Part> parts_;
+  size_t part_ = 0;  // the part whose micro-batches run now
   Sampler sampler_;
   BalanceConfig config_;
-  std::unique_ptr<GradSync> sync_;
   std::unique_ptr<internal::MicroStepClock> clock_;
   std::unique_ptr<WorkerPool> workers_;  // data workers; null = load on this thread
   // Moves loaded data to the model's device on the workers; null = leave it.
@@ -391,8 +468,9 @@ class BalancedStep {
   std::vector<MicroBatch> micro_;
   size_t next_micro_ = 0;
   double scale_ = 1;
-  double loss_sum_ = 0;
-  at::Tensor loss_on_device_;  // the scaled micro-batch losses summed so far
+  // Per part: the scaled micro-batch losses summed so far, and their sums.
+  std::vector<at::Tensor> loss_on_device_;
+  std::vector<double> part_loss_sums_;
   bool data_marked_ = false;
   std::vector<CostFit> fits_;  // every rank's, from the last exchange
   // Online health: each rank's best typical micro-step time so far, and

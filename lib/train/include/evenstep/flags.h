@@ -33,6 +33,8 @@ ABSL_DECLARE_FLAG(int, evenstep_data_workers);
 ABSL_DECLARE_FLAG(int, evenstep_prefetch);
 ABSL_DECLARE_FLAG(bool, evenstep_prefetch_next_step);
 ABSL_DECLARE_FLAG(bool, evenstep_drop_last);
+ABSL_DECLARE_FLAG(bool, evenstep_shuffle);
+ABSL_DECLARE_FLAG(bool, evenstep_reseed);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
 ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);
 ABSL_DECLARE_FLAG(double, evenstep_clip_grad_norm);
@@ -74,6 +76,10 @@ absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags();
 // "--") in order; *argc is updated. InvalidArgument naming the flag for an
 // unknown evenstep flag or a bad value.
 absl::Status ParseEvenstepFlags(int* argc, char** argv);
+// The same for main(int argc, const char* argv[]) (only the pointers move).
+inline absl::Status ParseEvenstepFlags(int* argc, const char** argv) {
+  return ParseEvenstepFlags(argc, const_cast<char**>(argv));
+}
 
 // A program's own defaults for evenstep flags, set before the command line is
 // parsed so that the command line still overrides them:

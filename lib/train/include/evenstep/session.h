@@ -10,6 +10,10 @@
 //   }
 //   (*es)->Finish();                         // waits for the last checkpoint
 //
+// Several models per step (a GAN): Create with named ModelParts and Step with
+// one loss function per part (see balanced_step.h): one plan, one
+// checkpoint, one resume step for all of them.
+//
 // Thread-safety: one training thread; Create, Step, Evaluate and Finish are
 // collective.
 #pragma once
@@ -28,8 +32,13 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/launch_env.h"  // kPreemptedExitCode
 
+namespace torch::optim {
+class LRScheduler;
+}
+
 namespace evenstep {
 
+struct TrainState;
 class TrainCheckpointer;
 class MetricsLogger;
 class Timeline;
@@ -48,7 +57,47 @@ class Session {
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir,
                                                          std::vector<double> counts = {});
+  // Several models stepped in order over the same micro-batches, each with
+  // its optimizer (ModelPart in balanced_step.h); all are checkpointed
+  // together ("model/<part>.<name>", "optimizer-<part>/...").
+  static absl::StatusOr<std::unique_ptr<Session>> Create(DistContext& ctx,
+                                                         std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         const std::string& run_dir,
+                                                         std::vector<double> counts = {});
   ~Session();
+
+  // The learning rate of every parameter group of `part`'s optimizer (""
+  // = the first part) set to lr(step, epoch) before each step (step 1-based,
+  // epoch 0-based, as epoch() reports): a pure function of the step, so a
+  // resumed run has the uninterrupted run's rates. InvalidArgument for an
+  // unknown part.
+  absl::Status ScheduleLearningRate(std::function<double(int64_t step, int64_t epoch)> lr,
+                                    const std::string& part = "");
+  // A libtorch scheduler (torch::optim::StepLR or another LRScheduler)
+  // stepped after every step (kStep) or after each epoch's last step
+  // (kEpoch), as the plain loop does. Its count of steps is checkpointed: on
+  // resume it is replayed (the optimizers' restored rates kept), so the
+  // schedule goes on where it stopped. Register schedulers in the same order
+  // in every run.
+  enum class Every { kStep, kEpoch };
+  absl::Status Schedule(torch::optim::LRScheduler& scheduler, Every every);
+  // The loop's own state (running metrics, counters), saved with every
+  // checkpoint. `update(report)` runs inside Step after every completed step,
+  // before that step's checkpoint (also the one a preemption takes, whose
+  // Step then returns CANCELLED): update the state from the report there,
+  // not after Step returns, or a checkpoint misses its own step. `save()`
+  // returns the state as JSON when a checkpoint is taken. After a resume,
+  // resumed_user_state() is what the checkpoint held ("{}" if none).
+  void set_user_state(std::function<void(const StepReport&)> update,
+                      std::function<std::string()> save) {
+    user_update_ = std::move(update);
+    user_state_ = std::move(save);
+  }
+  const std::string& resumed_user_state() const { return resumed_user_state_; }
+  // The last step's report, also when Step returned CANCELLED for a
+  // preemption after the step ran (its loss is not lost to the loop).
+  const StepReport& last_report() const { return last_report_; }
 
   // The first step to run: 1, or the resumed checkpoint's step + 1.
   int64_t first_step() const { return first_step_; }
@@ -76,6 +125,9 @@ class Session {
   // The same with the loop's own loss: `loss_sum(samples)` gets a
   // micro-batch's dataset indices (const std::vector<int64_t>&), loads them
   // and returns the SUM of their losses (data and compute timed as one).
+  // A step of a Session with several model parts: `losses[k]` is part k's
+  // loss of a micro-batch (BalancedStep::Step with PartLoss).
+  absl::StatusOr<StepReport> Step(const std::vector<PartLoss>& losses);
   template <typename LossSum>
   absl::StatusOr<StepReport> Step(LossSum&& loss_sum) {
     return Step([](const MicroBatch& mb) -> const MicroBatch* { return &mb; },
@@ -110,8 +162,21 @@ class Session {
     int64_t step;
     std::shared_future<absl::Status> done;
   };
-  Session(DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  struct LrSchedule {
+    std::function<double(int64_t, int64_t)> lr;  // a function of (step, epoch), or
+    torch::optim::LRScheduler* scheduler = nullptr;
+    size_t part = 0;
+    bool per_epoch = false;
+    int64_t count = 0;  // scheduler steps taken (checkpointed)
+  };
+  Session(DistContext& ctx, std::vector<ModelPart> parts);
+  // What a checkpoint holds: every part, the balancing state, the loop's
+  // state and the schedulers' counts.
+  TrainState State() const;
   absl::Status AfterStep(StepReport* report);
+  // The schedulers' steps after `report`'s step.
+  void StepSchedulers(const StepReport& report);
+  absl::StatusOr<size_t> PartIndex(const std::string& part) const;
   void BeforeStep();
   absl::Status StopForPreemption(int signal, int64_t step);
   absl::Status LockRunDir(const std::string& run_dir);
@@ -124,8 +189,15 @@ class Session {
   absl::Status DrainSaves(int64_t* last_step);
 
   DistContext& ctx_;
-  torch::nn::Module& model_;
-  torch::optim::Optimizer& optimizer_;
+  std::vector<ModelPart> parts_;
+  // With several parts: one module holding them as children, named by part.
+  std::shared_ptr<torch::nn::Module> parts_module_;
+  std::vector<LrSchedule> schedules_;
+  std::vector<int64_t> resumed_counts_;  // scheduler counts from the checkpoint
+  std::function<void(const StepReport&)> user_update_;
+  std::function<std::string()> user_state_;
+  std::string resumed_user_state_ = "{}";
+  StepReport last_report_;
   std::unique_ptr<BalancedStep> step_;
   std::unique_ptr<TrainCheckpointer> checkpointer_;
   std::unique_ptr<Timeline> timeline_;

@@ -10,7 +10,9 @@
 //
 // Tensor names in a checkpoint: "model/<parameter or buffer name>",
 // "optimizer/<group>/<index in group>/<field>" (e.g. exp_avg, step) and
-// "optimizer/<group>/lr". Extras hold {"balance": {...}, "user": ...}.
+// "optimizer/<group>/lr"; a named optimizer's (TrainState::optimizers, a
+// Session with several model parts) "optimizer-<name>/...". Extras hold
+// {"balance": {...}, "user": ...}.
 //
 // Loading: every rank reads the manifest, reads a byte-balanced part of the
 // tensors (checksums verified) and broadcasts it; no rank reads every byte.
@@ -37,6 +39,9 @@ struct TrainState {
   torch::optim::Optimizer* optimizer = nullptr;
   BalancedStep* balance = nullptr;
   std::string user_json = "{}";
+  // More optimizers, by name (one per model part): saved and loaded like
+  // `optimizer`, under "optimizer-<name>".
+  std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers;
 };
 
 struct LoadOptions {

@@ -2,13 +2,15 @@
 // without stalling the device between them.
 //
 // Marks, in order: Begin() when the step starts; per micro-step, Start() when
-// its data is ready and End() when its backward has returned; on the last
-// micro-step also Arrive() when backward has produced every gradient (the
-// arrival at the gradient sync, before its wait). Read() then gives, per
-// micro-step,
-//     data    = Start_k - End_{k-1}       (End_{-1} = Begin)
-//     compute = End_k - Start_k            (last: Arrive - Start_k)
-//     sync    = End_last - Arrive          (last only)
+// its data is ready and End() when its backward has returned; on a
+// micro-step whose backward synchronises (the last one of each model part)
+// also Arrive() when backward has produced every gradient (the arrival at
+// the gradient sync, before its wait); Resume() between micro-steps when
+// the time since the previous End (a part's optimizer step) is no data
+// wait. Read() then gives, per micro-step,
+//     data    = Start_k - (Resume before k, else End_{k-1}; End_{-1} = Begin)
+//     compute = End_k - Start_k            (synchronising: Arrive_k - Start_k)
+//     sync    = sum of End_k - Arrive_k    (over the synchronising ones)
 // On the CPU the marks are host times. On a device whose events can measure
 // elapsed time (CUDA with libtorch 2.x) each mark is a timing event on the
 // device's current stream, read once at the end of the step: the host keeps
@@ -35,7 +37,7 @@ namespace internal {
 
 struct MicroStepTimes {
   std::vector<absl::Duration> data, compute;
-  absl::Duration sync;  // the last micro-step's wait for the gradient sync
+  absl::Duration sync;  // the waits for the gradient syncs
 };
 
 class MicroStepClock {
@@ -48,8 +50,9 @@ class MicroStepClock {
   void Start();
   void Arrive();
   void End();
+  void Resume();
   // Blocks until every mark has completed. Micro-steps without an End() are
-  // left out; a last micro-step without Arrive() has no sync part. Throws
+  // left out; a micro-step without Arrive() has no sync part. Throws
   // what the device's event API throws.
   MicroStepTimes Read();
   // Whether marks are device events read at the end of the step.
