@@ -10,6 +10,7 @@
 #include <iostream>
 
 #include "absl/status/status.h"
+#include "evenstep/launch_env.h"
 
 namespace evenstep::samples {
 
@@ -64,9 +65,10 @@ inline void Progress(int rank, int64_t epoch, double loss) {
   }
 }
 
+// The exit status for `status` (kPreemptedExitCode after a preemption's save).
 inline int Fail(const absl::Status& status) {
   std::cerr << status << std::endl;
-  return 1;
+  return evenstep::ExitCode(status);
 }
 
 }  // namespace evenstep::samples

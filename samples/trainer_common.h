@@ -182,7 +182,7 @@ class PlainTrace {
 // (Session saved the step; CANCELLED comes from nothing else here), else 1.
 inline int Fail(const absl::Status& status) {
   std::cerr << status << "\n";
-  return absl::IsCancelled(status) ? evenstep::kPreemptedExitCode : 1;
+  return evenstep::ExitCode(status);
 }
 
 // The progress line (rank 0) and the test hooks, after every step.

@@ -3,12 +3,16 @@
 // trajectory of an uninterrupted run (same world size), and closely on
 // another world size; the same seed gives the same trajectory at world
 // sizes 1, 2 and 3 (only float summation order differs: relative 1e-4).
+#include <signal.h>
+
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -127,6 +131,97 @@ TEST(TorchDataSampleTest, PortedDistMnistTrainsWholeEpochsAndResumesByEpoch) {
   EXPECT_TRUE(std::filesystem::exists(run_dir + "/ckpt/step-0000000024/manifest.json"))
       << second.output;
   EXPECT_FALSE(std::filesystem::exists(run_dir + "/ckpt/step-0000000025")) << second.output;
+}
+
+// The DCGAN port (samples/dcgan.cc, two model parts) against the loop it was
+// ported from (samples/dcgan_plain.cc), 50 steps: on one rank the same
+// losses to float noise; on two ranks (BatchNorm statistics over half the
+// batch) the same curve; SIGTERM to the launcher mid-run, and the rerun goes
+// on at the next step with the uninterrupted run's losses, exactly.
+// step -> {D_loss, G_loss} from "step S D_loss X G_loss Y" lines (rank 0's).
+std::map<int, std::pair<double, double>> GanLosses(const std::string& output) {
+  std::map<int, std::pair<double, double>> losses;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (!f.empty() && f[0] == "[0]") f.erase(f.begin());
+    int step = 0;
+    double d = 0, g = 0;
+    if (f.size() == 6 && f[0] == "step" && f[2] == "D_loss" && absl::SimpleAtoi(f[1], &step) &&
+        absl::SimpleAtod(f[3], &d) && absl::SimpleAtod(f[5], &g)) {
+      losses[step] = {d, g};
+    }
+  }
+  return losses;
+}
+
+TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemptionResumesExactly) {
+  evenstep::testing::TempDir dir("evenstep_dcgan");
+  // 640 samples, batches of 64, 5 epochs: 50 steps.
+  const std::vector<std::string> common = {"--samples=640", "--epochs=5", "--channels=8"};
+  auto port = [&](int world, const std::string& run) {
+    std::vector<std::string> argv = {EVENSTEP_RUN, "-n", std::to_string(world), "--",
+                                     EVENSTEP_DCGAN, "--evenstep_run_dir=" + dir.path() + "/" + run,
+                                     "--evenstep_timeout=60s", "--evenstep_balance=static"};
+    argv.insert(argv.end(), common.begin(), common.end());
+    return evenstep::testing::ProcessSpec{argv, {}};
+  };
+  std::vector<std::string> plain_argv = {EVENSTEP_DCGAN_PLAIN};
+  plain_argv.insert(plain_argv.end(), common.begin(), common.end());
+  const auto results = evenstep::testing::RunAll({{plain_argv, {}}},
+                                                 evenstep::testing::HangBound(4));
+  ASSERT_EQ(results[0].exit_code, 0) << results[0].output;
+  const auto plain = GanLosses(results[0].output);
+  ASSERT_EQ(plain.size(), 50u) << results[0].output;
+
+  const ProcessResult one = evenstep::testing::RunAll({port(1, "one")},
+                                                      evenstep::testing::HangBound(4))[0];
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto on_one = GanLosses(one.output);
+  ASSERT_EQ(on_one.size(), 50u) << one.output;
+  for (const auto& [step, losses] : plain) {
+    EXPECT_NEAR(on_one.at(step).first, losses.first, 1e-5 * losses.first) << "step " << step;
+    EXPECT_NEAR(on_one.at(step).second, losses.second, 1e-5 * losses.second) << "step " << step;
+  }
+
+  const ProcessResult two = evenstep::testing::RunAll({port(2, "two")},
+                                                      evenstep::testing::HangBound(4))[0];
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const auto on_two = GanLosses(two.output);
+  ASSERT_EQ(on_two.size(), 50u) << two.output;
+  // The same curve: each group of 10 steps' mean losses within 10 %.
+  for (int from = 1; from <= 41; from += 10) {
+    double d1 = 0, d2 = 0, g1 = 0, g2 = 0;
+    for (int s = from; s < from + 10; ++s) {
+      d1 += plain.at(s).first, d2 += on_two.at(s).first;
+      g1 += plain.at(s).second, g2 += on_two.at(s).second;
+    }
+    EXPECT_NEAR(d2, d1, 0.1 * d1) << "steps " << from << "-" << from + 9;
+    EXPECT_NEAR(g2, g1, 0.1 * g1) << "steps " << from << "-" << from + 9;
+  }
+
+  evenstep::testing::Subprocess cut(port(2, "cut"));
+  ASSERT_TRUE(cut.WaitForOutput("[0] step 20 D_loss", evenstep::testing::HangBound(4)))
+      << cut.OutputSoFar();
+  ASSERT_EQ(kill(cut.pid(), SIGTERM), 0);
+  const ProcessResult stopped = cut.Wait(evenstep::testing::HangBound(2));
+  EXPECT_EQ(stopped.exit_code, 83) << stopped.output;
+  const auto before = GanLosses(stopped.output);
+  ASSERT_FALSE(before.empty()) << stopped.output;
+  const int last = before.rbegin()->first;
+  ASSERT_LT(last, 50) << stopped.output;
+  const ProcessResult resumed = evenstep::testing::RunAll({port(2, "cut")},
+                                                          evenstep::testing::HangBound(4))[0];
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto after = GanLosses(resumed.output);
+  ASSERT_FALSE(after.empty()) << resumed.output;
+  // The preempted step is saved (its report is not printed): the rerun
+  // starts right after it.
+  EXPECT_GT(after.begin()->first, last) << resumed.output;
+  EXPECT_LE(after.begin()->first, last + 2) << resumed.output;
+  EXPECT_EQ(after.rbegin()->first, 50) << resumed.output;
+  for (const auto& [step, losses] : after) {
+    EXPECT_EQ(losses, on_two.at(step)) << "step " << step;  // exactly
+  }
 }
 
 }  // namespace

@@ -238,6 +238,10 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
   }
   std::vector<std::vector<int64_t>> parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
   next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]));
+  for (size_t i = 0; i < next.micro.size(); ++i) {
+    next.micro[i].epoch = next.batch.epoch;
+    next.micro[i].index = static_cast<int>(i);
+  }
   planned_ = std::move(next);
 }
 

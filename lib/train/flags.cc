@@ -118,6 +118,9 @@ ABSL_FLAG(double, evenstep_cost_quadratic, 0,
 ABSL_FLAG(double, evenstep_clip_grad_norm, 0,
           "Clip the global gradient's norm (after the sync) to this value; 0 = off.");
 
+ABSL_FLAG(std::string, evenstep_run_dir, "evenstep_run",
+          "Where a Session created without a run directory keeps its checkpoints (RUN_DIR/ckpt), "
+          "logs and timelines, and resumes from.");
 ABSL_FLAG(std::string, evenstep_ckpt_dir, "",
           "Directory of sharded checkpoints (step-*/ with one HDF5 shard per rank and "
           "manifest.json, plus `latest`); empty = no checkpoints.");

@@ -149,6 +149,10 @@ absl::Status ValidateEvenstepFlags() {
   EVENSTEP_RETURN_IF_ERROR(internal::NotBelow(
       "evenstep_eval_micro_batch_tokens",
       static_cast<double>(absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens)), 0));
+  if (absl::GetFlag(FLAGS_evenstep_run_dir).empty()) {
+    return absl::InvalidArgumentError(
+        "--evenstep_run_dir=: empty (a directory for checkpoints, logs and timelines)");
+  }
   EVENSTEP_RETURN_IF_ERROR(ResumeModeFromFlag().status());
   EVENSTEP_RETURN_IF_ERROR(PreflightModeFromFlag().status());
   EVENSTEP_RETURN_IF_ERROR(PreflightOptions::FromFlags().status());
@@ -278,6 +282,24 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
                                                          std::vector<double> counts) {
   return Create(ctx, {ModelPart("model", model, optimizer)}, std::move(lengths), run_dir,
                 std::move(counts));
+}
+
+int Session::rank() const { return ctx_.rank(); }
+int Session::world_size() const { return ctx_.world_size(); }
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         const std::string& run_dir,
+                                                         std::vector<double> counts) {
+  EVENSTEP_RETURN_IF_ERROR(ValidateEvenstepFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<DistContext> ctx, DistContext::CreateFromFlags());
+  DistContext& ref = *ctx;
+  EVENSTEP_ASSIGN_OR_RETURN(
+      std::unique_ptr<Session> s,
+      Create(ref, std::move(parts), std::move(lengths),
+             run_dir.empty() ? absl::GetFlag(FLAGS_evenstep_run_dir) : run_dir, std::move(counts)));
+  s->owned_ctx_ = std::move(ctx);
+  return s;
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,

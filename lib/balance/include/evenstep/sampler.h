@@ -73,6 +73,11 @@ struct MicroBatch {
   int64_t max_length = 0;
   double cost = 0;   // cost units
   double count = 0;  // normalisation count (samples or tokens)
+  // Set by BalancedStep: the epoch of its global batch (for random draws
+  // keyed by epoch and sample) and its place among this rank's
+  // micro-batches of the step (0-based).
+  int64_t epoch = 0;
+  int index = 0;
 };
 
 struct GlobalBatch {

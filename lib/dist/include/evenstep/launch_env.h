@@ -25,6 +25,15 @@ namespace evenstep {
 // rank did.
 inline constexpr int kPreemptedExitCode = 83;
 
+// The exit status for a loop that stops on `status`: 0 for OK,
+// kPreemptedExitCode for CANCELLED (what Session::Step returns after saving
+// a preempted step), 1 otherwise:
+//   if (!report.ok()) { std::cerr << report.status() << "\n"; return ExitCode(report.status()); }
+inline int ExitCode(const absl::Status& status) {
+  if (status.ok()) return 0;
+  return absl::IsCancelled(status) ? kPreemptedExitCode : 1;
+}
+
 enum class Launcher {
   kNone,      // no launcher variables: a world of size 1, no network
   kTorchrun,  // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT

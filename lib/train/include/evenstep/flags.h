@@ -38,6 +38,7 @@ ABSL_DECLARE_FLAG(bool, evenstep_reseed);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
 ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);
 ABSL_DECLARE_FLAG(double, evenstep_clip_grad_norm);
+ABSL_DECLARE_FLAG(std::string, evenstep_run_dir);
 ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_dir);
 ABSL_DECLARE_FLAG(int, evenstep_ckpt_keep);
 ABSL_DECLARE_FLAG(int, evenstep_ckpt_in_flight);

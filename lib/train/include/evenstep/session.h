@@ -65,7 +65,18 @@ class Session {
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir,
                                                          std::vector<double> counts = {});
+  // The same on a DistContext created from the launcher's environment and
+  // the --evenstep_* flags (DistContext::CreateFromFlags), which the Session
+  // owns: for a loop that needs no collective of its own. An empty
+  // `run_dir` is --evenstep_run_dir's.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         const std::string& run_dir = "",
+                                                         std::vector<double> counts = {});
   ~Session();
+  DistContext& context() { return ctx_; }
+  int rank() const;
+  int world_size() const;
 
   // The learning rate of every parameter group of `part`'s optimizer (""
   // = the first part) set to lr(step, epoch) before each step (step 1-based,
@@ -170,6 +181,9 @@ class Session {
     int64_t count = 0;  // scheduler steps taken (checkpointed)
   };
   Session(DistContext& ctx, std::vector<ModelPart> parts);
+  // Create without a context: the one made here, destroyed after every
+  // other member (declared first).
+  std::unique_ptr<DistContext> owned_ctx_;
   // What a checkpoint holds: every part, the balancing state, the loop's
   // state and the schedulers' counts.
   TrainState State() const;
