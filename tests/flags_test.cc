@@ -150,6 +150,7 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_sort_window", {"-1"}},
       {"evenstep_drop_last", {"maybe"}},
       {"evenstep_shuffle", {"maybe"}},
+      {"evenstep_streams", {"-1", "x"}},
       {"evenstep_reseed", {"sometimes"}},
       {"evenstep_run_dir", {""}},
       {"evenstep_prefetch_next_step", {"maybe"}},

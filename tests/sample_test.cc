@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -222,6 +224,91 @@ TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemption
   for (const auto& [step, losses] : after) {
     EXPECT_EQ(losses, on_two.at(step)) << "step " << step;  // exactly
   }
+}
+
+// The LSTM language model port (samples/lm.cc, stream mode: every row a
+// stream whose hidden state stays on its rank) against its plain loop
+// (samples/lm_plain.cc), 50 steps: on one and on two ranks the same losses
+// to float noise; SIGTERM mid-run, and the rerun goes on with the
+// uninterrupted run's losses (the hidden states and the running metrics
+// come back from the checkpoint) exactly.
+std::map<int, double> LmLosses(const std::string& output, const std::string& prefix) {
+  std::map<int, double> losses;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    if (!absl::ConsumePrefix(&line, prefix)) continue;
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    int step = 0;
+    double loss = 0;
+    if (f.size() == 4 && f[0] == "step" && f[2] == "loss" && absl::SimpleAtoi(f[1], &step) &&
+        absl::SimpleAtod(f[3], &loss)) {
+      losses[step] = loss;
+    }
+  }
+  return losses;
+}
+
+std::string EpochLines(const std::string& output) {
+  std::string lines;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    if (absl::StrContains(line, "Epoch [")) absl::StrAppend(&lines, line, "\n");
+  }
+  return lines;
+}
+
+TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactly) {
+  evenstep::testing::TempDir dir("evenstep_lm");
+  // 20 rows of 25 chunks, 2 epochs: 50 steps.
+  const std::vector<std::string> common = {"--chunks=25", "--epochs=2", "--hidden=64",
+                                           "--vocab=200"};
+  auto port = [&](int world, const std::string& run) {
+    std::vector<std::string> argv = {EVENSTEP_RUN, "-n", std::to_string(world), "--",
+                                     EVENSTEP_LM, "--evenstep_run_dir=" + dir.path() + "/" + run,
+                                     "--evenstep_timeout=60s", "--evenstep_balance=static"};
+    argv.insert(argv.end(), common.begin(), common.end());
+    return evenstep::testing::ProcessSpec{argv, {}};
+  };
+  const auto bound = evenstep::testing::HangBound(4);
+  std::vector<std::string> plain_argv = {EVENSTEP_LM_PLAIN};
+  plain_argv.insert(plain_argv.end(), common.begin(), common.end());
+  const ProcessResult plain_run = evenstep::testing::RunAll({{plain_argv, {}}}, bound)[0];
+  ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
+  const auto plain = LmLosses(plain_run.output, "");
+  ASSERT_EQ(plain.size(), 50u) << plain_run.output;
+  EXPECT_LT(plain.at(50), plain.at(1));  // it learns
+
+  std::map<int, std::map<int, double>> ported;
+  for (int world : {1, 2}) {
+    const ProcessResult r =
+        evenstep::testing::RunAll({port(world, absl::StrCat("w", world))}, bound)[0];
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    ported[world] = LmLosses(r.output, "[0] ");
+    ASSERT_EQ(ported[world].size(), 50u) << r.output;
+    for (const auto& [step, loss] : plain) {
+      EXPECT_NEAR(ported[world].at(step), loss, 1e-5 * loss) << "world " << world << " step " << step;
+    }
+    EXPECT_EQ(EpochLines(r.output).size() > 0, true) << r.output;
+  }
+
+  evenstep::testing::Subprocess cut(port(2, "cut"));
+  ASSERT_TRUE(cut.WaitForOutput("[0] step 30 loss", bound)) << cut.OutputSoFar();
+  ASSERT_EQ(kill(cut.pid(), SIGTERM), 0);
+  const ProcessResult stopped = cut.Wait(evenstep::testing::HangBound(2));
+  EXPECT_EQ(stopped.exit_code, 83) << stopped.output;
+  const int last = LmLosses(stopped.output, "[0] ").rbegin()->first;
+  ASSERT_LT(last, 50) << stopped.output;
+  const ProcessResult resumed = evenstep::testing::RunAll({port(2, "cut")}, bound)[0];
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto after = LmLosses(resumed.output, "[0] ");
+  ASSERT_FALSE(after.empty()) << resumed.output;
+  // The step the preemption saved was counted in the saved running metrics:
+  // the rerun's first step is the next one.
+  EXPECT_EQ(after.begin()->first, last + 1) << resumed.output;
+  EXPECT_EQ(after.rbegin()->first, 50) << resumed.output;
+  for (const auto& [step, loss] : after) EXPECT_EQ(loss, ported[2].at(step)) << "step " << step;
+  // The epoch means (running metrics across the preemption) are the uninterrupted run's.
+  const ProcessResult whole = evenstep::testing::RunAll({port(2, "whole")}, bound)[0];
+  EXPECT_EQ(EpochLines(stopped.output) + EpochLines(resumed.output), EpochLines(whole.output))
+      << stopped.output << resumed.output;
 }
 
 }  // namespace

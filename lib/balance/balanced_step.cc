@@ -232,11 +232,19 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
   NextStep next;
   next.sampler_before = sampler_.state();
   next.shares_before = planner_.plan().shares;
+  next.stream_shares_before = stream_shares_;
   next.batch = sampler_.Next();
   if (!fits_.empty() && steps_done % config_.plan_interval == 0) {
     planner_.Update(fits_, next.batch.cost, sampler_.micro_batch_cost_cap());
   }
-  std::vector<std::vector<int64_t>> parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
+  std::vector<std::vector<int64_t>> parts;
+  if (sampler_.options().streams > 0) {
+    // Streams move between ranks only at an epoch's start.
+    if (next.batch.step == 0 || stream_shares_.empty()) stream_shares_ = planner_.plan().shares;
+    parts = sampler_.PartitionStreams(next.batch, stream_shares_);
+  } else {
+    parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
+  }
   next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]));
   for (size_t i = 0; i < next.micro.size(); ++i) {
     next.micro[i].epoch = next.batch.epoch;
@@ -599,8 +607,15 @@ void BalancedStep::UpdateHealth() {
   }
 }
 
+std::pair<int64_t, int64_t> BalancedStep::owned_streams() const {
+  const std::vector<double>& shares = planned_ ? planned_->stream_shares_before : stream_shares_;
+  if (sampler_.options().streams <= 0 || shares.empty()) return {0, 0};
+  return sampler_.StreamRange(shares, ctx_.rank());
+}
+
 BalanceState BalancedStep::state() const {
   BalanceState state;
+  state.stream_shares = planned_ ? planned_->stream_shares_before : stream_shares_;
   // A step planned ahead (for prefetching) has not run: the state is the
   // one before it.
   state.sampler = planned_ ? planned_->sampler_before : sampler_.state();
@@ -636,6 +651,11 @@ absl::Status BalancedStep::Restore(const BalanceState& state) {
     EVENSTEP_RETURN_IF_ERROR(planner_.SetShares(state.shares));
   }
   steps_ = state.steps;
+  // Another world size: the streams are dealt anew (stream state is saved
+  // whole, so any rank can take any stream).
+  stream_shares_ = static_cast<int>(state.stream_shares.size()) == ctx_.world_size()
+                       ? state.stream_shares
+                       : planner_.plan().shares;
   fits_.clear();
   cost_model_.Reset();
   return absl::OkStatus();

@@ -72,6 +72,20 @@ absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOpt
   if (options.min_micro_batches < 0 || options.sort_window < 0) {
     return absl::InvalidArgumentError("Sampler: min_micro_batches and sort_window must be >= 0");
   }
+  if (options.streams < 0 ||
+      (options.streams > 0 && static_cast<int64_t>(lengths.size()) % options.streams != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--evenstep_streams=", options.streams, ": the dataset's ", lengths.size(),
+        " samples must be a whole number of positions per stream (samples = streams x "
+        "positions, sample s * positions + t)"));
+  }
+  if (options.streams > 0) {
+    // One position of every stream per step, in order.
+    options.global_batch = options.streams;
+    options.budget_unit = BatchUnit::kSamples;
+    options.sort_window = 1;
+    options.shuffle = false;
+  }
   if (!counts.empty() && counts.size() != lengths.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("Sampler: ", counts.size(), " counts for ", lengths.size(), " samples"));
@@ -155,6 +169,14 @@ int64_t Sampler::steps_in_epoch(int64_t epoch) const {
 
 std::vector<std::vector<int64_t>> Sampler::BatchesOfEpoch(int64_t epoch) const {
   std::vector<std::vector<int64_t>> batches;
+  if (options_.streams > 0) {
+    const int64_t streams = options_.streams, positions = num_samples() / streams;
+    batches.resize(positions);
+    for (int64_t t = 0; t < positions; ++t) {
+      for (int64_t s = 0; s < streams; ++s) batches[t].push_back(s * positions + t);
+    }
+    return batches;
+  }
   SplitMix64 rng(EpochSeed(options_.seed, epoch));
   std::vector<int64_t> order(lengths_.size());
   std::iota(order.begin(), order.end(), 0);
@@ -505,6 +527,36 @@ std::vector<std::vector<int64_t>> Sampler::Assign(const GlobalBatch& batch,
     parts[r].push_back(i);
     heap.back().first = deficit[r] - cost(r, i);  // against a sample like this one
     std::push_heap(heap.begin(), heap.end());
+  }
+  return parts;
+}
+
+std::pair<int64_t, int64_t> Sampler::StreamRange(const std::vector<double>& shares,
+                                                 int rank) const {
+  double total = 0, before = 0;
+  for (size_t r = 0; r < shares.size(); ++r) {
+    const double share = std::max(0.0, shares[r]);
+    total += share;
+    if (static_cast<int>(r) < rank) before += share;
+  }
+  const double own = rank < static_cast<int>(shares.size()) ? std::max(0.0, shares[rank]) : 0;
+  if (!(total > 0)) return {0, rank == 0 ? options_.streams : 0};
+  auto at = [&](double cumulative) {
+    return static_cast<int64_t>(std::llround(options_.streams * cumulative / total));
+  };
+  return {at(before), at(before + own)};
+}
+
+std::vector<std::vector<int64_t>> Sampler::PartitionStreams(const GlobalBatch& batch,
+                                                            const std::vector<double>& shares) const {
+  std::vector<std::vector<int64_t>> parts(shares.size());
+  const int64_t positions = num_samples() / options_.streams;
+  for (size_t r = 0; r < shares.size(); ++r) {
+    const auto [first, last] = StreamRange(shares, static_cast<int>(r));
+    for (int64_t i : batch.samples) {
+      const int64_t stream = i / positions;
+      if (stream >= first && stream < last) parts[r].push_back(i);
+    }
   }
   return parts;
 }

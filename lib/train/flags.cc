@@ -75,6 +75,11 @@ ABSL_FLAG(int64_t, evenstep_sort_window, 1,
           "longest first), 0 = 50 global batches, N = N samples. Larger windows pad less but "
           "make each global batch's lengths alike, which costs held-out quality at equal steps "
           "(docs/benchmarks.md#sorting-window).");
+ABSL_FLAG(int64_t, evenstep_streams, 0,
+          "Stream mode (truncated BPTT, online rollouts): the dataset is this many streams of "
+          "equal length (sample s * positions + t is stream s's position t); each step takes "
+          "the next position of every stream, and each stream stays on one rank, in order, for "
+          "a whole epoch (streams move between ranks only at an epoch's start). 0 = off.");
 ABSL_FLAG(bool, evenstep_shuffle, true,
           "Shuffle the samples each epoch (by --evenstep_seed and the epoch); false = dataset "
           "order, every epoch.");
@@ -319,6 +324,7 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.sampler.sort_window = absl::GetFlag(FLAGS_evenstep_sort_window);
   config.sampler.drop_last = absl::GetFlag(FLAGS_evenstep_drop_last);
   config.sampler.shuffle = absl::GetFlag(FLAGS_evenstep_shuffle);
+  config.sampler.streams = absl::GetFlag(FLAGS_evenstep_streams);
   config.reseed = absl::GetFlag(FLAGS_evenstep_reseed);
   config.planner.max_micro_batches = absl::GetFlag(FLAGS_evenstep_max_micro_batches);
   config.planner.damping = absl::GetFlag(FLAGS_evenstep_plan_damping);
@@ -349,6 +355,8 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_warmup_steps", config.cost_model.warmup_steps, 0));
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_sort_window", static_cast<double>(config.sampler.sort_window), 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_streams", static_cast<double>(config.sampler.streams), 0));
   EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_clip_grad_norm", config.clip_grad_norm, 0));
   // Upper bounds: a thread per worker, a micro-batch in memory per prefetch
   // slot, and costs that stay finite for lengths up to 1e6.

@@ -385,6 +385,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
                   << std::endl;
       }
       s->first_step_ = loaded->step + 1;
+      s->resumed_path_ = loaded->path;
       s->last_step_ = s->last_saved_ = loaded->step;
       // Checkpoints of earlier versions hold "{}" here.
       const nlohmann::json session = nlohmann::json::parse(loaded->user_json, nullptr, false);
@@ -601,10 +602,59 @@ absl::Status Session::AfterStep(StepReport* report) {
   return absl::OkStatus();
 }
 
+absl::Status Session::AddStreamState(const std::string& name, at::Tensor* state,
+                                     int64_t stream_dim) {
+  const std::string where = absl::StrCat("Session::AddStreamState('", name, "'), rank ",
+                                         ctx_.rank());
+  const int64_t streams = step_->sampler().options().streams;
+  if (streams <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": not in stream mode (--evenstep_streams=0)"));
+  }
+  if (state == nullptr || !state->defined() || stream_dim < 0 || stream_dim >= state->dim() ||
+      state->size(stream_dim) != streams) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": expected a tensor whose dimension ", stream_dim, " has the ", streams,
+        " streams; got ",
+        state != nullptr && state->defined() ? c10::str(state->sizes()) : std::string("none")));
+  }
+  for (const StreamState& s : stream_states_) {
+    if (s.name == name) return absl::InvalidArgumentError(absl::StrCat(where, ": registered twice"));
+  }
+  stream_states_.push_back({name, state, stream_dim});
+  if (resumed_path_.empty()) return absl::OkStatus();
+  TrainState only;
+  only.tensors.push_back({"stream/" + name, *state});
+  LoadOptions load;
+  load.strict = false;
+  load.path = resumed_path_;
+  EVENSTEP_ASSIGN_OR_RETURN(LoadResult loaded, checkpointer_->Load(only, load), where,
+                            ": loading it from ", resumed_path_);
+  if (!loaded.missing.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": the resumed checkpoint ", resumed_path_,
+                     " holds no stream state of that name (the run that saved it did not "
+                     "register it)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Session::Checkpoint() {
   const absl::Time begin = absl::Now();
-  absl::StatusOr<SaveTicket> ticket =
-      checkpointer_->Save(last_step_, State());
+  TrainState state = State();
+  // Each rank holds its own streams' rows: one all-reduce of each state with
+  // the others' rows zeroed gives every rank the whole tensor.
+  const auto [first, last] = step_->owned_streams();
+  for (const StreamState& s : stream_states_) {
+    at::Tensor whole = at::zeros_like(*s.tensor);
+    if (last > first) {
+      whole.narrow(s.dim, first, last - first).copy_(s.tensor->narrow(s.dim, first, last - first));
+    }
+    EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(whole), "rank ", ctx_.rank(),
+                             ": gathering the stream state '", s.name, "' for step ", last_step_);
+    state.tensors.push_back({"stream/" + s.name, whole});
+  }
+  absl::StatusOr<SaveTicket> ticket = checkpointer_->Save(last_step_, state);
   if (timeline_) timeline_->Span("checkpoint", begin, absl::Now(), last_step_);
   if (!ticket.ok()) return ticket.status();
   if (ticket->skipped) {

@@ -52,6 +52,7 @@ std::string BalanceJson(const BalanceState& b) {
   nlohmann::json j = {{"epoch", b.sampler.epoch}, {"step", b.sampler.step},
                       {"seed", b.sampler.seed},   {"num_samples", b.sampler.num_samples},
                       {"steps", b.steps},         {"shares", b.shares}};
+  if (!b.stream_shares.empty()) j["stream_shares"] = b.stream_shares;
   if (b.sampler.global_batch > 0) {
     j["global_batch"] = b.sampler.global_batch;
     j["batch_unit"] = b.sampler.tokens ? "tokens" : "samples";
@@ -95,6 +96,13 @@ absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
   for (const auto& v : j["shares"]) {
     if (!v.is_number()) return bad("a share is not a number");
     b.shares.push_back(v.get<double>());
+  }
+  if (j.contains("stream_shares")) {
+    if (!j["stream_shares"].is_array()) return bad("stream_shares must be an array");
+    for (const auto& v : j["stream_shares"]) {
+      if (!v.is_number()) return bad("a stream share is not a number");
+      b.stream_shares.push_back(v.get<double>());
+    }
   }
   return b;
 }
@@ -201,6 +209,7 @@ absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainStat
   ckpt.step = step;
   EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, nullptr),
                             "checkpoint of step ", step);
+  ckpt.tensors.insert(ckpt.tensors.end(), state.tensors.begin(), state.tensors.end());
   const auto optimizers = OptimizersOf(state);
   for (const auto& [prefix, optimizer] : optimizers) {
     EVENSTEP_RETURN_IF_ERROR(CaptureOptimizer(*optimizer, prefix, &ckpt.tensors),
@@ -524,12 +533,14 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
       return absl::FailedPreconditionError(what);
     };
     EVENSTEP_ASSIGN_OR_RETURN(expected, CaptureTensors(state.model, nullptr));
+    expected.insert(expected.end(), state.tensors.begin(), state.tensors.end());
     targets = std::map<std::string, at::Tensor>(expected.begin(), expected.end());
     for (const TensorInfo& t : manifest.tensors) {
-      if (!absl::StartsWith(t.name, "model/")) continue;
       auto target = targets.find(t.name);
       if (target == targets.end()) {
-        result.unexpected.push_back(t.name);
+        // Other extra tensors are the caller's to ask for (a Session's stream
+        // state is registered after the resume).
+        if (absl::StartsWith(t.name, "model/")) result.unexpected.push_back(t.name);
         continue;
       }
       seen.insert(t.name);

@@ -242,6 +242,8 @@ struct BalanceState {
   SamplerState sampler;
   std::vector<double> shares;
   int64_t steps = 0;
+  // Stream mode: the shares that assigned the streams of the current epoch.
+  std::vector<double> stream_shares;
 };
 
 class BalancedStep {
@@ -383,6 +385,9 @@ class BalancedStep {
   const Plan& plan() const { return planner_.plan(); }
   const StepReport& last_report() const { return report_; }
   Sampler& sampler() { return sampler_; }
+  // Stream mode (SamplerOptions::streams): the streams [first, last) this
+  // rank owns in the current epoch ({0, 0} before the first step).
+  std::pair<int64_t, int64_t> owned_streams() const;
   GradSync& grad_sync() { return *parts_[0].sync; }
   const CostModel& cost_model() const { return cost_model_; }
   DistContext& context() { return ctx_; }
@@ -448,10 +453,14 @@ class BalancedStep {
   struct NextStep {
     SamplerState sampler_before;        // where the sampler stood before it
     std::vector<double> shares_before;  // the plan before it
+    std::vector<double> stream_shares_before;
     GlobalBatch batch;
     std::vector<MicroBatch> micro;
   };
   std::optional<NextStep> planned_;
+  // Stream mode: the shares the current epoch's streams were assigned by
+  // (fixed from the epoch's first step).
+  std::vector<double> stream_shares_;
   // Draws and splits the next global batch into planned_; `steps_done`:
   // the steps completed when it runs (for plan_interval).
   void PlanNextStep(int64_t steps_done);

@@ -65,6 +65,14 @@ struct SamplerOptions {
   // Drop the last, smaller global batch of an epoch instead of keeping it.
   bool drop_last = false;
   Normalization normalization = Normalization::kSamples;
+  // Stream mode (truncated BPTT, online rollouts): the dataset is `streams`
+  // streams of T = samples / streams positions each, sample s * T + t being
+  // stream s's position t. Global batch t of every epoch is position t of
+  // every stream, in stream order (no shuffle; global_batch is `streams`),
+  // and each stream stays on one rank, in order, for the whole epoch
+  // (BalancedStep assigns contiguous blocks of streams by the shares at the
+  // epoch's start): per-stream state can live on that rank. 0 = off.
+  int64_t streams = 0;
 };
 
 struct MicroBatch {
@@ -147,6 +155,12 @@ class Sampler {
                                                     const std::vector<double>& target_s) const;
   // Cuts one rank's samples into micro-batches under the caps, longest first.
   std::vector<MicroBatch> Pack(std::vector<int64_t> samples) const;
+  // Stream mode: the streams [first, last) rank `rank` of shares.size()
+  // owns under `shares` (contiguous blocks by the cumulative shares), and
+  // `batch` split that way.
+  std::pair<int64_t, int64_t> StreamRange(const std::vector<double>& shares, int rank) const;
+  std::vector<std::vector<int64_t>> PartitionStreams(const GlobalBatch& batch,
+                                                     const std::vector<double>& shares) const;
 
   int64_t num_samples() const { return static_cast<int64_t>(lengths_.size()); }
   int64_t length(int64_t i) const { return lengths_[i]; }

@@ -34,6 +34,7 @@ ABSL_DECLARE_FLAG(int, evenstep_prefetch);
 ABSL_DECLARE_FLAG(bool, evenstep_prefetch_next_step);
 ABSL_DECLARE_FLAG(bool, evenstep_drop_last);
 ABSL_DECLARE_FLAG(bool, evenstep_shuffle);
+ABSL_DECLARE_FLAG(int64_t, evenstep_streams);
 ABSL_DECLARE_FLAG(bool, evenstep_reseed);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
 ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);

@@ -106,6 +106,18 @@ class Session {
     user_state_ = std::move(save);
   }
   const std::string& resumed_user_state() const { return resumed_user_state_; }
+  // Stream mode (--evenstep_streams=S): per-stream state the loop keeps in
+  // `*state`, a tensor whose dimension `stream_dim` has size S (an LSTM's
+  // hidden state [layers, S, hidden]); a rank reads and writes only the
+  // rows of its own streams (stream_range()). Every checkpoint gathers the
+  // rows from their ranks (one all-reduce) and saves the whole tensor as
+  // "stream/<name>"; registered after a resume, it is loaded from the
+  // resumed checkpoint (an error naming it when that checkpoint lacks it).
+  // `*state` may be reassigned between steps (it is read when saving).
+  // Collective: every rank registers the same names in the same order.
+  absl::Status AddStreamState(const std::string& name, at::Tensor* state, int64_t stream_dim);
+  // Stream mode: the streams [first, last) this rank owns this epoch.
+  std::pair<int64_t, int64_t> stream_range() const { return step_->owned_streams(); }
   // The last step's report, also when Step returned CANCELLED for a
   // preemption after the step ran (its loss is not lost to the loop).
   const StepReport& last_report() const { return last_report_; }
@@ -212,6 +224,13 @@ class Session {
   std::function<std::string()> user_state_;
   std::string resumed_user_state_ = "{}";
   StepReport last_report_;
+  struct StreamState {
+    std::string name;
+    at::Tensor* tensor;
+    int64_t dim;
+  };
+  std::vector<StreamState> stream_states_;
+  std::string resumed_path_;  // the checkpoint this run resumed from ("" = none)
   std::unique_ptr<BalancedStep> step_;
   std::unique_ptr<TrainCheckpointer> checkpointer_;
   std::unique_ptr<Timeline> timeline_;

@@ -42,6 +42,10 @@ struct TrainState {
   // More optimizers, by name (one per model part): saved and loaded like
   // `optimizer`, under "optimizer-<name>".
   std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers;
+  // More tensors under their own names ("stream/<name>": a Session's
+  // stream state), the same on every rank: saved as they are and loaded in
+  // place (checked like model tensors).
+  NamedTensors tensors;
 };
 
 struct LoadOptions {
