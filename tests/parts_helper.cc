@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,9 @@ ABSL_FLAG(std::string, run_dir, "", "The Session's run directory.");
 ABSL_FLAG(int, steps, 5, "Optimizer steps (of both parts).");
 ABSL_FLAG(int, preempt_at, 0, "Rank 0 sends itself SIGTERM before this step (0 = never).");
 ABSL_FLAG(std::string, bad, "", "A misuse: dup_name, shared_param, one_loss, no_part.");
+ABSL_FLAG(int, throw_at, 0,
+          "Rank 1's generator loss throws in this step (0 = never): every rank prints the "
+          "step's error and goes on (no reference comparison).");
 ABSL_FLAG(bool, dropout, false, "Dropout in the discriminator (reseeded per micro-batch).");
 ABSL_FLAG(int, samples, 60, "Samples in the dataset.");
 
@@ -154,15 +158,25 @@ int main(int argc, char** argv) {
     std::snprintf(text, sizeof(text), "%.17g", running);
     return std::string(text);
   });
-  const bool compare = !dropout && (*es)->first_step() == 1;
+  const bool compare = !dropout && (*es)->first_step() == 1 && absl::GetFlag(FLAGS_throw_at) == 0;
   const int steps = absl::GetFlag(FLAGS_steps);
   for (int64_t s = (*es)->first_step(); s <= steps; ++s) {
     if (s == absl::GetFlag(FLAGS_preempt_at) && rank == 0) std::raise(SIGTERM);
     const int64_t epoch = (*es)->epoch();
     auto report = (*es)->Step({
         [&](const evenstep::MicroBatch& mb) { return DLoss(nets, mb.samples, epoch); },
-        [&](const evenstep::MicroBatch& mb) { return GLoss(nets, mb.samples, epoch); },
+        [&](const evenstep::MicroBatch& mb) {
+          if (s == absl::GetFlag(FLAGS_throw_at) && rank == 1) {
+            throw std::runtime_error("the generator's loss failed");
+          }
+          return GLoss(nets, mb.samples, epoch);
+        },
     });
+    if (!report.ok() && s == absl::GetFlag(FLAGS_throw_at)) {
+      std::printf("step %lld failed: %s\n", static_cast<long long>(s),
+                  std::string(report.status().ToString()).c_str());
+      continue;  // the caller goes on with the next step
+    }
     if (!report.ok() && (*es)->preempted()) {
       const evenstep::StepReport& last = (*es)->last_report();
       if (rank == 0) {
@@ -216,7 +230,7 @@ int main(int argc, char** argv) {
     check(*nets.g, *ref.g, "generator");
     if (code == 0) std::printf("parts ok rank %d max_rel_diff %.3g\n", rank, worst);
   }
-  if (rank == 0) {
+  if (rank == 0 || absl::GetFlag(FLAGS_throw_at) > 0) {
     std::printf("final %.12g %.12g running %.12g lr %.9g %.9g\n", Checksum(*nets.d),
                 Checksum(*nets.g), running, d_opt.param_groups()[0].options().get_lr(),
                 g_opt.param_groups()[0].options().get_lr());

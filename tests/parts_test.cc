@@ -87,6 +87,29 @@ TEST(PartsTest, APreemptedRunResumesBothPartsSchedulesRandomStreamsAndLoopState)
   EXPECT_EQ(FinalLine(second[0].output), want) << Describe(second);
 }
 
+TEST(PartsTest, AThrowInTheSecondPartAbandonsItOnEveryRankAndTheRanksGoOnAlike) {
+  // Rank 1's generator loss throws in step 3: every rank's Step returns
+  // ABORTED naming rank 1, the part and the micro-batch; the discriminator
+  // has stepped (as in the plain loop), the generator has not, on every rank
+  // alike; steps 4 and 5 run, and both ranks end with the same parameters.
+  TempDir dir("parts-throw");
+  auto results = RunParts(2, dir.path(), {"--steps=5", "--throw_at=3"});
+  std::vector<std::string> finals;
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("step 3 failed: ABORTED"));
+    EXPECT_THAT(r.output, HasSubstr("step 3, part 'generator', micro-batch ")) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("abandoned on every rank: rank(s) 1 failed")) << Describe(results);
+    finals.push_back(FinalLine(r.output));
+    EXPECT_FALSE(finals.back().empty()) << Describe(results);
+  }
+  EXPECT_THAT(results[1].output, HasSubstr("rank 1, step 3, part 'generator', micro-batch 1 of 4: "
+                                           "the generator's loss failed"))
+      << Describe(results);
+  EXPECT_THAT(results[0].output, HasSubstr("step 5 d_loss")) << Describe(results);
+  EXPECT_EQ(finals[0], finals[1]) << Describe(results);
+}
+
 TEST(PartsTest, MisuseIsRefusedByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"dup_name", "model part name 'discriminator': given twice"},

@@ -127,6 +127,58 @@ TEST(SamplerTest, AGlobalBatchLargerThanTheDatasetIsRefusedNamingTheFlag) {
   }
 }
 
+TEST(SamplerTest, StreamModeStepsEveryStreamInOrderAndKeepsEachOnOneRank) {
+  // 5 streams of 4 positions: sample s * 4 + t.
+  SamplerOptions options;
+  options.streams = 5;
+  options.global_batch = 64;  // ignored in stream mode: one position of every stream
+  options.micro_batch_samples = 2;
+  auto sampler = Sampler::Create(std::vector<int64_t>(20, 3), options);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  ASSERT_EQ(sampler->steps_per_epoch(), 4);
+  const std::vector<double> shares = {0.5, 0.3, 0.2};
+  std::map<int64_t, int> owner;  // stream -> rank, over two epochs
+  for (int step = 0; step < 8; ++step) {
+    const GlobalBatch batch = sampler->Next();
+    EXPECT_EQ(batch.epoch, step / 4);
+    EXPECT_EQ(batch.samples, (std::vector<int64_t>{step % 4, 4 + step % 4, 8 + step % 4,
+                                                   12 + step % 4, 16 + step % 4}));
+    const auto parts = sampler->PartitionStreams(batch, shares);
+    size_t dealt = 0;
+    for (int r = 0; r < 3; ++r) {
+      const auto [first, last] = sampler->StreamRange(shares, r);
+      for (int64_t i : parts[r]) {
+        EXPECT_GE(i / 4, first);
+        EXPECT_LT(i / 4, last);
+        auto [it, fresh] = owner.emplace(i / 4, r);
+        EXPECT_EQ(it->second, r) << "stream " << i / 4 << " moved to rank " << r;
+      }
+      dealt += parts[r].size();
+      // Packing keeps the stream order (equal lengths).
+      std::vector<int64_t> packed;
+      for (const MicroBatch& mb : sampler->Pack(parts[r])) {
+        packed.insert(packed.end(), mb.samples.begin(), mb.samples.end());
+      }
+      EXPECT_EQ(packed, parts[r]);
+    }
+    EXPECT_EQ(dealt, 5u);
+  }
+  // Blocks by the cumulative shares: [0, 3), [3, 4), [4, 5) (2.5 and 4 rounded).
+  EXPECT_EQ(sampler->StreamRange(shares, 0), (std::pair<int64_t, int64_t>{0, 3}));
+  EXPECT_EQ(sampler->StreamRange(shares, 1), (std::pair<int64_t, int64_t>{3, 4}));
+  EXPECT_EQ(sampler->StreamRange(shares, 2), (std::pair<int64_t, int64_t>{4, 5}));
+}
+
+TEST(SamplerTest, StreamModeRefusesADatasetThatIsNotWholeStreams) {
+  SamplerOptions options;
+  options.streams = 3;
+  auto sampler = Sampler::Create(std::vector<int64_t>(10, 1), options);
+  ASSERT_FALSE(sampler.ok());
+  EXPECT_THAT(sampler.status().message(),
+              HasSubstr("--evenstep_streams=3: the dataset's 10 samples must be a whole number "
+                        "of positions per stream"));
+}
+
 TEST(SamplerTest, DropLastDropsOnlyTheSmallerTail) {
   SamplerOptions options;
   options.global_batch = 30;
