@@ -16,6 +16,7 @@ ABSL_FLAG(int64_t, samples, 1024, "Samples in the synthetic dataset.");
 ABSL_FLAG(int64_t, channels, 64, "Width of the first/last convolution (the original's 64).");
 
 using namespace evenstep::samples;
+using torch::data::samplers::SequentialSampler;
 
 int main(int argc, char** argv) {
   evenstep::SetFlagDefaults("loss_reduction=mean shuffle=false");  // binary_cross_entropy: a mean
@@ -24,26 +25,33 @@ int main(int argc, char** argv) {
   torch::manual_seed(1);
   auto generator = MakeGenerator(absl::GetFlag(FLAGS_channels));
   auto discriminator = MakeDiscriminator(absl::GetFlag(FLAGS_channels));
-  torch::optim::Adam g_optimizer(generator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
-  torch::optim::Adam d_optimizer(discriminator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
-  auto dataset = DigitImages(absl::GetFlag(FLAGS_samples)).map(torch::data::transforms::Stack<>());
+  torch::optim::Adam g_optimizer(generator->parameters(),
+                                 torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
+  torch::optim::Adam d_optimizer(discriminator->parameters(),
+                                 torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
+  const int64_t n = absl::GetFlag(FLAGS_samples);
+  auto dataset = DigitImages(n).map(torch::data::transforms::Stack<>());
   auto d_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
     torch::Tensor real_output = discriminator->forward(batch.data);
-    torch::Tensor d_loss_real = torch::binary_cross_entropy(real_output, RealLabels(batch.target, epoch));
+    torch::Tensor d_loss_real =
+        torch::binary_cross_entropy(real_output, RealLabels(batch.target, epoch));
     torch::Tensor fake_images = generator->forward(Noise(batch.target, epoch));
     torch::Tensor fake_output = discriminator->forward(fake_images.detach());
     return d_loss_real + torch::binary_cross_entropy(fake_output, torch::zeros_like(fake_output));
   };
   auto g_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
-    torch::Tensor fake_output = discriminator->forward(generator->forward(Noise(batch.target, epoch)));
+    torch::Tensor fake_output =
+        discriminator->forward(generator->forward(Noise(batch.target, epoch)));
     return torch::binary_cross_entropy(fake_output, torch::ones_like(fake_output));
   };
-  auto es = evenstep::Session::Create({{"discriminator", *discriminator, d_optimizer}, {"generator", *generator, g_optimizer}},
-                                      evenstep::UniformLengths(*dataset.size()));  // in --evenstep_run_dir
+  auto es = evenstep::Session::Create(
+      {{"discriminator", *discriminator, d_optimizer}, {"generator", *generator, g_optimizer}},
+      evenstep::UniformLengths(n));  // in --evenstep_run_dir
   if (!es.ok()) return Fail(es.status());
   while ((*es)->epoch() < absl::GetFlag(FLAGS_epochs)) {
-    auto report = (*es)->Step({[&](const auto& mb) { return d_loss_of(evenstep::BatchesOf(dataset)(mb), mb.epoch); },
-                               [&](const auto& mb) { return g_loss_of(evenstep::BatchesOf(dataset)(mb), mb.epoch); }});
+    auto report = (*es)->Step(
+        {[&](const auto& mb) { return d_loss_of(evenstep::BatchesOf(dataset)(mb), mb.epoch); },
+         [&](const auto& mb) { return g_loss_of(evenstep::BatchesOf(dataset)(mb), mb.epoch); }});
     if (!report.ok()) return Fail(report.status());
     GanProgress((*es)->rank(), report->step, report->part_losses[0], report->part_losses[1]);
   }

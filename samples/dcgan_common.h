@@ -64,7 +64,8 @@ inline at::Generator SampleGenerator(int64_t epoch, int64_t sample, int64_t draw
 inline torch::Tensor Noise(const torch::Tensor& indices, int64_t epoch) {
   std::vector<torch::Tensor> rows;
   for (int64_t i = 0; i < indices.size(0); ++i) {
-    rows.push_back(torch::randn({kNoiseSize, 1, 1}, SampleGenerator(epoch, indices[i].item<int64_t>(), 0)));
+    rows.push_back(
+        torch::randn({kNoiseSize, 1, 1}, SampleGenerator(epoch, indices[i].item<int64_t>(), 0)));
   }
   return torch::stack(rows);
 }
@@ -73,14 +74,17 @@ inline torch::Tensor Noise(const torch::Tensor& indices, int64_t epoch) {
 inline torch::Tensor RealLabels(const torch::Tensor& indices, int64_t epoch) {
   std::vector<torch::Tensor> labels;
   for (int64_t i = 0; i < indices.size(0); ++i) {
-    labels.push_back(torch::empty({1}).uniform_(0.8, 1.0, SampleGenerator(epoch, indices[i].item<int64_t>(), 1)));
+    labels.push_back(torch::empty({1}).uniform_(
+        0.8, 1.0, SampleGenerator(epoch, indices[i].item<int64_t>(), 1)));
   }
   return torch::cat(labels);
 }
 
 // Rank 0 prints every step's losses.
 inline void GanProgress(int rank, int64_t step, double d_loss, double g_loss) {
-  if (rank == 0) std::printf("step %lld D_loss %.9g G_loss %.9g\n", static_cast<long long>(step), d_loss, g_loss);
+  if (rank == 0)
+    std::printf("step %lld D_loss %.9g G_loss %.9g\n", static_cast<long long>(step), d_loss,
+                g_loss);
 }
 
 }  // namespace evenstep::samples

@@ -15,6 +15,7 @@ ABSL_FLAG(int64_t, samples, 1024, "Samples in the synthetic dataset.");
 ABSL_FLAG(int64_t, channels, 64, "Width of the first/last convolution (the original's 64).");
 
 using namespace evenstep::samples;
+using torch::data::samplers::SequentialSampler;
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -22,21 +23,26 @@ int main(int argc, char** argv) {
   torch::manual_seed(1);
   auto generator = MakeGenerator(absl::GetFlag(FLAGS_channels));
   auto discriminator = MakeDiscriminator(absl::GetFlag(FLAGS_channels));
-  torch::optim::Adam g_optimizer(generator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
-  torch::optim::Adam d_optimizer(discriminator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
-  auto dataset = DigitImages(absl::GetFlag(FLAGS_samples)).map(torch::data::transforms::Stack<>());
+  torch::optim::Adam g_optimizer(generator->parameters(),
+                                 torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
+  torch::optim::Adam d_optimizer(discriminator->parameters(),
+                                 torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
+  const int64_t n = absl::GetFlag(FLAGS_samples);
+  auto dataset = DigitImages(n).map(torch::data::transforms::Stack<>());
   auto d_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
     torch::Tensor real_output = discriminator->forward(batch.data);
-    torch::Tensor d_loss_real = torch::binary_cross_entropy(real_output, RealLabels(batch.target, epoch));
+    torch::Tensor d_loss_real =
+        torch::binary_cross_entropy(real_output, RealLabels(batch.target, epoch));
     torch::Tensor fake_images = generator->forward(Noise(batch.target, epoch));
     torch::Tensor fake_output = discriminator->forward(fake_images.detach());
     return d_loss_real + torch::binary_cross_entropy(fake_output, torch::zeros_like(fake_output));
   };
   auto g_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
-    torch::Tensor fake_output = discriminator->forward(generator->forward(Noise(batch.target, epoch)));
+    torch::Tensor fake_output =
+        discriminator->forward(generator->forward(Noise(batch.target, epoch)));
     return torch::binary_cross_entropy(fake_output, torch::ones_like(fake_output));
   };
-  auto loader = torch::data::make_data_loader(std::move(dataset), torch::data::samplers::SequentialSampler(absl::GetFlag(FLAGS_samples)), 64);
+  auto loader = torch::data::make_data_loader(std::move(dataset), SequentialSampler(n), 64);
   for (int64_t epoch = 0, step = 0; epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
     for (auto& batch : *loader) {
       discriminator->zero_grad();

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   const int64_t rows = absl::GetFlag(FLAGS_rows), chunks = absl::GetFlag(FLAGS_chunks), seq = 30;
   absl::SetFlag(&FLAGS_evenstep_streams, rows);  // each row is a stream: sample row * chunks + t
-  const int64_t layers = 1, hidden = absl::GetFlag(FLAGS_hidden), vocab = absl::GetFlag(FLAGS_vocab);
+  const int64_t layers = 1, hidden = absl::GetFlag(FLAGS_hidden),
+                vocab = absl::GetFlag(FLAGS_vocab);
   const torch::Tensor ids = SyntheticCorpus(rows, chunks, seq, vocab);
   torch::manual_seed(0);
   RnnLm model(vocab, 128, hidden, layers);
@@ -34,19 +35,20 @@ int main(int argc, char** argv) {
   auto loss_of = [&](const torch::Tensor& r, int64_t t) {
     if (t == 0) state.index_fill_(2, r, 0);  // a row's first chunk starts from zeros
     torch::Tensor data = ids.index_select(0, r).slice(1, t * seq, t * seq + seq);
-    torch::Tensor target = ids.index_select(0, r).slice(1, t * seq + 1, t * seq + seq + 1).reshape(-1);
+    torch::Tensor target =
+        ids.index_select(0, r).slice(1, t * seq + 1, t * seq + seq + 1).reshape(-1);
     LmOutput out = model->forward(data, state.index_select(2, r));
     state.index_copy_(2, r, out.state.detach());
     return torch::nll_loss(out.output, target);
   };
-  auto es = evenstep::Session::Create({{"lm", *model, optimizer}}, evenstep::UniformLengths(rows * chunks));
+  auto es = evenstep::Session::Create(*model, optimizer, evenstep::UniformLengths(rows * chunks));
   if (!es.ok()) return Fail(es.status());
   if (absl::Status s = (*es)->AddStreamState("lstm", &state, 2); !s.ok()) return Fail(s);
   RunningMetrics metrics;
   metrics.Restore((*es)->resumed_user_state());
-  (*es)->set_user_state([&](const auto& report) { metrics.Add(report.loss); }, [&] { return metrics.Json(); });
+  (*es)->set_user_state([&](const auto& r) { metrics.Add(r.loss); }, [&] { return metrics.Json(); });
   while ((*es)->epoch() < absl::GetFlag(FLAGS_epochs)) {
-    auto report = (*es)->Step([&](const std::vector<int64_t>& s) { return loss_of(torch::tensor(s).div(chunks, "floor"), s[0] % chunks); });
+    auto report = (*es)->Step([&](const auto& s) { return loss_of(Rows(s, chunks), s[0] % chunks); });
     if (!report.ok()) return Fail(report.status());
     if ((*es)->epoch() != report->epoch) metrics.EndEpoch((*es)->rank(), report->epoch);
   }

@@ -43,6 +43,11 @@ struct RnnLmImpl : torch::nn::Module {
 };
 TORCH_MODULE(RnnLm);
 
+// The rows (streams) of the samples `s` (sample row * chunks + t), as an index tensor.
+inline torch::Tensor Rows(const std::vector<int64_t>& s, int64_t chunks) {
+  return torch::tensor(s).div(chunks, "floor");
+}
+
 // [rows, chunks * seq + 1] token ids.
 inline torch::Tensor SyntheticCorpus(int64_t rows, int64_t chunks, int64_t seq, int64_t vocab) {
   torch::manual_seed(3);
@@ -50,7 +55,8 @@ inline torch::Tensor SyntheticCorpus(int64_t rows, int64_t chunks, int64_t seq, 
   torch::Tensor steps = torch::randint(0, 3, {rows, n}, torch::kLong);
   torch::Tensor ids = torch::empty({rows, n}, torch::kLong);
   ids.select(1, 0).copy_(torch::randint(0, vocab, {rows}, torch::kLong));
-  for (int64_t k = 1; k < n; ++k) ids.select(1, k).copy_((ids.select(1, k - 1) * 7 + steps.select(1, k)) % vocab);
+  for (int64_t k = 1; k < n; ++k)
+    ids.select(1, k).copy_((ids.select(1, k - 1) * 7 + steps.select(1, k)) % vocab);
   return ids;
 }
 

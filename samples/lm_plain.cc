@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
   const int64_t rows = absl::GetFlag(FLAGS_rows), chunks = absl::GetFlag(FLAGS_chunks), seq = 30;
-  const int64_t layers = 1, hidden = absl::GetFlag(FLAGS_hidden), vocab = absl::GetFlag(FLAGS_vocab);
+  const int64_t layers = 1, hidden = absl::GetFlag(FLAGS_hidden),
+                vocab = absl::GetFlag(FLAGS_vocab);
   const torch::Tensor ids = SyntheticCorpus(rows, chunks, seq, vocab);
   torch::manual_seed(0);
   RnnLm model(vocab, 128, hidden, layers);
@@ -31,7 +32,8 @@ int main(int argc, char** argv) {
   auto loss_of = [&](const torch::Tensor& r, int64_t t) {
     if (t == 0) state.index_fill_(2, r, 0);  // a row's first chunk starts from zeros
     torch::Tensor data = ids.index_select(0, r).slice(1, t * seq, t * seq + seq);
-    torch::Tensor target = ids.index_select(0, r).slice(1, t * seq + 1, t * seq + seq + 1).reshape(-1);
+    torch::Tensor target =
+        ids.index_select(0, r).slice(1, t * seq + 1, t * seq + seq + 1).reshape(-1);
     LmOutput out = model->forward(data, state.index_select(2, r));
     state.index_copy_(2, r, out.state.detach());
     return torch::nll_loss(out.output, target);

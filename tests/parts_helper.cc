@@ -27,8 +27,8 @@
 // Exit codes: 0 passed, 1 mismatch, 2 Session error, 3 init, 83 preempted.
 #include <torch/torch.h>
 
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <iostream>
 #include <stdexcept>
@@ -152,12 +152,12 @@ int main(int argc, char** argv) {
   }
   double running = 0;  // the loop's own state: the sum of the generator's losses so far
   if ((*es)->resumed_user_state() != "{}") running = std::stod((*es)->resumed_user_state());
-  (*es)->set_user_state(
-      [&running](const evenstep::StepReport& r) { running += r.part_losses[1]; }, [&running] {
-    char text[64];
-    std::snprintf(text, sizeof(text), "%.17g", running);
-    return std::string(text);
-  });
+  (*es)->set_user_state([&running](const evenstep::StepReport& r) { running += r.part_losses[1]; },
+                        [&running] {
+                          char text[64];
+                          std::snprintf(text, sizeof(text), "%.17g", running);
+                          return std::string(text);
+                        });
   const bool compare = !dropout && (*es)->first_step() == 1 && absl::GetFlag(FLAGS_throw_at) == 0;
   const int steps = absl::GetFlag(FLAGS_steps);
   for (int64_t s = (*es)->first_step(); s <= steps; ++s) {
@@ -218,7 +218,8 @@ int main(int argc, char** argv) {
       auto a = mine.named_parameters(), b = theirs.named_parameters();
       for (const auto& p : a) {
         const torch::Tensor want = b[p.key()];
-        const double rel = ((p.value() - want).abs().max() / (want.abs().max() + 1e-12)).item<double>();
+        const double rel =
+            ((p.value() - want).abs().max() / (want.abs().max() + 1e-12)).item<double>();
         worst = std::max(worst, rel);
         if (rel > 1e-5) {
           std::printf("MISMATCH rank %d %s.%s relative %.3g\n", rank, part, p.key().c_str(), rel);

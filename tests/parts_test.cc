@@ -81,7 +81,8 @@ TEST(PartsTest, APreemptedRunResumesBothPartsSchedulesRandomStreamsAndLoopState)
   for (int step = 5; step <= 7; ++step) {
     std::smatch line;
     const std::string out = uninterrupted[0].output;
-    ASSERT_TRUE(std::regex_search(out, line, std::regex(absl::StrCat("step ", step, " d_loss [^\n]*"))));
+    ASSERT_TRUE(
+        std::regex_search(out, line, std::regex(absl::StrCat("step ", step, " d_loss [^\n]*"))));
     EXPECT_THAT(second[0].output, HasSubstr(line.str())) << Describe(second);
   }
   EXPECT_EQ(FinalLine(second[0].output), want) << Describe(second);
@@ -99,7 +100,8 @@ TEST(PartsTest, AThrowInTheSecondPartAbandonsItOnEveryRankAndTheRanksGoOnAlike) 
     EXPECT_EQ(r.exit_code, 0) << Describe(results);
     EXPECT_THAT(r.output, HasSubstr("step 3 failed: ABORTED"));
     EXPECT_THAT(r.output, HasSubstr("step 3, part 'generator', micro-batch ")) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("abandoned on every rank: rank(s) 1 failed")) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("abandoned on every rank: rank(s) 1 failed"))
+        << Describe(results);
     finals.push_back(FinalLine(r.output));
     EXPECT_FALSE(finals.back().empty()) << Describe(results);
   }
@@ -113,8 +115,9 @@ TEST(PartsTest, AThrowInTheSecondPartAbandonsItOnEveryRankAndTheRanksGoOnAlike) 
 TEST(PartsTest, MisuseIsRefusedByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"dup_name", "model part name 'discriminator': given twice"},
-      {"shared_param", "a parameter is in two model parts, part 'discriminator' (0.weight) and "
-                       "part 'generator' (0.weight)"},
+      {"shared_param",
+       "a parameter is in two model parts, part 'discriminator' (0.weight) and "
+       "part 'generator' (0.weight)"},
       {"no_part", "no model part"},
       {"one_loss", "this step has 2 model parts: Step takes one loss function per part"},
   };

@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fortunes_run.h"
@@ -161,22 +161,27 @@ TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemption
   // 640 samples, batches of 64, 5 epochs: 50 steps.
   const std::vector<std::string> common = {"--samples=640", "--epochs=5", "--channels=8"};
   auto port = [&](int world, const std::string& run) {
-    std::vector<std::string> argv = {EVENSTEP_RUN, "-n", std::to_string(world), "--",
-                                     EVENSTEP_DCGAN, "--evenstep_run_dir=" + dir.path() + "/" + run,
-                                     "--evenstep_timeout=60s", "--evenstep_balance=static"};
+    std::vector<std::string> argv = {EVENSTEP_RUN,
+                                     "-n",
+                                     std::to_string(world),
+                                     "--",
+                                     EVENSTEP_DCGAN,
+                                     "--evenstep_run_dir=" + dir.path() + "/" + run,
+                                     "--evenstep_timeout=60s",
+                                     "--evenstep_balance=static"};
     argv.insert(argv.end(), common.begin(), common.end());
     return evenstep::testing::ProcessSpec{argv, {}};
   };
   std::vector<std::string> plain_argv = {EVENSTEP_DCGAN_PLAIN};
   plain_argv.insert(plain_argv.end(), common.begin(), common.end());
-  const auto results = evenstep::testing::RunAll({{plain_argv, {}}},
-                                                 evenstep::testing::HangBound(4));
+  const auto results =
+      evenstep::testing::RunAll({{plain_argv, {}}}, evenstep::testing::HangBound(4));
   ASSERT_EQ(results[0].exit_code, 0) << results[0].output;
   const auto plain = GanLosses(results[0].output);
   ASSERT_EQ(plain.size(), 50u) << results[0].output;
 
-  const ProcessResult one = evenstep::testing::RunAll({port(1, "one")},
-                                                      evenstep::testing::HangBound(4))[0];
+  const ProcessResult one =
+      evenstep::testing::RunAll({port(1, "one")}, evenstep::testing::HangBound(4))[0];
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto on_one = GanLosses(one.output);
   ASSERT_EQ(on_one.size(), 50u) << one.output;
@@ -185,8 +190,8 @@ TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemption
     EXPECT_NEAR(on_one.at(step).second, losses.second, 1e-5 * losses.second) << "step " << step;
   }
 
-  const ProcessResult two = evenstep::testing::RunAll({port(2, "two")},
-                                                      evenstep::testing::HangBound(4))[0];
+  const ProcessResult two =
+      evenstep::testing::RunAll({port(2, "two")}, evenstep::testing::HangBound(4))[0];
   ASSERT_EQ(two.exit_code, 0) << two.output;
   const auto on_two = GanLosses(two.output);
   ASSERT_EQ(on_two.size(), 50u) << two.output;
@@ -211,8 +216,8 @@ TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemption
   ASSERT_FALSE(before.empty()) << stopped.output;
   const int last = before.rbegin()->first;
   ASSERT_LT(last, 50) << stopped.output;
-  const ProcessResult resumed = evenstep::testing::RunAll({port(2, "cut")},
-                                                          evenstep::testing::HangBound(4))[0];
+  const ProcessResult resumed =
+      evenstep::testing::RunAll({port(2, "cut")}, evenstep::testing::HangBound(4))[0];
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const auto after = GanLosses(resumed.output);
   ASSERT_FALSE(after.empty()) << resumed.output;
@@ -261,9 +266,14 @@ TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactl
   const std::vector<std::string> common = {"--chunks=25", "--epochs=2", "--hidden=64",
                                            "--vocab=200"};
   auto port = [&](int world, const std::string& run) {
-    std::vector<std::string> argv = {EVENSTEP_RUN, "-n", std::to_string(world), "--",
-                                     EVENSTEP_LM, "--evenstep_run_dir=" + dir.path() + "/" + run,
-                                     "--evenstep_timeout=60s", "--evenstep_balance=static"};
+    std::vector<std::string> argv = {EVENSTEP_RUN,
+                                     "-n",
+                                     std::to_string(world),
+                                     "--",
+                                     EVENSTEP_LM,
+                                     "--evenstep_run_dir=" + dir.path() + "/" + run,
+                                     "--evenstep_timeout=60s",
+                                     "--evenstep_balance=static"};
     argv.insert(argv.end(), common.begin(), common.end());
     return evenstep::testing::ProcessSpec{argv, {}};
   };
@@ -284,7 +294,8 @@ TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactl
     ported[world] = LmLosses(r.output, "[0] ");
     ASSERT_EQ(ported[world].size(), 50u) << r.output;
     for (const auto& [step, loss] : plain) {
-      EXPECT_NEAR(ported[world].at(step), loss, 1e-5 * loss) << "world " << world << " step " << step;
+      EXPECT_NEAR(ported[world].at(step), loss, 1e-5 * loss)
+          << "world " << world << " step " << step;
     }
     EXPECT_EQ(EpochLines(r.output).size() > 0, true) << r.output;
   }

@@ -11,10 +11,10 @@
 // same reason.
 #include "evenstep/balanced_step.h"
 
+#include <ATen/Context.h>
 #include <torch/nn/module.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
-#include <ATen/Context.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -41,7 +41,7 @@ enum ExchangeField {
   kFitObservations,
   kBusy,
   kMicroBatches,
-  kAgreed,  // kAgreementSlots values follow
+  kAgreed,                                  // kAgreementSlots values follow
   kPartLosses = kAgreed + kAgreementSlots,  // one loss sum per part follows
 };
 
@@ -56,8 +56,8 @@ c10::Device ModelDevice(torch::nn::Module& model) {
 absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
     DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     std::vector<int64_t> lengths, BalanceConfig config, std::vector<double> counts) {
-  return Create(ctx, {ModelPart("model", model, optimizer)}, std::move(lengths),
-                std::move(config), std::move(counts));
+  return Create(ctx, {ModelPart("model", model, optimizer)}, std::move(lengths), std::move(config),
+                std::move(counts));
 }
 
 namespace {
@@ -73,13 +73,13 @@ absl::Status CheckParts(const std::vector<ModelPart>& parts) {
         });
     if (!name_ok || !names.insert(part.name).second) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "BalancedStep: model part name '", part.name, "': ",
-          name_ok ? "given twice" : "expected letters, digits, '_' and '-' (not empty)"));
+          "BalancedStep: model part name '", part.name,
+          "': ", name_ok ? "given twice" : "expected letters, digits, '_' and '-' (not empty)"));
     }
     if (part.module == nullptr || part.optimizer == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("BalancedStep: model part '", part.name,
-                                                     "' has no ",
-                                                     part.module == nullptr ? "module" : "optimizer"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("BalancedStep: model part '", part.name, "' has no ",
+                       part.module == nullptr ? "module" : "optimizer"));
     }
     for (const auto& p : part.module->named_parameters(/*recurse=*/true)) {
       const std::string here = absl::StrCat("part '", part.name, "' (", p.key(), ")");
@@ -139,8 +139,8 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
     sync->set_sync_enabled(false);
     parts.push_back({std::move(spec), std::move(sync)});
   }
-  std::unique_ptr<BalancedStep> step(new BalancedStep(
-      ctx, std::move(parts), std::move(sampler), std::move(config), std::move(clock)));
+  std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, std::move(parts), std::move(sampler),
+                                                      std::move(config), std::move(clock)));
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
   }
@@ -172,9 +172,9 @@ absl::Status BalancedStep::OnePart() const {
 }
 
 std::string BalancedStep::Where() const {
-  return absl::StrCat("rank ", ctx_.rank(), ", step ", steps_ + 1,
-                      parts_.size() > 1 ? absl::StrCat(", part '", parts_[part_].spec.name, "'")
-                                        : std::string());
+  return absl::StrCat(
+      "rank ", ctx_.rank(), ", step ", steps_ + 1,
+      parts_.size() > 1 ? absl::StrCat(", part '", parts_[part_].spec.name, "'") : std::string());
 }
 
 uint64_t MicroBatchSeed(uint64_t seed, int64_t step, int rank, int64_t micro_batch) {
@@ -186,8 +186,8 @@ uint64_t MicroBatchSeed(uint64_t seed, int64_t step, int rank, int64_t micro_bat
 void BalancedStep::Reseed(size_t i) {
   if (!config_.reseed || i >= micro_.size()) return;
   // Seeds the CPU generator and every accelerator's.
-  at::manual_seed(MicroBatchSeed(sampler_.options().seed, steps_ + 1, ctx_.rank(),
-                                    static_cast<int64_t>(i)));
+  at::manual_seed(
+      MicroBatchSeed(sampler_.options().seed, steps_ + 1, ctx_.rank(), static_cast<int64_t>(i)));
 }
 
 void BalancedStep::StartPart(size_t k) {
@@ -448,9 +448,9 @@ absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) 
 
 absl::Status BalancedStep::ApplyPart() {
   if (next_micro_ != micro_.size()) {
-    return Abandon(next_micro_, absl::StrCat(part_ + 1 < parts_.size() ? "EndPart" : "FinishStep",
-                                             " after ", next_micro_, " of ", micro_.size(),
-                                             " micro-batches"));
+    return Abandon(next_micro_,
+                   absl::StrCat(part_ + 1 < parts_.size() ? "EndPart" : "FinishStep", " after ",
+                                next_micro_, " of ", micro_.size(), " micro-batches"));
   }
   Part& part = parts_[part_];
   part.sync->set_sync_enabled(false);
@@ -478,8 +478,8 @@ absl::Status BalancedStep::ApplyPart() {
     part.spec.optimizer->zero_grad();
   } catch (const std::exception& e) {
     in_step_ = false;
-    return absl::InternalError(absl::StrCat("BalancedStep: ", Where(),
-                                            ", optimizer step: ", internal::ErrorText(e)));
+    return absl::InternalError(
+        absl::StrCat("BalancedStep: ", Where(), ", optimizer step: ", internal::ErrorText(e)));
   }
   report_.optimizer = absl::Now() - optimizer_begin;
   return absl::OkStatus();
@@ -487,9 +487,9 @@ absl::Status BalancedStep::ApplyPart() {
 
 absl::Status BalancedStep::EndPart() {
   if (!in_step_ || part_ + 1 >= parts_.size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BalancedStep: rank ", ctx_.rank(), ": EndPart ",
-        in_step_ ? "in the last part (call FinishStep)" : "without BeginStep"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": EndPart ",
+                     in_step_ ? "in the last part (call FinishStep)" : "without BeginStep"));
   }
   EVENSTEP_RETURN_IF_ERROR(ApplyPart());
   StartPart(part_ + 1);

@@ -74,10 +74,10 @@ absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOpt
   }
   if (options.streams < 0 ||
       (options.streams > 0 && static_cast<int64_t>(lengths.size()) % options.streams != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--evenstep_streams=", options.streams, ": the dataset's ", lengths.size(),
-        " samples must be a whole number of positions per stream (samples = streams x "
-        "positions, sample s * positions + t)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_streams=", options.streams, ": the dataset's ", lengths.size(),
+                     " samples must be a whole number of positions per stream (samples = streams x "
+                     "positions, sample s * positions + t)"));
   }
   if (options.streams > 0) {
     // One position of every stream per step, in order.
@@ -547,8 +547,8 @@ std::pair<int64_t, int64_t> Sampler::StreamRange(const std::vector<double>& shar
   return {at(before), at(before + own)};
 }
 
-std::vector<std::vector<int64_t>> Sampler::PartitionStreams(const GlobalBatch& batch,
-                                                            const std::vector<double>& shares) const {
+std::vector<std::vector<int64_t>> Sampler::PartitionStreams(
+    const GlobalBatch& batch, const std::vector<double>& shares) const {
   std::vector<std::vector<int64_t>> parts(shares.size());
   const int64_t positions = num_samples() / options_.streams;
   for (size_t r = 0; r < shares.size(); ++r) {

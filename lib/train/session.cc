@@ -24,7 +24,6 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
-#include "nlohmann/json.hpp"
 #include "evenstep/flags.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
@@ -32,6 +31,7 @@
 #include "evenstep/status_macros.h"
 #include "evenstep/timeline.h"
 #include "evenstep/train_checkpointer.h"
+#include "nlohmann/json.hpp"
 
 namespace evenstep {
 namespace {
@@ -205,14 +205,13 @@ absl::StatusOr<size_t> Session::PartIndex(const std::string& part) const {
     if (parts_[k].name == part) return k;
     names.push_back(parts_[k].name);
   }
-  return absl::InvalidArgumentError(absl::StrCat("no model part '", part, "' (the parts: ",
-                                                 absl::StrJoin(names, ", "), ")"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("no model part '", part, "' (the parts: ", absl::StrJoin(names, ", "), ")"));
 }
 
 absl::Status Session::ScheduleLearningRate(std::function<double(int64_t, int64_t)> lr,
                                            const std::string& part) {
-  EVENSTEP_ASSIGN_OR_RETURN(const size_t index, PartIndex(part),
-                            "Session::ScheduleLearningRate");
+  EVENSTEP_ASSIGN_OR_RETURN(const size_t index, PartIndex(part), "Session::ScheduleLearningRate");
   if (!lr) return absl::InvalidArgumentError("Session::ScheduleLearningRate: no function");
   schedules_.push_back({std::move(lr), nullptr, index, false, 0});
   return absl::OkStatus();
@@ -390,8 +389,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
       // Checkpoints of earlier versions hold "{}" here.
       const nlohmann::json session = nlohmann::json::parse(loaded->user_json, nullptr, false);
       if (session.is_object() && session.contains("loop")) {
-        s->resumed_user_state_ =
-            session["loop"].is_string() ? session["loop"].get<std::string>() : session["loop"].dump();
+        s->resumed_user_state_ = session["loop"].is_string() ? session["loop"].get<std::string>()
+                                                             : session["loop"].dump();
       }
       if (session.is_object() && session.contains("lr_schedulers") &&
           session["lr_schedulers"].is_array()) {
@@ -604,8 +603,8 @@ absl::Status Session::AfterStep(StepReport* report) {
 
 absl::Status Session::AddStreamState(const std::string& name, at::Tensor* state,
                                      int64_t stream_dim) {
-  const std::string where = absl::StrCat("Session::AddStreamState('", name, "'), rank ",
-                                         ctx_.rank());
+  const std::string where =
+      absl::StrCat("Session::AddStreamState('", name, "'), rank ", ctx_.rank());
   const int64_t streams = step_->sampler().options().streams;
   if (streams <= 0) {
     return absl::FailedPreconditionError(
@@ -619,7 +618,8 @@ absl::Status Session::AddStreamState(const std::string& name, at::Tensor* state,
         state != nullptr && state->defined() ? c10::str(state->sizes()) : std::string("none")));
   }
   for (const StreamState& s : stream_states_) {
-    if (s.name == name) return absl::InvalidArgumentError(absl::StrCat(where, ": registered twice"));
+    if (s.name == name)
+      return absl::InvalidArgumentError(absl::StrCat(where, ": registered twice"));
   }
   stream_states_.push_back({name, state, stream_dim});
   if (resumed_path_.empty()) return absl::OkStatus();

@@ -155,7 +155,8 @@ absl::StatusOr<NamedTensors> CaptureTensors(torch::nn::Module* model,
       out.push_back({"model/" + b.key(), b.value()});
     }
   }
-  if (optimizer != nullptr) EVENSTEP_RETURN_IF_ERROR(CaptureOptimizer(*optimizer, "optimizer", &out));
+  if (optimizer != nullptr)
+    EVENSTEP_RETURN_IF_ERROR(CaptureOptimizer(*optimizer, "optimizer", &out));
   return out;
 }
 
@@ -564,14 +565,14 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
     for (size_t k = 0; k < optimizers.size(); ++k) {
       const auto& [prefix, optimizer] = optimizers[k];
       live.insert(prefix);
-      EVENSTEP_RETURN_IF_ERROR(PlanOptimizer(manifest, extras, prefix, *optimizer, options.strict,
-                                             &opt[k], &mismatch));
+      EVENSTEP_RETURN_IF_ERROR(
+          PlanOptimizer(manifest, extras, prefix, *optimizer, options.strict, &opt[k], &mismatch));
     }
     for (const TensorInfo& t : manifest.tensors) {
       const std::string first = t.name.substr(0, t.name.find('/'));
       if (options.strict && absl::StartsWith(first, "optimizer-") && !live.count(first)) {
-        return mismatch_error(absl::StrCat("it holds the state of ", first,
-                                           " (tensor ", t.name, "), which this run does not have"));
+        return mismatch_error(absl::StrCat("it holds the state of ", first, " (tensor ", t.name,
+                                           "), which this run does not have"));
       }
     }
     if (state.balance != nullptr) {
@@ -690,7 +691,8 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
         return *value;
       };
       auto& groups = optimizer.param_groups();
-      for (const auto& [g, name] : opt[k].lrs) groups[g].options().set_lr(typed(name).item<double>());
+      for (const auto& [g, name] : opt[k].lrs)
+        groups[g].options().set_lr(typed(name).item<double>());
       for (const auto& [index, names] : opt[k].fields) {
         const at::Tensor& param = groups[index.first].params()[index.second];
         std::map<std::string, at::Tensor> values;

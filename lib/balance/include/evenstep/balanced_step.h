@@ -258,9 +258,11 @@ class BalancedStep {
   // top of this file). InvalidArgument for no part, a null module or
   // optimizer, a bad or repeated name, or a parameter in two parts (naming
   // it).
-  static absl::StatusOr<std::unique_ptr<BalancedStep>> Create(
-      DistContext& ctx, std::vector<ModelPart> parts, std::vector<int64_t> lengths,
-      BalanceConfig config, std::vector<double> counts = {});
+  static absl::StatusOr<std::unique_ptr<BalancedStep>> Create(DistContext& ctx,
+                                                              std::vector<ModelPart> parts,
+                                                              std::vector<int64_t> lengths,
+                                                              BalanceConfig config,
+                                                              std::vector<double> counts = {});
   ~BalancedStep();
 
   // One optimizer step of every part: `losses[k]` is part k's loss of a

@@ -73,6 +73,15 @@ class Session {
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir = "",
                                                          std::vector<double> counts = {});
+  // One model, on a DistContext the Session creates and owns.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(torch::nn::Module& model,
+                                                         torch::optim::Optimizer& optimizer,
+                                                         std::vector<int64_t> lengths,
+                                                         const std::string& run_dir = "",
+                                                         std::vector<double> counts = {}) {
+    return Create({ModelPart("model", model, optimizer)}, std::move(lengths), run_dir,
+                  std::move(counts));
+  }
   ~Session();
   DistContext& context() { return ctx_; }
   int rank() const;
