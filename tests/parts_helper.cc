@@ -11,7 +11,10 @@
 // discriminator's learning rate follows a function of the step
 // (Session::ScheduleLearningRate), the generator's a torch::optim::StepLR
 // stepped every step (Session::Schedule); the reference applies the same.
-// The loop's running sum of generator losses is its user state.
+// The loop's running sum of generator losses is its user state. Step sums
+// (Session::DeclareSum / AddToSum): the samples seen and the real samples the
+// discriminator calls real, checked against the reference every step.
+// --bad=undeclared_sum adds to a sum never declared: the step fails naming it.
 //
 //   parts_helper --run_dir D [--steps N] [--preempt_at K] [--dropout] [--bad B]
 //                [--evenstep_*...]
@@ -141,6 +144,16 @@ int main(int argc, char** argv) {
     std::cout << "create failed: " << es.status() << std::endl;
     return 3;
   }
+  if (!(*es)->DeclareSum("samples").ok() || !(*es)->DeclareSum("real_called_real").ok()) return 3;
+  if (bad == "undeclared_sum") {
+    auto report = (*es)->Step({[&](const evenstep::MicroBatch& mb) {
+                                 (*es)->AddToSum("typo", 1.0);
+                                 return DLoss(nets, mb.samples, 0);
+                               },
+                               [&](const evenstep::MicroBatch& mb) { return GLoss(nets, mb.samples, 0); }});
+    std::cout << "undeclared sum: " << report.status() << std::endl;
+    return report.ok() ? 0 : 3;
+  }
   if (bad == "one_loss") {
     auto report = (*es)->Step([&](const std::vector<int64_t>& s) { return DLoss(nets, s, 0); });
     std::cout << "one loss: " << report.status() << std::endl;
@@ -158,13 +171,18 @@ int main(int argc, char** argv) {
                           std::snprintf(text, sizeof(text), "%.17g", running);
                           return std::string(text);
                         });
+  int code = 0;
   const bool compare = !dropout && (*es)->first_step() == 1 && absl::GetFlag(FLAGS_throw_at) == 0;
   const int steps = absl::GetFlag(FLAGS_steps);
   for (int64_t s = (*es)->first_step(); s <= steps; ++s) {
     if (s == absl::GetFlag(FLAGS_preempt_at) && rank == 0) std::raise(SIGTERM);
     const int64_t epoch = (*es)->epoch();
     auto report = (*es)->Step({
-        [&](const evenstep::MicroBatch& mb) { return DLoss(nets, mb.samples, epoch); },
+        [&](const evenstep::MicroBatch& mb) {
+          (*es)->AddToSum("samples", static_cast<double>(mb.samples.size()));
+          (*es)->AddToSum("real_called_real", (nets.d->forward(Real(mb.samples)) > 0).sum());
+          return DLoss(nets, mb.samples, epoch);
+        },
         [&](const evenstep::MicroBatch& mb) {
           if (s == absl::GetFlag(FLAGS_throw_at) && rank == 1) {
             throw std::runtime_error("the generator's loss failed");
@@ -198,6 +216,13 @@ int main(int argc, char** argv) {
     // The plain loop on the whole global batch.
     const std::vector<int64_t>& batch = (*es)->balanced_step().global_batch().samples;
     const double n = static_cast<double>(batch.size());
+    const double called_real = (ref.d->forward(Real(batch)) > 0).sum().item<double>();
+    if (report->sums.at("samples") != n || report->sums.at("real_called_real") != called_real) {
+      std::printf("MISMATCH rank %d step %lld sums: samples %g (want %g), real_called_real %g (want %g)\n",
+                  rank, static_cast<long long>(s), report->sums.at("samples"), n,
+                  report->sums.at("real_called_real"), called_real);
+      code = 1;
+    }
     for (auto& g : d_ref.param_groups()) g.options().set_lr(DLr(s, epoch));
     d_ref.zero_grad();
     (DLoss(ref, batch, epoch) / n).backward();
@@ -211,7 +236,6 @@ int main(int argc, char** argv) {
     std::cerr << "rank " << rank << ": " << f << "\n";
     return 2;
   }
-  int code = 0;
   if (compare) {
     double worst = 0;
     auto check = [&](torch::nn::Module& mine, torch::nn::Module& theirs, const char* part) {

@@ -120,6 +120,7 @@ TEST(PartsTest, MisuseIsRefusedByName) {
        "part 'generator' (0.weight)"},
       {"no_part", "no model part"},
       {"one_loss", "this step has 2 model parts: Step takes one loss function per part"},
+      {"undeclared_sum", "AddToSum('typo'): not declared (DeclareSum before the first step)"},
   };
   for (const auto& [bad, message] : cases) {
     TempDir dir("parts-bad");

@@ -24,6 +24,7 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <stdexcept>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -275,6 +276,7 @@ absl::Status BalancedStep::BeginStep() {
   }
   report_ = StepReport{};
   report_.begin = absl::Now();
+  began_ = true;
   cost_model_.BeginStep();
   if (!planned_) PlanNextStep(steps_);
   batch_ = std::move(planned_->batch);
@@ -283,6 +285,8 @@ absl::Status BalancedStep::BeginStep() {
   const Plan& plan = planner_.plan();
   scale_ = batch_.count > 0 ? 1.0 / batch_.count : 0.0;
   loss_on_device_.assign(parts_.size(), at::Tensor());
+  step_sums_.assign(sum_names_.size(), 0.0);
+  step_sum_tensors_.assign(sum_names_.size(), at::Tensor());
   part_loss_sums_.assign(parts_.size(), 0.0);
   in_step_ = true;
   StartPart(0);
@@ -371,6 +375,9 @@ absl::Status BalancedStep::Account() {
     for (size_t k = 0; k < parts_.size(); ++k) {
       const at::Tensor& sum = loss_on_device_[k];
       part_loss_sums_[k] = sum.defined() ? sum.item<double>() : 0.0;
+    }
+    for (size_t k = 0; k < sum_names_.size(); ++k) {
+      if (step_sum_tensors_[k].defined()) step_sums_[k] += step_sum_tensors_[k].item<double>();
     }
   } catch (const std::exception& e) {
     return absl::InternalError(
@@ -522,7 +529,8 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
 
 absl::Status BalancedStep::Exchange() {
   const CostFit fit = cost_model_.total_fit();
-  const int fields = kPartLosses + static_cast<int>(parts_.size());
+  const int sums_at = kPartLosses + static_cast<int>(parts_.size());
+  const int fields = sums_at + static_cast<int>(sum_names_.size());
   at::Tensor mine = at::zeros({fields}, at::kDouble);
   double* m = mine.data_ptr<double>();
   m[kFitFixed] = fit.fixed_s;
@@ -530,6 +538,7 @@ absl::Status BalancedStep::Exchange() {
   m[kFitObservations] = static_cast<double>(fit.observations);
   m[kBusy] = absl::ToDoubleSeconds(report_.busy);
   for (size_t k = 0; k < parts_.size(); ++k) m[kPartLosses + k] = part_loss_sums_[k];
+  for (size_t k = 0; k < sum_names_.size(); ++k) m[sums_at + k] = step_sums_[k];
   m[kMicroBatches] = static_cast<double>(micro_.size());
   for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
   std::vector<at::Tensor> all;
@@ -540,6 +549,7 @@ absl::Status BalancedStep::Exchange() {
   report_.rank_busy_s.assign(world, 0);
   report_.rank_micro_batches.assign(world, 0);
   report_.part_losses.assign(parts_.size(), 0.0);
+  for (const std::string& name : sum_names_) report_.sums[name] = 0;
   double busy_sum = 0, busy_max = 0;
   report_.agreed.fill(-std::numeric_limits<double>::infinity());
   for (int r = 0; r < world; ++r) {
@@ -553,6 +563,7 @@ absl::Status BalancedStep::Exchange() {
     report_.rank_busy_s[r] = v[kBusy];
     report_.rank_micro_batches[r] = static_cast<int>(v[kMicroBatches]);
     for (size_t k = 0; k < parts_.size(); ++k) report_.part_losses[k] += v[kPartLosses + k];
+    for (size_t k = 0; k < sum_names_.size(); ++k) report_.sums[sum_names_[k]] += v[sums_at + k];
     busy_sum += v[kBusy];
     busy_max = std::max(busy_max, v[kBusy]);
   }
@@ -605,6 +616,37 @@ void BalancedStep::UpdateHealth() {
       unhealthy_[r] = false;  // recovered: a later fall is named again
     }
   }
+}
+
+absl::Status BalancedStep::DeclareSum(const std::string& name) {
+  if (began_ || std::count(sum_names_.begin(), sum_names_.end(), name) > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BalancedStep::DeclareSum('", name, "'), rank ", ctx_.rank(), ": ",
+        began_ ? "declare sums before the first step" : "declared twice"));
+  }
+  sum_names_.push_back(name);
+  return absl::OkStatus();
+}
+
+size_t BalancedStep::SumIndex(const std::string& name) const {
+  const auto it = std::find(sum_names_.begin(), sum_names_.end(), name);
+  if (it == sum_names_.end() || !in_step_) {
+    throw std::invalid_argument(
+        absl::StrCat("AddToSum('", name, "'): ",
+                     it == sum_names_.end() ? "not declared (DeclareSum before the first step)"
+                                            : "outside a step"));
+  }
+  return static_cast<size_t>(it - sum_names_.begin());
+}
+
+void BalancedStep::AddToSum(const std::string& name, double value) {
+  step_sums_[SumIndex(name)] += value;
+}
+
+void BalancedStep::AddToSum(const std::string& name, const at::Tensor& value) {
+  at::Tensor& sum = step_sum_tensors_[SumIndex(name)];
+  const at::Tensor v = value.detach().to(at::kDouble).sum();
+  sum = sum.defined() ? sum + v : v;
 }
 
 std::pair<int64_t, int64_t> BalancedStep::owned_streams() const {

@@ -564,6 +564,8 @@ absl::Status Session::AfterStep(StepReport* report) {
   for (size_t k = 1; k < parts_.size(); ++k) {
     metrics_->Log(report->step, "loss_" + parts_[k].name, report->part_losses[k]);
   }
+  // The same on every rank: the cross-rank mean the logger writes is the sum.
+  for (const auto& [name, sum] : report->sums) metrics_->Log(report->step, name, sum);
   metrics_->Log(report->step, "balance_efficiency", report->balance_efficiency);
   EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report->step), "rank ", ctx_.rank(), ", step ",
                            report->step, ": metrics");

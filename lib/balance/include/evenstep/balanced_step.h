@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -206,6 +207,9 @@ struct StepReport {
   // several parts, the first part's, and every part's in part_losses.
   double loss = 0;
   std::vector<double> part_losses;
+  // The step's sums over every rank of what the loop counted (AddToSum),
+  // by declared name: correct predictions, tokens, ...
+  std::map<std::string, double> sums;
   // mean / max over ranks of the busy time (data + compute) before the sync.
   double balance_efficiency = 1;
   absl::Duration data, compute, sync_wait, optimizer;
@@ -352,6 +356,16 @@ class BalancedStep {
     if (report.ok()) start_next();
     return report;
   }
+  // Sums over all ranks that every step reports (StepReport::sums) without
+  // a collective of the loop's own: DeclareSum each name once, on every
+  // rank in the same order, before the first step; inside a step's
+  // callbacks AddToSum(name, value) adds this rank's part (a double, or a
+  // scalar tensor summed on its device and read once per step). The sums
+  // travel in the step's exchange. AddToSum with an undeclared name throws
+  // (the step is abandoned naming it).
+  absl::Status DeclareSum(const std::string& name);
+  void AddToSum(const std::string& name, double value);
+  void AddToSum(const std::string& name, const at::Tensor& value);
   // Drops loads started ahead for the next step (waiting for those running).
   void CancelPrefetch();
 
@@ -482,6 +496,13 @@ class BalancedStep {
   // Per part: the scaled micro-batch losses summed so far, and their sums.
   std::vector<at::Tensor> loss_on_device_;
   std::vector<double> part_loss_sums_;
+  // DeclareSum's names; this step's sums of this rank (doubles, and
+  // tensors summed on their device).
+  std::vector<std::string> sum_names_;
+  bool began_ = false;  // a step has begun (no more DeclareSum)
+  std::vector<double> step_sums_;
+  std::vector<at::Tensor> step_sum_tensors_;
+  size_t SumIndex(const std::string& name) const;
   bool data_marked_ = false;
   std::vector<CostFit> fits_;  // every rank's, from the last exchange
   // Online health: each rank's best typical micro-step time so far, and

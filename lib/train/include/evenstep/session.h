@@ -127,6 +127,12 @@ class Session {
   absl::Status AddStreamState(const std::string& name, at::Tensor* state, int64_t stream_dim);
   // Stream mode: the streams [first, last) this rank owns this epoch.
   std::pair<int64_t, int64_t> stream_range() const { return step_->owned_streams(); }
+  // Step sums over all ranks (StepReport::sums; see BalancedStep::DeclareSum):
+  // declare before the first step, add inside the loss functions; each sum
+  // is also logged as a metric under its name.
+  absl::Status DeclareSum(const std::string& name) { return step_->DeclareSum(name); }
+  void AddToSum(const std::string& name, double value) { step_->AddToSum(name, value); }
+  void AddToSum(const std::string& name, const at::Tensor& value) { step_->AddToSum(name, value); }
   // The last step's report, also when Step returned CANCELLED for a
   // preemption after the step ran (its loss is not lost to the loop).
   const StepReport& last_report() const { return last_report_; }
