@@ -46,9 +46,9 @@ int main(int argc, char** argv) {
   if (absl::Status s = (*es)->AddStreamState("lstm", &state, 2); !s.ok()) return Fail(s);
   RunningMetrics metrics;
   metrics.Restore((*es)->resumed_user_state());
-  (*es)->set_user_state([&](const auto& r) { metrics.Add(r.loss); }, [&] { return metrics.Json(); });
+  (*es)->set_user_state([&](auto& r) { metrics.Add(r.loss); }, [&] { return metrics.Json(); });
   while ((*es)->epoch() < absl::GetFlag(FLAGS_epochs)) {
-    auto report = (*es)->Step([&](const auto& s) { return loss_of(Rows(s, chunks), s[0] % chunks); });
+    auto report = (*es)->Step([&](auto& s) { return loss_of(Rows(s, chunks), s[0] % chunks); });
     if (!report.ok()) return Fail(report.status());
     if ((*es)->epoch() != report->epoch) metrics.EndEpoch((*es)->rank(), report->epoch);
   }

@@ -146,11 +146,12 @@ int main(int argc, char** argv) {
   }
   if (!(*es)->DeclareSum("samples").ok() || !(*es)->DeclareSum("real_called_real").ok()) return 3;
   if (bad == "undeclared_sum") {
-    auto report = (*es)->Step({[&](const evenstep::MicroBatch& mb) {
-                                 (*es)->AddToSum("typo", 1.0);
-                                 return DLoss(nets, mb.samples, 0);
-                               },
-                               [&](const evenstep::MicroBatch& mb) { return GLoss(nets, mb.samples, 0); }});
+    auto report =
+        (*es)->Step({[&](const evenstep::MicroBatch& mb) {
+                       (*es)->AddToSum("typo", 1.0);
+                       return DLoss(nets, mb.samples, 0);
+                     },
+                     [&](const evenstep::MicroBatch& mb) { return GLoss(nets, mb.samples, 0); }});
     std::cout << "undeclared sum: " << report.status() << std::endl;
     return report.ok() ? 0 : 3;
   }
@@ -218,9 +219,10 @@ int main(int argc, char** argv) {
     const double n = static_cast<double>(batch.size());
     const double called_real = (ref.d->forward(Real(batch)) > 0).sum().item<double>();
     if (report->sums.at("samples") != n || report->sums.at("real_called_real") != called_real) {
-      std::printf("MISMATCH rank %d step %lld sums: samples %g (want %g), real_called_real %g (want %g)\n",
-                  rank, static_cast<long long>(s), report->sums.at("samples"), n,
-                  report->sums.at("real_called_real"), called_real);
+      std::printf(
+          "MISMATCH rank %d step %lld sums: samples %g (want %g), real_called_real %g (want %g)\n",
+          rank, static_cast<long long>(s), report->sums.at("samples"), n,
+          report->sums.at("real_called_real"), called_real);
       code = 1;
     }
     for (auto& g : d_ref.param_groups()) g.options().set_lr(DLr(s, epoch));

@@ -620,9 +620,9 @@ void BalancedStep::UpdateHealth() {
 
 absl::Status BalancedStep::DeclareSum(const std::string& name) {
   if (began_ || std::count(sum_names_.begin(), sum_names_.end(), name) > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BalancedStep::DeclareSum('", name, "'), rank ", ctx_.rank(), ": ",
-        began_ ? "declare sums before the first step" : "declared twice"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("BalancedStep::DeclareSum('", name, "'), rank ", ctx_.rank(), ": ",
+                     began_ ? "declare sums before the first step" : "declared twice"));
   }
   sum_names_.push_back(name);
   return absl::OkStatus();
@@ -631,10 +631,10 @@ absl::Status BalancedStep::DeclareSum(const std::string& name) {
 size_t BalancedStep::SumIndex(const std::string& name) const {
   const auto it = std::find(sum_names_.begin(), sum_names_.end(), name);
   if (it == sum_names_.end() || !in_step_) {
-    throw std::invalid_argument(
-        absl::StrCat("AddToSum('", name, "'): ",
-                     it == sum_names_.end() ? "not declared (DeclareSum before the first step)"
-                                            : "outside a step"));
+    throw std::invalid_argument(absl::StrCat("AddToSum('", name, "'): ",
+                                             it == sum_names_.end()
+                                                 ? "not declared (DeclareSum before the first step)"
+                                                 : "outside a step"));
   }
   return static_cast<size_t>(it - sum_names_.begin());
 }
