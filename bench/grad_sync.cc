@@ -437,8 +437,7 @@ int main(int argc, char** argv) {
     summary["worst_vs_ddp_model"] = worst_ddp ? worst_ddp->model : "";
     for (const Result& r : results) {
       nlohmann::json m = {
-          {"overhead_ratio",
-           r.ratio_determined() ? nlohmann::json(r.ratio()) : noise},
+          {"overhead_ratio", r.ratio_determined() ? nlohmann::json(r.ratio()) : noise},
           {"overhead_vs_ddp", !r.ddp_ran()            ? nlohmann::json(nullptr)
                               : r.vs_ddp_determined() ? nlohmann::json(r.vs_ddp())
                                                       : noise},

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,52 @@ TEST(TorchDataSampleTest, PortedDistMnistTrainsWholeEpochsAndResumesByEpoch) {
   EXPECT_FALSE(std::filesystem::exists(run_dir + "/ckpt/step-0000000025")) << second.output;
 }
 
+// A ported sample beside its plain loop, both run with the same flags
+// (`common`); the port through evenstep-run with static balance in a run
+// directory of its own per name.
+struct PortedPair {
+  std::string port, plain;
+  std::vector<std::string> common;
+  evenstep::testing::TempDir dir{"evenstep_port"};
+
+  evenstep::testing::ProcessSpec Port(int world, const std::string& run) const {
+    std::vector<std::string> argv = {EVENSTEP_RUN,
+                                     "-n",
+                                     std::to_string(world),
+                                     "--",
+                                     port,
+                                     "--evenstep_run_dir=" + dir.path() + "/" + run,
+                                     "--evenstep_timeout=60s",
+                                     "--evenstep_balance=static"};
+    argv.insert(argv.end(), common.begin(), common.end());
+    return {argv, {}};
+  }
+  ProcessResult Run(const evenstep::testing::ProcessSpec& spec) const {
+    return evenstep::testing::RunAll({spec}, evenstep::testing::HangBound(4))[0];
+  }
+  ProcessResult RunPlain() const {
+    std::vector<std::string> argv = {plain};
+    argv.insert(argv.end(), common.begin(), common.end());
+    return Run({argv, {}});
+  }
+  // The port on `world` ranks as run `run`, SIGTERM to the launcher once
+  // `line` is printed; the stopped run's result (none, after a failure
+  // naming what went wrong, when the line never came or the signal failed).
+  std::optional<ProcessResult> Preempted(int world, const std::string& run,
+                                         const std::string& line) const {
+    evenstep::testing::Subprocess cut(Port(world, run));
+    if (!cut.WaitForOutput(line, evenstep::testing::HangBound(4))) {
+      ADD_FAILURE() << "no '" << line << "' in\n" << cut.OutputSoFar();
+      return std::nullopt;
+    }
+    if (kill(cut.pid(), SIGTERM) != 0) {
+      ADD_FAILURE() << "kill(SIGTERM) failed";
+      return std::nullopt;
+    }
+    return cut.Wait(evenstep::testing::HangBound(2));
+  }
+};
+
 // The DCGAN port (samples/dcgan.cc, two model parts) against the loop it was
 // ported from (samples/dcgan_plain.cc), 50 steps: on one rank the same
 // losses to float noise; on two ranks (BatchNorm statistics over half the
@@ -157,31 +204,15 @@ std::map<int, std::pair<double, double>> GanLosses(const std::string& output) {
 }
 
 TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemptionResumesExactly) {
-  evenstep::testing::TempDir dir("evenstep_dcgan");
   // 640 samples, batches of 64, 5 epochs: 50 steps.
-  const std::vector<std::string> common = {"--samples=640", "--epochs=5", "--channels=8"};
-  auto port = [&](int world, const std::string& run) {
-    std::vector<std::string> argv = {EVENSTEP_RUN,
-                                     "-n",
-                                     std::to_string(world),
-                                     "--",
-                                     EVENSTEP_DCGAN,
-                                     "--evenstep_run_dir=" + dir.path() + "/" + run,
-                                     "--evenstep_timeout=60s",
-                                     "--evenstep_balance=static"};
-    argv.insert(argv.end(), common.begin(), common.end());
-    return evenstep::testing::ProcessSpec{argv, {}};
-  };
-  std::vector<std::string> plain_argv = {EVENSTEP_DCGAN_PLAIN};
-  plain_argv.insert(plain_argv.end(), common.begin(), common.end());
-  const auto results =
-      evenstep::testing::RunAll({{plain_argv, {}}}, evenstep::testing::HangBound(4));
-  ASSERT_EQ(results[0].exit_code, 0) << results[0].output;
-  const auto plain = GanLosses(results[0].output);
-  ASSERT_EQ(plain.size(), 50u) << results[0].output;
+  const PortedPair pair{
+      EVENSTEP_DCGAN, EVENSTEP_DCGAN_PLAIN, {"--samples=640", "--epochs=5", "--channels=8"}};
+  const ProcessResult plain_run = pair.RunPlain();
+  ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
+  const auto plain = GanLosses(plain_run.output);
+  ASSERT_EQ(plain.size(), 50u) << plain_run.output;
 
-  const ProcessResult one =
-      evenstep::testing::RunAll({port(1, "one")}, evenstep::testing::HangBound(4))[0];
+  const ProcessResult one = pair.Run(pair.Port(1, "one"));
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto on_one = GanLosses(one.output);
   ASSERT_EQ(on_one.size(), 50u) << one.output;
@@ -190,8 +221,7 @@ TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemption
     EXPECT_NEAR(on_one.at(step).second, losses.second, 1e-5 * losses.second) << "step " << step;
   }
 
-  const ProcessResult two =
-      evenstep::testing::RunAll({port(2, "two")}, evenstep::testing::HangBound(4))[0];
+  const ProcessResult two = pair.Run(pair.Port(2, "two"));
   ASSERT_EQ(two.exit_code, 0) << two.output;
   const auto on_two = GanLosses(two.output);
   ASSERT_EQ(on_two.size(), 50u) << two.output;
@@ -206,18 +236,15 @@ TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemption
     EXPECT_NEAR(g2, g1, 0.1 * g1) << "steps " << from << "-" << from + 9;
   }
 
-  evenstep::testing::Subprocess cut(port(2, "cut"));
-  ASSERT_TRUE(cut.WaitForOutput("[0] step 20 D_loss", evenstep::testing::HangBound(4)))
-      << cut.OutputSoFar();
-  ASSERT_EQ(kill(cut.pid(), SIGTERM), 0);
-  const ProcessResult stopped = cut.Wait(evenstep::testing::HangBound(2));
+  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] step 20 D_loss");
+  ASSERT_TRUE(cut.has_value());
+  const ProcessResult& stopped = *cut;
   EXPECT_EQ(stopped.exit_code, 83) << stopped.output;
   const auto before = GanLosses(stopped.output);
   ASSERT_FALSE(before.empty()) << stopped.output;
   const int last = before.rbegin()->first;
   ASSERT_LT(last, 50) << stopped.output;
-  const ProcessResult resumed =
-      evenstep::testing::RunAll({port(2, "cut")}, evenstep::testing::HangBound(4))[0];
+  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const auto after = GanLosses(resumed.output);
   ASSERT_FALSE(after.empty()) << resumed.output;
@@ -261,26 +288,10 @@ std::string EpochLines(const std::string& output) {
 }
 
 TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactly) {
-  evenstep::testing::TempDir dir("evenstep_lm");
   // 20 rows of 25 chunks, 2 epochs: 50 steps.
-  const std::vector<std::string> common = {"--chunks=25", "--epochs=2", "--hidden=64",
-                                           "--vocab=200"};
-  auto port = [&](int world, const std::string& run) {
-    std::vector<std::string> argv = {EVENSTEP_RUN,
-                                     "-n",
-                                     std::to_string(world),
-                                     "--",
-                                     EVENSTEP_LM,
-                                     "--evenstep_run_dir=" + dir.path() + "/" + run,
-                                     "--evenstep_timeout=60s",
-                                     "--evenstep_balance=static"};
-    argv.insert(argv.end(), common.begin(), common.end());
-    return evenstep::testing::ProcessSpec{argv, {}};
-  };
-  const auto bound = evenstep::testing::HangBound(4);
-  std::vector<std::string> plain_argv = {EVENSTEP_LM_PLAIN};
-  plain_argv.insert(plain_argv.end(), common.begin(), common.end());
-  const ProcessResult plain_run = evenstep::testing::RunAll({{plain_argv, {}}}, bound)[0];
+  const PortedPair pair{
+      EVENSTEP_LM, EVENSTEP_LM_PLAIN, {"--chunks=25", "--epochs=2", "--hidden=64", "--vocab=200"}};
+  const ProcessResult plain_run = pair.RunPlain();
   ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
   const auto plain = LmLosses(plain_run.output, "");
   ASSERT_EQ(plain.size(), 50u) << plain_run.output;
@@ -288,8 +299,7 @@ TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactl
 
   std::map<int, std::map<int, double>> ported;
   for (int world : {1, 2}) {
-    const ProcessResult r =
-        evenstep::testing::RunAll({port(world, absl::StrCat("w", world))}, bound)[0];
+    const ProcessResult r = pair.Run(pair.Port(world, absl::StrCat("w", world)));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     ported[world] = LmLosses(r.output, "[0] ");
     ASSERT_EQ(ported[world].size(), 50u) << r.output;
@@ -300,14 +310,13 @@ TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactl
     EXPECT_EQ(EpochLines(r.output).size() > 0, true) << r.output;
   }
 
-  evenstep::testing::Subprocess cut(port(2, "cut"));
-  ASSERT_TRUE(cut.WaitForOutput("[0] step 30 loss", bound)) << cut.OutputSoFar();
-  ASSERT_EQ(kill(cut.pid(), SIGTERM), 0);
-  const ProcessResult stopped = cut.Wait(evenstep::testing::HangBound(2));
+  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] step 30 loss");
+  ASSERT_TRUE(cut.has_value());
+  const ProcessResult& stopped = *cut;
   EXPECT_EQ(stopped.exit_code, 83) << stopped.output;
   const int last = LmLosses(stopped.output, "[0] ").rbegin()->first;
   ASSERT_LT(last, 50) << stopped.output;
-  const ProcessResult resumed = evenstep::testing::RunAll({port(2, "cut")}, bound)[0];
+  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const auto after = LmLosses(resumed.output, "[0] ");
   ASSERT_FALSE(after.empty()) << resumed.output;
@@ -317,7 +326,7 @@ TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactl
   EXPECT_EQ(after.rbegin()->first, 50) << resumed.output;
   for (const auto& [step, loss] : after) EXPECT_EQ(loss, ported[2].at(step)) << "step " << step;
   // The epoch means (running metrics across the preemption) are the uninterrupted run's.
-  const ProcessResult whole = evenstep::testing::RunAll({port(2, "whole")}, bound)[0];
+  const ProcessResult whole = pair.Run(pair.Port(2, "whole"));
   EXPECT_EQ(EpochLines(stopped.output) + EpochLines(resumed.output), EpochLines(whole.output))
       << stopped.output << resumed.output;
 }

@@ -189,10 +189,11 @@ TrainState Session::State() const {
     if (s.scheduler != nullptr) session["lr_schedulers"].push_back(s.count);
   }
   if (user_state_) {
-    nlohmann::json loop = nlohmann::json::parse(user_state_(), nullptr, false);
+    const std::string text = user_state_();
+    nlohmann::json loop = nlohmann::json::parse(text, nullptr, false);
     // An invalid document is kept as a string: Save then stores it as is
     // rather than failing the checkpoint.
-    session["loop"] = loop.is_discarded() ? nlohmann::json(user_state_()) : loop;
+    session["loop"] = loop.is_discarded() ? nlohmann::json(text) : std::move(loop);
   }
   state.user_json = session.dump();
   return state;
