@@ -15,10 +15,12 @@
 //   torchdata  libtorch's own torch::data::make_data_loader with --workers
 //              workers over the same micro-batches (a batch sampler hands it
 //              evenstep's plan), the loader a C++ user would pick
-//   evenstep   BalancedStep's data workers (--evenstep_data_workers=--workers,
-//              --evenstep_prefetch=--prefetch)
-//   evenstep_next  the same, also loading the next step's micro-batches while
-//              this one finishes (--evenstep_prefetch_next_step)
+//   evenstep_fn  a plain load function passed to Step on BalancedStep's data
+//              workers (--evenstep_data_workers=--workers,
+//              --evenstep_prefetch=--prefetch): this step's micro-batches only
+//   evenstep   the default row: an evenstep::LoaderOf(dataset) and every
+//              --evenstep_* loader flag at its default (data workers per the
+//              machine, next step's micro-batches loaded while this one ends)
 // Per mode: median step time, its ratio to compute-only, the data-wait share
 // of the step (training thread waiting for data, the worst rank), and the
 // balance efficiency. Runs 2 and 4 ranks (quick: 2), each under evenstep-run.
@@ -34,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <random>
@@ -60,8 +63,10 @@ ABSL_FLAG(bool, quick, false, "A few steps on 2 ranks (the smoke test).");
 ABSL_FLAG(bool, worker, false, "(internal) run as one rank of the benchmark.");
 ABSL_FLAG(std::string, ranks, "", "Rank counts to run (default 2,4; quick: 2).");
 ABSL_FLAG(int, steps, 0, "Measured steps per mode (default 20, quick 3), after 2 warm-up steps.");
-ABSL_FLAG(int, workers, 4, "Loader threads per rank (torchdata and evenstep modes).");
-ABSL_FLAG(int, prefetch, 4, "evenstep: micro-batches loaded ahead.");
+ABSL_FLAG(int, workers, 0,
+          "Loader threads per rank (torchdata and evenstep_fn modes); 0 = as many as evenstep's "
+          "default (DefaultDataWorkers), so that the peers differ only in how they load.");
+ABSL_FLAG(int, prefetch, 4, "evenstep_fn: micro-batches loaded ahead.");
 ABSL_FLAG(double, prep_ms, 2.0, "Median preparation time per sample.");
 ABSL_FLAG(double, prep_sigma, 0.8, "Lognormal sigma of the preparation time.");
 ABSL_FLAG(int, slow_rank, 1, "The rank whose storage path is slower.");
@@ -75,6 +80,7 @@ ABSL_FLAG(std::string, data_dir, ".",
 namespace {
 
 constexpr int kDim = 256;
+constexpr const char* kModes[] = {"compute", "inline", "torchdata", "evenstep_fn", "evenstep"};
 constexpr int64_t kSamples = 8192;
 
 using evenstep::samples::SampleFile;
@@ -156,6 +162,11 @@ torch::nn::Sequential MakeModel() {
                                torch::nn::Linear(h, 10));
 }
 
+int Workers(int local_ranks) {
+  const int given = absl::GetFlag(FLAGS_workers);
+  return given > 0 ? given : evenstep::DefaultDataWorkers(local_ranks);
+}
+
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -206,8 +217,9 @@ int RunWorker() {
   auto ready = PrepDataset(x, y, false, 1, false).map(torch::data::transforms::Stack<>());
   auto prepared =
       PrepDataset(x, y, true, factor, slow, file.get()).map(torch::data::transforms::Stack<>());
+  auto owned = evenstep::LoaderOf(prepared);
   auto plan = std::make_shared<std::vector<std::vector<size_t>>>();
-  const int workers = absl::GetFlag(FLAGS_workers);
+  const int workers = Workers((*ctx)->local_world_size());
   auto loader = torch::data::make_data_loader(
       PrepDataset(x, y, true, factor, slow, file.get()).map(torch::data::transforms::Stack<>()),
       PlanSampler(plan), torch::data::DataLoaderOptions().batch_size(1).workers(workers));
@@ -223,17 +235,18 @@ int RunWorker() {
   base->sampler.sort_window = 1;
   base->loss_reduction = evenstep::LossReduction::kMean;
   std::vector<Mode> modes;
-  for (const char* name : {"compute", "inline", "torchdata", "evenstep", "evenstep_next"}) {
+  for (const char* name : kModes) {
     Mode m;
     m.name = name;
     m.model = MakeModel();
     m.optimizer =
         std::make_unique<torch::optim::SGD>(m.model->parameters(), torch::optim::SGDOptions(0.01));
     evenstep::BalanceConfig config = *base;
-    if (m.name == "evenstep" || m.name == "evenstep_next") {
+    if (m.name == "evenstep_fn") {
       config.data_workers = workers;
       config.prefetch = absl::GetFlag(FLAGS_prefetch);
-      config.prefetch_next_step = m.name == "evenstep_next";
+    } else if (m.name != "evenstep") {
+      config.data_workers = 0;  // compute, inline: on the training thread
     }
     auto created = evenstep::BalancedStep::Create(**ctx, *m.model, *m.optimizer,
                                                   evenstep::UniformLengths(kSamples), config);
@@ -271,6 +284,8 @@ int RunWorker() {
       absl::StatusOr<evenstep::StepReport> report;
       if (m.name == "compute") {
         report = m.step->Step(evenstep::BatchesOf(ready), loss(m));
+      } else if (m.name == "evenstep") {
+        report = m.step->Step(owned, loss(m));
       } else if (m.name != "torchdata") {
         report = m.step->Step(evenstep::BatchesOf(prepared), loss(m));
       } else {  // torchdata: the loader's workers load evenstep's micro-batches
@@ -344,7 +359,7 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_prep_ms), absl::GetFlag(FLAGS_prep_sigma), absl::GetFlag(FLAGS_slow_rank),
       absl::GetFlag(FLAGS_slow_factor),
       absl::GetFlag(FLAGS_data_dir) == "memory" ? "memory" : "files (pread, cold)",
-      absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_micro));
+      Workers(rank_counts.front()), absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_micro));
   std::map<std::string, double> summary;
   for (int ranks : rank_counts) {
     std::map<std::string, std::map<std::string, double>> r;
@@ -366,7 +381,7 @@ int main(int argc, char** argv) {
       const std::string mode = fields->count("mode") ? fields->at("mode") : "";
       for (const auto& [k, v] : evenstep::bench::NumericFields(*fields)) r[mode][k] = v;
     });
-    if (r.size() != 5) {
+    if (r.size() != std::size(kModes)) {
       std::cout << "  " << ranks << " ranks: failed (see the output above)\n";
       continue;
     }
@@ -380,17 +395,17 @@ int main(int argc, char** argv) {
     }
     std::cout << absl::StrFormat("\n  %d ranks    %10s %12s %12s %10s\n", ranks, "step",
                                  "vs compute", "data wait", "balance");
-    for (const char* mode : {"compute", "inline", "torchdata", "evenstep", "evenstep_next"}) {
+    for (const char* mode : kModes) {
       std::cout << absl::StrFormat("  %-13s %9.1fms %12.3f %11.1f%% %10.3f\n", mode,
                                    r[mode]["step_s"] * 1e3, r[mode]["step_s"] / floor,
                                    r[mode]["data_share"] * 100, r[mode]["efficiency"]);
     }
     const double vs_peer = r["evenstep"]["step_s"] / r["torchdata"]["step_s"];
-    const double next_vs_peer = r["evenstep_next"]["step_s"] / r["torchdata"]["step_s"];
+    const double fn_vs_peer = r["evenstep_fn"]["step_s"] / r["torchdata"]["step_s"];
     std::cout << absl::StrFormat(
-        "  evenstep / torchdata step: %.3f (with the next step prefetched: %.3f); inline / "
-        "evenstep: %.2f\n",
-        vs_peer, next_vs_peer, r["inline"]["step_s"] / r["evenstep"]["step_s"]);
+        "  evenstep (defaults) / torchdata step: %.3f (a plain function on the workers: %.3f); "
+        "inline / evenstep: %.2f\n",
+        vs_peer, fn_vs_peer, r["inline"]["step_s"] / r["evenstep"]["step_s"]);
     summary = {{"ranks", ranks},
                {"evenstep_vs_compute", r["evenstep"]["step_s"] / floor},
                {"evenstep_data_share", r["evenstep"]["data_share"]},
@@ -398,9 +413,9 @@ int main(int argc, char** argv) {
                {"inline_vs_compute", r["inline"]["step_s"] / floor},
                {"evenstep_vs_torchdata", vs_peer},
                {"evenstep_balance_efficiency", r["evenstep"]["efficiency"]},
-               {"evenstep_next_vs_compute", r["evenstep_next"]["step_s"] / floor},
-               {"evenstep_next_data_share", r["evenstep_next"]["data_share"]},
-               {"evenstep_next_vs_torchdata", next_vs_peer},
+               {"evenstep_fn_vs_compute", r["evenstep_fn"]["step_s"] / floor},
+               {"evenstep_fn_data_share", r["evenstep_fn"]["data_share"]},
+               {"evenstep_fn_vs_torchdata", fn_vs_peer},
                {"resident_after_drop", resident}};
   }
   if (summary.empty()) return 1;

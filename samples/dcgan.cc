@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
                                  torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
   const int64_t n = absl::GetFlag(FLAGS_samples);
   auto dataset = DigitImages(n).map(torch::data::transforms::Stack<>());
-  auto d_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
+  int64_t epoch = 0;  // the losses' draws are keyed by (epoch, sample)
+  auto d_loss_of = [&](const torch::data::Example<>& batch) {
     torch::Tensor real_output = discriminator->forward(batch.data);
     torch::Tensor d_loss_real =
         torch::binary_cross_entropy(real_output, RealLabels(batch.target, epoch));
@@ -39,21 +40,21 @@ int main(int argc, char** argv) {
     torch::Tensor fake_output = discriminator->forward(fake_images.detach());
     return d_loss_real + torch::binary_cross_entropy(fake_output, torch::zeros_like(fake_output));
   };
-  auto g_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
+  auto g_loss_of = [&](const torch::data::Example<>& batch) {
     torch::Tensor fake_output =
         discriminator->forward(generator->forward(Noise(batch.target, epoch)));
     return torch::binary_cross_entropy(fake_output, torch::ones_like(fake_output));
   };
   auto es = evenstep::Session::Create(
-      {{"discriminator", *discriminator, d_optimizer}, {"generator", *generator, g_optimizer}},
-      evenstep::UniformLengths(n));  // in --evenstep_run_dir
+      {{"discriminator", *discriminator, d_optimizer}, {"generator", *generator, g_optimizer}}, n);
   if (!es.ok()) return Fail(es.status());
-  while ((*es)->epoch() < absl::GetFlag(FLAGS_epochs)) {
-    auto report = (*es)->Step(
-        {[&](const auto& mb) { return d_loss_of(evenstep::BatchesOf(dataset)(mb), mb.epoch); },
-         [&](const auto& mb) { return g_loss_of(evenstep::BatchesOf(dataset)(mb), mb.epoch); }});
-    if (!report.ok()) return Fail(report.status());
-    GanProgress((*es)->rank(), report->step, report->part_losses[0], report->part_losses[1]);
+  auto loader = evenstep::LoaderOf(dataset);
+  for (epoch = (*es)->first_epoch(); epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
+    while ((*es)->epoch() == epoch) {
+      auto report = (*es)->Step(loader, {d_loss_of, g_loss_of});
+      if (!report.ok()) return Fail(report.status());
+      GanProgress((*es)->rank(), report->step, report->part_losses[0], report->part_losses[1]);
+    }
   }
   return (*es)->Finish().ok() ? 0 : 1;
 }

@@ -54,12 +54,6 @@ class DigitImages : public torch::data::datasets::Dataset<DigitImages> {
   SyntheticDigits digits_;
 };
 
-// A generator for sample `sample`'s draw number `draw` in `epoch`.
-inline at::Generator SampleGenerator(int64_t epoch, int64_t sample, int64_t draw) {
-  return at::make_generator<at::CPUGeneratorImpl>(
-      static_cast<uint64_t>((epoch * 1000003 + sample) * 4 + draw));
-}
-
 // The generator's input for the samples `indices` (a batch's targets).
 inline torch::Tensor Noise(const torch::Tensor& indices, int64_t epoch) {
   std::vector<torch::Tensor> rows;

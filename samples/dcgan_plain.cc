@@ -29,7 +29,8 @@ int main(int argc, char** argv) {
                                  torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
   const int64_t n = absl::GetFlag(FLAGS_samples);
   auto dataset = DigitImages(n).map(torch::data::transforms::Stack<>());
-  auto d_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
+  int64_t epoch = 0;  // the losses' draws are keyed by (epoch, sample)
+  auto d_loss_of = [&](const torch::data::Example<>& batch) {
     torch::Tensor real_output = discriminator->forward(batch.data);
     torch::Tensor d_loss_real =
         torch::binary_cross_entropy(real_output, RealLabels(batch.target, epoch));
@@ -37,20 +38,20 @@ int main(int argc, char** argv) {
     torch::Tensor fake_output = discriminator->forward(fake_images.detach());
     return d_loss_real + torch::binary_cross_entropy(fake_output, torch::zeros_like(fake_output));
   };
-  auto g_loss_of = [&](const torch::data::Example<>& batch, int64_t epoch) {
+  auto g_loss_of = [&](const torch::data::Example<>& batch) {
     torch::Tensor fake_output =
         discriminator->forward(generator->forward(Noise(batch.target, epoch)));
     return torch::binary_cross_entropy(fake_output, torch::ones_like(fake_output));
   };
   auto loader = torch::data::make_data_loader(std::move(dataset), SequentialSampler(n), 64);
-  for (int64_t epoch = 0, step = 0; epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
+  for (int64_t step = 0; epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
     for (auto& batch : *loader) {
       discriminator->zero_grad();
-      torch::Tensor d_loss = d_loss_of(batch, epoch);
+      torch::Tensor d_loss = d_loss_of(batch);
       d_loss.backward();
       d_optimizer.step();
       generator->zero_grad();
-      torch::Tensor g_loss = g_loss_of(batch, epoch);
+      torch::Tensor g_loss = g_loss_of(batch);
       g_loss.backward();
       g_optimizer.step();
       GanProgress(0, ++step, d_loss.item<double>(), g_loss.item<double>());

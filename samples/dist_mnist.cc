@@ -35,8 +35,9 @@ int main(int argc, char** argv) {
       evenstep::Session::Create(**ctx, *model, optimizer, evenstep::UniformLengths(*dataset.size()),
                                 absl::GetFlag(FLAGS_run_dir));
   if (!es.ok()) return Fail(es.status());
+  auto loader = evenstep::LoaderOf(dataset);  // data workers, next step loaded ahead
   while ((*es)->epoch() < absl::GetFlag(FLAGS_epochs)) {
-    auto report = (*es)->Step(evenstep::BatchesOf(dataset), [&](const auto& batch) {
+    auto report = (*es)->Step(loader, [&](const auto& batch) {
       return torch::nll_loss(model->forward(batch.data), batch.target);
     });
     if (!report.ok()) return Fail(report.status());

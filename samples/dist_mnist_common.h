@@ -7,7 +7,11 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "evenstep/launch_env.h"
@@ -56,6 +60,36 @@ struct Net : torch::nn::Module {
   torch::nn::Dropout2d conv2_drop;
   torch::nn::Linear fc1, fc2;
 };
+
+// A generator for sample `sample`'s draw number `draw` (< 4) in `epoch`:
+// random draws keyed by sample, the same whichever batch, rank or
+// micro-batch the sample lands in.
+inline at::Generator SampleGenerator(int64_t epoch, int64_t sample, int64_t draw) {
+  return at::make_generator<at::CPUGeneratorImpl>(
+      static_cast<uint64_t>((epoch * 1000003 + sample) * 4 + draw));
+}
+
+// A loop's numbers as a JSON array (Session::set_user_state), exactly
+// (17 significant digits), and back: RestoreNumbers leaves the targets as
+// they are for an empty state ("{}", nothing saved yet).
+inline std::string NumbersJson(const std::vector<double>& numbers) {
+  std::string json = "[";
+  char text[32];
+  for (size_t i = 0; i < numbers.size(); ++i) {
+    std::snprintf(text, sizeof(text), "%s%.17g", i == 0 ? "" : ", ", numbers[i]);
+    json += text;
+  }
+  return json + "]";
+}
+inline void RestoreNumbers(const std::string& json, const std::vector<double*>& numbers) {
+  if (json.empty() || json[0] != '[') return;
+  const char* at = json.c_str() + 1;
+  for (double* n : numbers) {
+    char* end = nullptr;
+    *n = std::strtod(at, &end);
+    at = end + (*end == ',' ? 1 : 0);
+  }
+}
 
 // Prints the loss of every 10th step on rank 0.
 inline void Progress(int rank, int64_t epoch, double loss) {

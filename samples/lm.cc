@@ -41,16 +41,17 @@ int main(int argc, char** argv) {
     state.index_copy_(2, r, out.state.detach());
     return torch::nll_loss(out.output, target);
   };
-  auto es = evenstep::Session::Create(*model, optimizer, evenstep::UniformLengths(rows * chunks));
+  auto es = evenstep::Session::Create(*model, optimizer, rows * chunks);
   if (!es.ok()) return Fail(es.status());
   if (absl::Status s = (*es)->AddStreamState("lstm", &state, 2); !s.ok()) return Fail(s);
   RunningMetrics metrics;
-  metrics.Restore((*es)->resumed_user_state());
-  (*es)->set_user_state([&](auto& r) { metrics.Add(r.loss); }, [&] { return metrics.Json(); });
-  while ((*es)->epoch() < absl::GetFlag(FLAGS_epochs)) {
-    auto report = (*es)->Step([&](auto& s) { return loss_of(Rows(s, chunks), s[0] % chunks); });
-    if (!report.ok()) return Fail(report.status());
-    if ((*es)->epoch() != report->epoch) metrics.EndEpoch((*es)->rank(), report->epoch);
+  (*es)->Keep(metrics, [&](auto& r) { metrics.Add(r.loss); });
+  for (int64_t epoch = (*es)->first_epoch(); epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
+    while ((*es)->epoch() == epoch) {
+      auto report = (*es)->Step([&](auto& s) { return loss_of(Rows(s, chunks), s[0] % chunks); });
+      if (!report.ok()) return Fail(report.status());
+    }
+    metrics.EndEpoch(epoch);
   }
   return (*es)->Finish().ok() ? 0 : 1;
 }

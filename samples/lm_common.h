@@ -68,22 +68,15 @@ struct RunningMetrics {
     loss_sum += loss, perplexity_sum += std::exp(loss), n += 1, step += 1;
     std::printf("step %.0f loss %.9g\n", step, loss);
   }
-  // Rank 0 prints the epoch's means; the sums start again.
-  void EndEpoch(int rank, int64_t epoch) {
-    if (rank == 0) {
-      std::printf("Epoch [%lld] Loss: %.6f, Perplexity: %.6f\n", static_cast<long long>(epoch + 1),
-                  loss_sum / n, perplexity_sum / n);
-    }
+  // Prints the epoch's means; the sums start again.
+  void EndEpoch(int64_t epoch) {
+    std::printf("Epoch [%lld] Loss: %.6f, Perplexity: %.6f\n", static_cast<long long>(epoch + 1),
+                loss_sum / n, perplexity_sum / n);
     loss_sum = perplexity_sum = n = 0;
   }
-  std::string Json() const {
-    char text[160];
-    std::snprintf(text, sizeof(text), "[%.17g, %.17g, %.17g, %.17g]", loss_sum, perplexity_sum, n,
-                  step);
-    return text;
-  }
+  std::string Json() const { return NumbersJson({loss_sum, perplexity_sum, n, step}); }
   void Restore(const std::string& json) {
-    std::sscanf(json.c_str(), "[%lf, %lf, %lf, %lf]", &loss_sum, &perplexity_sum, &n, &step);
+    RestoreNumbers(json, {&loss_sum, &perplexity_sum, &n, &step});
   }
 };
 

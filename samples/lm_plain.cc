@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
       optimizer.step();
       metrics.Add(loss.item<double>());
     }
-    metrics.EndEpoch(0, epoch);
+    metrics.EndEpoch(epoch);
   }
   return 0;
 }

@@ -21,6 +21,8 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -68,6 +70,9 @@ ABSL_FLAG(int, samples, 300, "Samples in the synthetic dataset.");
 ABSL_FLAG(int, load_jitter_ms, 0,
           "The load function sleeps 0..N ms (fixed per micro-batch), so that with data workers "
           "later micro-batches often finish loading first.");
+ABSL_FLAG(bool, owned_loader, false,
+          "Load through an evenstep::Loader made before the loop (data workers and the next "
+          "step's loads by default) instead of a function passed to each Step.");
 ABSL_FLAG(int, fail_load_rank, -1, "Rank whose load function throws on step 2's last micro-batch.");
 ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
 ABSL_FLAG(std::string, duty, "none",
@@ -280,34 +285,45 @@ int main(int argc, char** argv) {
     }
     metrics = *std::move(created);
   }
-  std::atomic<int> ahead{0}, max_ahead{0};  // loaded and not yet used
-  std::atomic<int> loads{0}, worker_loads{0};
-  const std::thread::id main_thread = std::this_thread::get_id();
+  // What the loads count; shared with the Loader, which may still run a
+  // load for the next step when this loop ends (its copies own this).
+  struct LoadCounters {
+    std::atomic<int> ahead{0}, max_ahead{0};  // loaded and not yet used
+    std::atomic<int> loads{0}, worker_loads{0};
+  };
+  auto counters = std::make_shared<LoadCounters>();
+  auto load_samples = [counters, x_host = data.x_host,
+                       main_thread = std::this_thread::get_id()](const evenstep::MicroBatch& mb) {
+    if (const int jitter = absl::GetFlag(FLAGS_load_jitter_ms); jitter > 0) {
+      const int64_t first = mb.samples.empty() ? 0 : mb.samples.front();
+      std::this_thread::sleep_for(std::chrono::milliseconds((first * 7919) % (jitter + 1)));
+    }
+    if (std::this_thread::get_id() != main_thread) ++counters->worker_loads;
+    ++counters->loads;
+    const int now = ++counters->ahead;
+    int seen = counters->max_ahead.load();
+    while (now > seen && !counters->max_ahead.compare_exchange_weak(seen, now)) {
+    }
+    Loaded loaded{mb.samples, {}};
+    if (absl::GetFlag(FLAGS_load_tensors)) {
+      for (int64_t i : mb.samples) loaded.second.push_back(x_host[i].clone());
+    }
+    return loaded;
+  };
+  // --owned_loader: an evenstep::Loader (made once, owned by evenstep).
+  std::optional<evenstep::Loader<Loaded>> owned;
+  if (absl::GetFlag(FLAGS_owned_loader)) owned.emplace(load_samples);
   for (int s = 1; s <= absl::GetFlag(FLAGS_steps); ++s) {
     max_err = 0;
     int calls = 0;
-    auto report = (*step)->Step(
-        [&](const evenstep::MicroBatch& mb) {
-          if (const int jitter = absl::GetFlag(FLAGS_load_jitter_ms); jitter > 0) {
-            const int64_t first = mb.samples.empty() ? 0 : mb.samples.front();
-            std::this_thread::sleep_for(std::chrono::milliseconds((first * 7919) % (jitter + 1)));
-          }
-          if (s == 2 && rank == absl::GetFlag(FLAGS_fail_load_rank) &&
-              &mb == &(*step)->micro_batches().back()) {
-            throw std::runtime_error("injected failure in the load function");
-          }
-          if (std::this_thread::get_id() != main_thread) ++worker_loads;
-          ++loads;
-          const int now = ++ahead;
-          int seen = max_ahead.load();
-          while (now > seen && !max_ahead.compare_exchange_weak(seen, now)) {
-          }
-          Loaded loaded{mb.samples, {}};
-          if (absl::GetFlag(FLAGS_load_tensors)) {
-            for (int64_t i : mb.samples) loaded.second.push_back(data.x_host[i].clone());
-          }
-          return loaded;
-        },
+    auto load = [&](const evenstep::MicroBatch& mb) {
+      if (s == 2 && rank == absl::GetFlag(FLAGS_fail_load_rank) &&
+          &mb == &(*step)->micro_batches().back()) {
+        throw std::runtime_error("injected failure in the load function");
+      }
+      return load_samples(mb);
+    };
+    auto loss =
         [&](const Loaded& batch) {
           const std::vector<int64_t>& samples = batch.first;
           const std::vector<torch::Tensor>* inputs = nullptr;
@@ -322,7 +338,7 @@ int main(int argc, char** argv) {
             }
             inputs = &batch.second;
           }
-          --ahead;
+          --counters->ahead;
           ++calls;
           // The data must be this micro-batch's, in order, whoever loaded it.
           if (samples != (*step)->micro_batches()[calls - 1].samples) {
@@ -347,7 +363,8 @@ int main(int argc, char** argv) {
           return config->loss_reduction == evenstep::LossReduction::kMean
                      ? LossMean(model, data, samples, per_token, inputs)
                      : LossSum(model, data, samples, per_token, inputs);
-        });
+        };
+    auto report = owned ? (*step)->Step(*owned, loss) : (*step)->Step(load, loss);
     if (!report.ok()) {
       std::cerr << report.status() << "\n";
       if (!absl::GetFlag(FLAGS_continue_after_failure)) return 2;
@@ -477,8 +494,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::cout << "max_ahead " << max_ahead.load() << " loads " << loads.load() << " on workers "
-            << worker_loads.load() << std::endl;
+  std::cout << "max_ahead " << counters->max_ahead.load() << " loads " << counters->loads.load()
+            << " on workers " << counters->worker_loads.load() << std::endl;
   std::cout << "balance ok" << std::endl;
   return 0;
 }

@@ -104,23 +104,36 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // Loading on data workers changes nothing but who loads: 0, 1 and 4 workers
-// (loads finishing out of order) give the same steps and losses, every load
-// runs on a worker when there are workers, and at most --evenstep_prefetch
-// loaded micro-batches wait (plus the one in use).
+// (loads finishing out of order), a plain load function or an
+// evenstep::Loader (which also loads each next step's micro-batches while
+// the current one finishes), give the same steps and losses. By default
+// (--evenstep_data_workers=-1) a Loader loads on workers and a plain
+// function on the training thread; at most --evenstep_prefetch loaded
+// micro-batches wait per step loading (plus the one in use).
 TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
-  std::vector<std::string> runs;
-  // The last run (-4) also loads each next step's micro-batches while the
-  // current one finishes (--evenstep_prefetch_next_step); 30 samples and a
-  // global batch of 11 make epochs of 3 steps, so steps cross epochs.
-  for (int workers : {0, 1, 4, -4}) {
-    auto results = RunHelper(
-        2, {"--evenstep_balance=work", "--evenstep_global_batch=11", "--samples=30",
-            "--evenstep_micro_batch_samples=2", "--steps=7", "--load_jitter_ms=4",
-            absl::StrCat("--evenstep_data_workers=", std::abs(workers)), "--evenstep_prefetch=2",
-            absl::StrCat("--evenstep_prefetch_next_step=", workers < 0 ? "true" : "false")});
+  struct Run {
+    std::string workers;  // --evenstep_data_workers
+    bool owned;           // an evenstep::Loader
+    bool on_workers;      // every load runs on a worker (else none)
+    bool next_step;       // the next step's loads start early
+  };
+  const std::vector<Run> runs = {{"0", false, false, false}, {"1", false, true, false},
+                                 {"4", false, true, false},  {"4", true, true, true},
+                                 {"-1", true, true, true},   {"-1", false, false, false},
+                                 {"0", true, false, false}};
+  std::vector<std::string> steps_of;
+  // 30 samples and a global batch of 11 make epochs of 3 steps, so steps
+  // cross epochs.
+  for (const Run& run : runs) {
+    const std::string what = absl::StrCat("workers ", run.workers, run.owned ? " Loader" : "");
+    auto results =
+        RunHelper(2, {"--evenstep_balance=work", "--evenstep_global_batch=11", "--samples=30",
+                      "--evenstep_micro_batch_samples=2", "--steps=7", "--load_jitter_ms=4",
+                      "--evenstep_data_workers=" + run.workers, "--evenstep_prefetch=2",
+                      absl::StrCat("--owned_loader=", run.owned)});
     std::string steps;
     for (const ProcessResult& r : results) {
-      ASSERT_EQ(r.exit_code, 0) << Describe(results);
+      ASSERT_EQ(r.exit_code, 0) << what << "\n" << Describe(results);
       EXPECT_THAT(r.output, Not(HasSubstr("ORDER MISMATCH")));
       const size_t at = r.output.find("max_ahead ");
       ASSERT_NE(at, std::string::npos) << r.output;
@@ -130,23 +143,25 @@ TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
                 3);
       // --evenstep_prefetch=2 waiting, plus as many for the next step when
       // it is loaded ahead, plus the one in use.
-      EXPECT_LE(max_ahead, (workers < 0 ? 2 * 2 : 2) + 1) << "workers " << workers;
+      EXPECT_LE(max_ahead, (run.next_step ? 2 * 2 : 2) + 1) << what;
+      if (!run.on_workers) EXPECT_EQ(max_ahead, 1) << what;
       EXPECT_GT(loads, 0);
-      EXPECT_EQ(on_workers, workers == 0 ? 0 : loads) << "workers " << workers;
+      EXPECT_EQ(on_workers, run.on_workers ? loads : 0) << what;
       // Each rank's step lines without the timing-dependent efficiency.
       for (absl::string_view line : absl::StrSplit(r.output, '\n')) {
         if (!absl::StartsWith(line, "step ") && !absl::StartsWith(line, "state ")) continue;
         steps += std::string(line.substr(0, line.find(" eff "))) + "\n";
       }
     }
-    runs.push_back(steps);
+    steps_of.push_back(steps);
   }
-  EXPECT_EQ(runs[1], runs[0]);
-  EXPECT_EQ(runs[2], runs[0]);
-  EXPECT_EQ(runs[3], runs[0]);
+  for (size_t i = 1; i < runs.size(); ++i) {
+    EXPECT_EQ(steps_of[i], steps_of[0])
+        << "workers " << runs[i].workers << " Loader " << runs[i].owned;
+  }
   // What a checkpoint would hold after the last step of epoch 0, planned
   // ahead or not.
-  EXPECT_THAT(runs[0], HasSubstr("state after step 3: epoch 0 batch 3 steps 3 next epoch 1"));
+  EXPECT_THAT(steps_of[0], HasSubstr("state after step 3: epoch 0 batch 3 steps 3 next epoch 1"));
 }
 
 // A load that throws on a data worker fails its step on every rank like a

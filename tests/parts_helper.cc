@@ -144,7 +144,21 @@ int main(int argc, char** argv) {
     std::cout << "create failed: " << es.status() << std::endl;
     return 3;
   }
-  if (!(*es)->DeclareSum("samples").ok() || !(*es)->DeclareSum("real_called_real").ok()) return 3;
+  (*es)->DeclareSum("samples");
+  (*es)->DeclareSum("real_called_real");
+  // Setup misuse: nothing is returned; the next Step fails naming it.
+  if (bad == "sum_twice") (*es)->DeclareSum("samples");
+  if (bad == "schedule_unknown_part") (*es)->ScheduleLearningRate(DLr, "critic");
+  if (bad == "sum_twice" || bad == "schedule_unknown_part") {
+    auto report =
+        (*es)->Step({[&](const evenstep::MicroBatch& mb) {
+                       std::cout << "A STEP RAN" << std::endl;
+                       return DLoss(nets, mb.samples, 0);
+                     },
+                     [&](const evenstep::MicroBatch& mb) { return GLoss(nets, mb.samples, 0); }});
+    std::cout << "setup misuse: " << report.status() << std::endl;
+    return report.ok() ? 0 : 3;
+  }
   if (bad == "undeclared_sum") {
     auto report =
         (*es)->Step({[&](const evenstep::MicroBatch& mb) {
@@ -160,10 +174,8 @@ int main(int argc, char** argv) {
     std::cout << "one loss: " << report.status() << std::endl;
     return report.ok() ? 0 : 3;
   }
-  if (!(*es)->ScheduleLearningRate(DLr, "discriminator").ok() ||
-      !(*es)->Schedule(g_decay, evenstep::Session::Every::kStep).ok()) {
-    return 3;
-  }
+  (*es)->ScheduleLearningRate(DLr, "discriminator");
+  (*es)->Schedule(g_decay, evenstep::Session::Every::kStep);
   double running = 0;  // the loop's own state: the sum of the generator's losses so far
   if ((*es)->resumed_user_state() != "{}") running = std::stod((*es)->resumed_user_state());
   (*es)->set_user_state([&running](const evenstep::StepReport& r) { running += r.part_losses[1]; },

@@ -21,6 +21,7 @@ using ::evenstep::testing::Describe;
 using ::evenstep::testing::ProcessResult;
 using ::evenstep::testing::TempDir;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::vector<ProcessResult> RunParts(int world, const std::string& run_dir,
                                     std::vector<std::string> args) {
@@ -121,6 +122,8 @@ TEST(PartsTest, MisuseIsRefusedByName) {
       {"no_part", "no model part"},
       {"one_loss", "this step has 2 model parts: Step takes one loss function per part"},
       {"undeclared_sum", "AddToSum('typo'): not declared (DeclareSum before the first step)"},
+      {"sum_twice", "DeclareSum('samples'), rank"},
+      {"schedule_unknown_part", "Session::ScheduleLearningRate"},
   };
   for (const auto& [bad, message] : cases) {
     TempDir dir("parts-bad");
@@ -128,6 +131,7 @@ TEST(PartsTest, MisuseIsRefusedByName) {
     for (const auto& r : results) {
       EXPECT_EQ(r.exit_code, 3) << bad << "\n" << Describe(results);
       EXPECT_THAT(r.output, HasSubstr(message)) << bad << "\n" << Describe(results);
+      EXPECT_THAT(r.output, Not(HasSubstr("A STEP RAN"))) << bad << "\n" << Describe(results);
     }
   }
 }

@@ -405,7 +405,7 @@ TEST_F(ResumeTest, BadFlagsAndPathsStopWithAMessageNeverACrash) {
       {"--evenstep_ckpt_dir=" + dir_ + "/ckpt/latest/sub", "/ckpt/latest/sub"},
       // Found in a user's trial: accepted, aborted or silent for minutes.
       {"--evenstep_ckpt_dir=" + dir_ + "/ckpt/latest", "(--evenstep_ckpt_dir"},
-      {"--evenstep_data_workers=100000", "--evenstep_data_workers=100000: must be in [0, 256]"},
+      {"--evenstep_data_workers=100000", "--evenstep_data_workers=100000: must be in [-1, 256]"},
       {"--evenstep_global_batch=1000000000",
        "--evenstep_global_batch=1000000000: more than the whole dataset (200 samples)"},
       {"--evenstep_cost_quadratic=1e308", "--evenstep_cost_quadratic=1e+308: must be in [0, "},

@@ -25,6 +25,7 @@
 #include <numeric>
 #include <set>
 #include <stdexcept>
+#include <thread>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -109,10 +110,10 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("BalancedStep: clip_grad_norm=", config.clip_grad_norm, ": must be >= 0"));
   }
-  if (config.data_workers < 0 || config.prefetch < 1) {
+  if (config.data_workers < BalanceConfig::kAutoDataWorkers || config.prefetch < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("BalancedStep: data_workers=", config.data_workers,
-                     " (>= 0), prefetch=", config.prefetch, " (>= 1)"));
+                     " (>= 0, or -1 = auto), prefetch=", config.prefetch, " (>= 1)"));
   }
   EVENSTEP_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(std::move(lengths), config.sampler,
                                                              config.cost, std::move(counts)));
@@ -145,8 +146,11 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
   }
-  if (step->config_.data_workers > 0) {
-    step->workers_ = std::make_unique<WorkerPool>(step->config_.data_workers);
+  const int workers = step->config_.data_workers == BalanceConfig::kAutoDataWorkers
+                          ? DefaultDataWorkers(ctx.local_world_size())
+                          : step->config_.data_workers;
+  if (workers > 0) {
+    step->workers_ = std::make_unique<WorkerPool>(workers);
     if (step->config_.pin_memory && !device.is_cpu()) {
       step->feeder_ = std::make_unique<DeviceFeeder>(device, /*pinned=*/true);
     }
@@ -178,6 +182,11 @@ std::string BalancedStep::Where() const {
       parts_.size() > 1 ? absl::StrCat(", part '", parts_[part_].spec.name, "'") : std::string());
 }
 
+int DefaultDataWorkers(int local_world_size) {
+  const int threads = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(threads / std::max(local_world_size, 1), 8, 32);
+}
+
 uint64_t MicroBatchSeed(uint64_t seed, int64_t step, int rank, int64_t micro_batch) {
   const uint64_t key[4] = {seed, static_cast<uint64_t>(step), static_cast<uint64_t>(rank),
                            static_cast<uint64_t>(micro_batch)};
@@ -205,12 +214,17 @@ void BalancedStep::StartPart(size_t k) {
   part.sync->ForgetUse();
 }
 
+absl::Status BalancedStep::PartCount(size_t losses) const {
+  if (losses == parts_.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": ", losses,
+                                                 " loss functions for ", parts_.size(),
+                                                 " model parts"));
+}
+
 absl::StatusOr<StepReport> BalancedStep::Step(const std::vector<PartLoss>& losses) {
-  if (losses.size() != parts_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": ",
-                                                   losses.size(), " loss functions for ",
-                                                   parts_.size(), " model parts"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(PartCount(losses.size()));
+  next_step_loads_ = false;
+  CancelPrefetch();
   EVENSTEP_RETURN_IF_ERROR(BeginStep());
   const std::vector<MicroBatch>& mbs = micro_batches();
   for (size_t k = 0; k < parts_.size(); ++k) {
@@ -256,7 +270,8 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
 
 void BalancedStep::CancelPrefetch() {
   carried_.reset();  // waits for the loads in flight
-  carried_data_ = carried_load_ = nullptr;
+  carried_data_ = nullptr;
+  carried_id_ = nullptr;
 }
 
 absl::Status BalancedStep::BeginStep() {
@@ -296,8 +311,7 @@ absl::Status BalancedStep::BeginStep() {
   report_.micro_batches = static_cast<int>(micro_.size());
   // Static and work plans do not depend on the exchange: the next step is
   // planned now, so that its loads can run during this one.
-  if (workers_ != nullptr && config_.prefetch_next_step &&
-      config_.planner.mode != BalanceMode::kDynamic) {
+  if (next_step_loads_ && config_.planner.mode != BalanceMode::kDynamic) {
     PlanNextStep(steps_ + 1);
   }
   report_.global_count = batch_.count;
@@ -415,6 +429,12 @@ int64_t BalancedStep::epoch() const {
   return at.step >= sampler_.steps_per_epoch() ? at.epoch + 1 : at.epoch;
 }
 
+int64_t BalancedStep::last_step_epoch() const {
+  const SamplerState at = planned_ ? planned_->sampler_before : sampler_.state();
+  if (at.step == 0) return std::max<int64_t>(at.epoch - 1, 0);
+  return at.epoch;  // also at.step == steps_per_epoch: the epoch's last step was the last
+}
+
 std::string BalancedStep::LoadFailure(size_t micro_batch, const absl::Status& error) const {
   const std::vector<int64_t>& samples = micro_[micro_batch].samples;
   constexpr size_t kNamed = 8;
@@ -522,7 +542,7 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
                            ", exchanging cost fits for the next plan");
   // Dynamic plans need the exchanged fits: with prefetching across steps the
   // next step is planned now, so that its loads can start.
-  if (workers_ != nullptr && config_.prefetch_next_step && !planned_) PlanNextStep(steps_);
+  if (next_step_loads_ && !planned_) PlanNextStep(steps_);
   report_.end = absl::Now();
   return report_;
 }

@@ -93,22 +93,25 @@ ABSL_FLAG(bool, evenstep_drop_last, false,
 ABSL_FLAG(std::string, evenstep_normalize, "samples",
           "Loss normalisation: each sample's (or token's) loss is divided by the global batch's "
           "total count of samples or tokens.");
-ABSL_FLAG(int, evenstep_data_workers, 0,
-          "Threads that load micro-batches ahead of the training thread (BalancedStep::Step's "
-          "load function; it must then be thread-safe); 0 = load on the training thread.");
-ABSL_FLAG(int, evenstep_prefetch, 2,
-          "With --evenstep_data_workers: micro-batches loaded ahead of the one computing (at most "
-          "this many wait in memory, plus the one in use).");
-ABSL_FLAG(bool, evenstep_prefetch_next_step, false,
-          "With --evenstep_data_workers: start loading the next step's micro-batches as soon as "
-          "its plan is known (end of the current step), with a copy of the load function, which "
-          "is then called after Step returns: what it refers to must outlive the training loop.");
+ABSL_FLAG(int, evenstep_data_workers, -1,
+          "Threads that load micro-batches ahead of the training thread. -1 = auto: an "
+          "evenstep::Loader (LoaderOf a torch::data dataset) on the machine's hardware threads "
+          "per local rank (8 to 32), a plain load function passed to Step on the training thread; "
+          "N > 0: both on N threads (a plain function must then be thread-safe); 0 = everything "
+          "on the training thread.");
+ABSL_FLAG(int, evenstep_prefetch, 4,
+          "With data workers: micro-batches loaded ahead of the one computing (at most this many "
+          "wait in memory, plus the one in use).");
+ABSL_FLAG(bool, evenstep_prefetch_next_step, true,
+          "With data workers and an evenstep::Loader: load the next step's micro-batches while "
+          "the current step finishes (as soon as its plan is known). The Loader owns what it "
+          "reads; a plain load function passed to Step is never called after Step returns.");
 ABSL_FLAG(double, evenstep_health_warn, 0.8,
           "Online health: name a rank (one line on rank 0, in the report) whose micro-steps have "
           "become slower than this fraction of its own best speed so far (heat, clocks, a noisy "
           "neighbour); 0 = off.");
 ABSL_FLAG(bool, evenstep_pin_memory, true,
-          "With --evenstep_data_workers and a model on an accelerator: the workers move each "
+          "With data workers and a model on an accelerator: the workers move each "
           "loaded micro-batch's CPU tensors to the model's device (page-locked staging buffers, "
           "non-blocking copies on a side stream); false = the data stays where the load function "
           "put it. No effect on a CPU model.");
@@ -360,7 +363,7 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_clip_grad_norm", config.clip_grad_norm, 0));
   // Upper bounds: a thread per worker, a micro-batch in memory per prefetch
   // slot, and costs that stay finite for lengths up to 1e6.
-  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_data_workers", config.data_workers, 0, 256));
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_data_workers", config.data_workers, -1, 256));
   EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_prefetch", config.prefetch, 1, 1024));
   EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_cost_quadratic", quadratic, 0, 1e6));
   if (config.planner.max_micro_batches > 0 &&

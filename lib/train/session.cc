@@ -189,7 +189,9 @@ TrainState Session::State() const {
     if (s.scheduler != nullptr) session["lr_schedulers"].push_back(s.count);
   }
   if (user_state_) {
-    const std::string text = user_state_();
+    // As it was right after the last step's update, like everything else
+    // the checkpoint holds (not as the loop's code after that step left it).
+    const std::string& text = loop_json_;
     nlohmann::json loop = nlohmann::json::parse(text, nullptr, false);
     // An invalid document is kept as a string: Save then stores it as is
     // rather than failing the checkpoint.
@@ -210,15 +212,23 @@ absl::StatusOr<size_t> Session::PartIndex(const std::string& part) const {
       absl::StrCat("no model part '", part, "' (the parts: ", absl::StrJoin(names, ", "), ")"));
 }
 
-absl::Status Session::ScheduleLearningRate(std::function<double(int64_t, int64_t)> lr,
-                                           const std::string& part) {
-  EVENSTEP_ASSIGN_OR_RETURN(const size_t index, PartIndex(part), "Session::ScheduleLearningRate");
-  if (!lr) return absl::InvalidArgumentError("Session::ScheduleLearningRate: no function");
-  schedules_.push_back({std::move(lr), nullptr, index, false, 0});
-  return absl::OkStatus();
+void Session::ScheduleLearningRate(std::function<double(int64_t, int64_t)> lr,
+                                   const std::string& part) {
+  absl::StatusOr<size_t> index = PartIndex(part);
+  if (!index.ok()) {
+    KeepError(Annotate(index.status(), "Session::ScheduleLearningRate"));
+  } else if (!lr) {
+    KeepError(absl::InvalidArgumentError("Session::ScheduleLearningRate: no function"));
+  } else {
+    schedules_.push_back({std::move(lr), nullptr, *index, false, 0});
+  }
 }
 
-absl::Status Session::Schedule(torch::optim::LRScheduler& scheduler, Every every) {
+void Session::Schedule(torch::optim::LRScheduler& scheduler, Every every) {
+  KeepError(AddScheduler(scheduler, every));
+}
+
+absl::Status Session::AddScheduler(torch::optim::LRScheduler& scheduler, Every every) {
   size_t registered = 0;
   for (const LrSchedule& s : schedules_) registered += s.scheduler != nullptr ? 1 : 0;
   LrSchedule schedule{nullptr, &scheduler, 0, every == Every::kEpoch, 0};
@@ -256,7 +266,7 @@ void Session::StepSchedulers(const StepReport& report) {
 }
 
 absl::StatusOr<StepReport> Session::Step(const std::vector<PartLoss>& losses) {
-  BeforeStep();
+  EVENSTEP_RETURN_IF_ERROR(BeforeStep());
   absl::StatusOr<StepReport> report = step_->Step(losses);
   if (!report.ok()) return report;
   EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
@@ -385,6 +395,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
                   << std::endl;
       }
       s->first_step_ = loaded->step + 1;
+      s->first_epoch_ = s->step_->last_step_epoch();
       s->resumed_path_ = loaded->path;
       s->last_step_ = s->last_saved_ = loaded->step;
       // Checkpoints of earlier versions hold "{}" here.
@@ -392,6 +403,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
       if (session.is_object() && session.contains("loop")) {
         s->resumed_user_state_ = session["loop"].is_string() ? session["loop"].get<std::string>()
                                                              : session["loop"].dump();
+        s->loop_json_ = s->resumed_user_state_;
       }
       if (session.is_object() && session.contains("lr_schedulers") &&
           session["lr_schedulers"].is_array()) {
@@ -479,7 +491,8 @@ absl::Status Session::LockRunDir(const std::string& given) {
       "; wait for it to end, or give this run another directory"));
 }
 
-void Session::BeforeStep() {
+absl::Status Session::BeforeStep() {
+  if (!setup_error_.ok()) return setup_error_;
   const int64_t step = last_step_ + 1, epoch = step_->epoch();
   for (const LrSchedule& s : schedules_) {
     if (!s.lr) continue;
@@ -488,6 +501,7 @@ void Session::BeforeStep() {
   }
   // Shared in this step's exchange: after it, every rank knows.
   step_->ShareAtNextExchange(kPreemptSignal, static_cast<double>(g_preempt_signal));
+  return absl::OkStatus();
 }
 
 absl::Status Session::StopForPreemption(int signal, int64_t step) {
@@ -555,6 +569,7 @@ absl::Status Session::AfterStep(StepReport* report) {
   last_report_ = *report;
   StepSchedulers(*report);
   if (user_update_) user_update_(*report);
+  if (user_state_) loop_json_ = user_state_();
   if (timeline_) timeline_->AddStep(*report);
   if (ctx_.rank() == 0) {
     for (const std::string& alert : report->health_alerts) {

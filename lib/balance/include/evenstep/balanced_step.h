@@ -62,6 +62,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <typeinfo>
@@ -77,6 +78,7 @@
 #include "evenstep/device_feed.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/loader.h"
 #include "evenstep/planner.h"
 #include "evenstep/prefetch.h"
 #include "evenstep/sampler.h"
@@ -113,18 +115,22 @@ struct BalanceConfig {
   // device speeds); empty = equal.
   std::vector<double> initial_shares;
   // Threads that run the micro-batch load function ahead of the training
-  // thread (BalancedStep::Step); 0 = load on the training thread.
-  int data_workers = 0;
-  // Micro-batches loaded ahead of the one computing (with data_workers).
-  int prefetch = 2;
-  // With data_workers: Step also loads the next step's first micro-batches
-  // ahead: with static and work balance from the start of this step (queued
-  // behind its own loads; the next plan does not depend on the exchange),
-  // with dynamic balance once this step's exchange ends. A copy of the load
-  // function does it, called after Step returns: what it refers to must
-  // outlive the BalancedStep (or call CancelPrefetch first). Memory: up to
-  // twice `prefetch` loaded micro-batches wait.
-  bool prefetch_next_step = false;
+  // thread (BalancedStep::Step). kAutoDataWorkers (the default): a Loader
+  // (loader.h) runs on DefaultDataWorkers(local ranks) threads and a plain
+  // load function on the training thread (nothing says it is thread-safe);
+  // N > 0: both run on N threads; 0: everything loads on the training thread.
+  int data_workers = kAutoDataWorkers;
+  static constexpr int kAutoDataWorkers = -1;
+  // Micro-batches loaded ahead of the one computing (with data workers).
+  int prefetch = 4;
+  // With data workers and a Loader: Step also loads the next step's
+  // micro-batches ahead: with static and work balance from the start of this
+  // step (queued behind its own loads; the next plan does not depend on the
+  // exchange), with dynamic balance once this step's exchange ends. The
+  // Loader is called after Step returns (it owns what it reads); a plain
+  // load function never is. Memory: up to twice `prefetch` loaded
+  // micro-batches wait.
+  bool prefetch_next_step = true;
   // With data_workers and a model on an accelerator: the workers also move
   // each loaded micro-batch's CPU tensors (those TensorWalk<Data> finds) to
   // the model's device, through reusable page-locked buffers and
@@ -178,6 +184,13 @@ using PartLoss = std::function<at::Tensor(const MicroBatch&)>;
 // four, stable across platforms and versions.
 uint64_t MicroBatchSeed(uint64_t seed, int64_t step, int rank, int64_t micro_batch);
 
+// The data workers of a Loader by default (BalanceConfig::kAutoDataWorkers):
+// the machine's hardware threads per local rank, at least 8 (loads mostly
+// wait on storage or a decoder, so threads beyond the cores still help: on
+// bench/input_pipeline's slow rank 4 workers left 6-13 % of the step
+// waiting for data, 8 left 0.3 %) and at most 32.
+int DefaultDataWorkers(int local_world_size);
+
 // One micro-step's timestamps (for the timeline).
 struct MicroTiming {
   absl::Time begin;     // the micro-step starts: data loading
@@ -210,6 +223,14 @@ struct StepReport {
   // The step's sums over every rank of what the loop counted (AddToSum),
   // by declared name: correct predictions, tokens, ...
   std::map<std::string, double> sums;
+  // sums.at(name); std::out_of_range naming `name` for one not declared.
+  double sum(const std::string& name) const {
+    const auto it = sums.find(name);
+    if (it == sums.end()) {
+      throw std::out_of_range("StepReport::sum('" + name + "'): no such sum (DeclareSum it)");
+    }
+    return it->second;
+  }
   // mean / max over ranks of the busy time (data + compute) before the sync.
   double balance_efficiency = 1;
   absl::Duration data, compute, sync_wait, optimizer;
@@ -279,82 +300,61 @@ class BalancedStep {
   // One optimizer step. `load(const MicroBatch&)` returns the micro-batch's
   // data (timed as data wait); `loss_sum(data)` returns the SUM of its
   // per-sample (or per-token) losses as a scalar tensor (timed as compute,
-  // with backward).
+  // with backward); `loss_sum(data, micro_batch)` when it takes both (for
+  // draws keyed by MicroBatch::epoch or ::index).
   //
-  // With --evenstep_data_workers=N > 0 (BalanceConfig::data_workers), `load`
-  // runs on N worker threads, up to --evenstep_prefetch micro-batches ahead
-  // of the training thread, while earlier micro-batches compute; the data
-  // time is then what the training thread waits. `load` must then be safe to
-  // call from several threads at once and depend only on its micro-batch
-  // (the results are used in order, so the step is the same for any N). A
-  // load that throws fails the step like a throwing callback, naming the
-  // micro-batch's samples.
+  // Where `load` runs (BalanceConfig::data_workers): a Loader (loader.h),
+  // which evenstep owns, on the data workers by default (on unless
+  // --evenstep_data_workers=0), up to --evenstep_prefetch micro-batches ahead
+  // of the training thread, and also the next step's micro-batches while
+  // this one finishes (--evenstep_prefetch_next_step); a plain function on
+  // the training thread, or on the workers with --evenstep_data_workers=N > 0
+  // (never after Step returns). On workers the data time is what the
+  // training thread waits, and `load` must be safe to call from several
+  // threads at once (a Loader runs a copy per thread) and depend only on its
+  // micro-batch: the results are used in order, so the step is the same for
+  // any number of workers. A load that throws fails the step like a
+  // throwing callback, naming the micro-batch's samples.
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
     EVENSTEP_RETURN_IF_ERROR(OnePart());
-    EVENSTEP_RETURN_IF_ERROR(BeginStep());
-    const std::vector<MicroBatch>& mbs = micro_batches();
-    if (workers_ == nullptr) {
-      for (size_t i = 0; i < mbs.size(); ++i) {
-        try {
-          auto data = load(mbs[i]);
-          DataReady();
-          EVENSTEP_RETURN_IF_ERROR(Backward(loss_sum(data)));
-        } catch (const std::exception& e) {
-          return Abandon(i, e.what());
-        }
-      }
-      return FinishStep();
-    }
-    using Data = std::decay_t<std::invoke_result_t<Load&, const MicroBatch&>>;
-    using LoadCopy = std::decay_t<Load>;
-    // This step's loads: started by the previous Step (prefetch_next_step,
-    // the same load type) for exactly these micro-batches, or now.
-    std::shared_ptr<Prefetcher<Data>> prefetch;
-    if (carried_ != nullptr && *carried_data_ == typeid(Data) &&
-        *carried_load_ == typeid(LoadCopy)) {
-      prefetch = std::static_pointer_cast<Prefetcher<Data>>(carried_);
-    }
-    CancelPrefetch();  // another load's leftovers: wait for them and drop them
-    if (prefetch == nullptr) {
-      // Destroyed before `load` and `mbs` go: it waits for the loads in flight.
-      prefetch = std::make_shared<Prefetcher<Data>>(
-          *workers_, config_.prefetch, mbs.size(),
-          [&, feeder = feeder_.get()](size_t i) -> Data { return ToDevice(feeder, load(mbs[i])); });
-    }
-    // The next step's loads, queued behind this step's (static and work
-    // plans are made at BeginStep; dynamic ones after the exchange).
-    auto start_next = [&] {
-      if constexpr (std::is_copy_constructible_v<LoadCopy> &&
-                    std::is_invocable_v<const LoadCopy&, const MicroBatch&>) {
-        if (!planned_ || carried_ != nullptr) return;
-        auto next = std::make_shared<const std::vector<MicroBatch>>(planned_->micro);
-        carried_ = std::make_shared<Prefetcher<Data>>(
-            *workers_, config_.prefetch, next->size(),
-            [next, copy = LoadCopy(load), feeder = feeder_.get()](size_t i) -> Data {
-              return ToDevice(feeder, copy((*next)[i]));
-            });
-        carried_data_ = &typeid(Data);
-        carried_load_ = &typeid(LoadCopy);
-      }
-    };
-    start_next();
-    for (size_t i = 0; i < mbs.size(); ++i) {
-      absl::StatusOr<Data> data = prefetch->Take(i);
-      if (!data.ok()) return Abandon(i, LoadFailure(i, data.status()));
-      try {
-        if constexpr (TensorWalk<Data>::kKnown) {
-          if (feeder_ != nullptr) feeder_->Adopt(TensorsIn(*data));
-        }
-        DataReady();
-        EVENSTEP_RETURN_IF_ERROR(Backward(loss_sum(*data)));
-      } catch (const std::exception& e) {
-        return Abandon(i, e.what());
-      }
-    }
-    absl::StatusOr<StepReport> report = FinishStep();
-    if (report.ok()) start_next();
-    return report;
+    const std::vector<MicroBatch>& mbs = micro_;
+    return LoadedStep(
+        std::forward<Load>(load),
+        [&](size_t i, auto& data) { return Backward(CallLoss(loss_sum, data, mbs[i])); },
+        [] { return absl::OkStatus(); });
+  }
+  // A step of every part with one Loader: each micro-batch is loaded once
+  // (as above) and `losses[k](data)` is part k's loss of it. The step's
+  // loaded micro-batches are kept until the last part has used them (the
+  // rank's share of the global batch in memory, as a plain loop holds its
+  // batch).
+  template <typename Data>
+  absl::StatusOr<StepReport> Step(
+      const Loader<Data>& loader,
+      const std::vector<std::function<at::Tensor(const Data&)>>& losses) {
+    EVENSTEP_RETURN_IF_ERROR(PartCount(losses.size()));
+    std::vector<Data> kept;
+    return LoadedStep(
+        loader,
+        [&](size_t, Data& data) {
+          kept.push_back(std::move(data));
+          return Backward(losses[0](kept.back()));
+        },
+        [&]() -> absl::Status {
+          for (size_t k = 1; k < parts_.size(); ++k) {
+            EVENSTEP_RETURN_IF_ERROR(EndPart());
+            for (size_t i = 0; i < kept.size(); ++i) {
+              try {
+                DataReady();
+                EVENSTEP_RETURN_IF_ERROR(Backward(losses[k](kept[i])));
+              } catch (const std::exception& e) {
+                return Abandon(i, e.what());
+              }
+            }
+          }
+          return absl::OkStatus();
+        });
   }
   // Sums over all ranks that every step reports (StepReport::sums) without
   // a collective of the loop's own: DeclareSum each name once, on every
@@ -395,6 +395,9 @@ class BalancedStep {
   // trains whole epochs and, resumed, goes on mid-epoch exactly where the
   // checkpoint was taken.
   int64_t epoch() const;
+  // The epoch of the last step taken (or restored from a checkpoint); 0
+  // before any.
+  int64_t last_step_epoch() const;
   // Global batches in the epoch epoch() reports (with a token budget,
   // epochs may differ by a batch).
   int64_t steps_per_epoch() const { return sampler_.steps_in_epoch(epoch()); }
@@ -430,6 +433,90 @@ class BalancedStep {
                std::unique_ptr<internal::MicroStepClock> clock);
   // FailedPrecondition when there are several parts (the two-callback Step).
   absl::Status OnePart() const;
+  // InvalidArgument unless `losses` is the number of parts.
+  absl::Status PartCount(size_t losses) const;
+  // A step whose micro-batches are loaded by `load` (see Step): `first(i,
+  // data)` runs the first part's micro-batch i; `rest()` the later parts,
+  // before the step finishes.
+  template <typename Load, typename First, typename Rest>
+  absl::StatusOr<StepReport> LoadedStep(Load&& load, First&& first, Rest&& rest) {
+    constexpr bool kOwned = IsLoader<std::decay_t<Load>>::value;
+    const bool on_workers = workers_ != nullptr && (kOwned || config_.data_workers > 0);
+    next_step_loads_ = kOwned && on_workers && config_.prefetch_next_step;
+    using Data = std::decay_t<std::invoke_result_t<Load&, const MicroBatch&>>;
+    // This step's loads, started by the previous Step for exactly these
+    // micro-batches with the same Loader, or none.
+    std::shared_ptr<Prefetcher<Data>> prefetch;
+    if constexpr (kOwned) {
+      if (carried_ != nullptr && *carried_data_ == typeid(Data) && carried_id_ == load.id()) {
+        prefetch = std::static_pointer_cast<Prefetcher<Data>>(carried_);
+      }
+    }
+    CancelPrefetch();  // another load's leftovers: wait for them and drop them
+    EVENSTEP_RETURN_IF_ERROR(BeginStep());
+    const std::vector<MicroBatch>& mbs = micro_batches();
+    if (!on_workers) {
+      for (size_t i = 0; i < mbs.size(); ++i) {
+        try {
+          Data data = load(mbs[i]);
+          DataReady();
+          EVENSTEP_RETURN_IF_ERROR(first(i, data));
+        } catch (const std::exception& e) {
+          return Abandon(i, e.what());
+        }
+      }
+      EVENSTEP_RETURN_IF_ERROR(rest());
+      return FinishStep();
+    }
+    if (prefetch == nullptr) {
+      // Destroyed before `load` and `mbs` go: it waits for the loads in flight.
+      prefetch = std::make_shared<Prefetcher<Data>>(
+          *workers_, config_.prefetch, mbs.size(),
+          [&, feeder = feeder_.get()](size_t i) -> Data { return ToDevice(feeder, load(mbs[i])); });
+    }
+    // The next step's loads, queued behind this step's (static and work
+    // plans are made at BeginStep; dynamic ones after the exchange). They
+    // hold a copy of the Loader: what it owns lives while they run.
+    auto start_next = [&] {
+      if constexpr (kOwned) {
+        if (!next_step_loads_ || !planned_ || carried_ != nullptr) return;
+        auto next = std::make_shared<const std::vector<MicroBatch>>(planned_->micro);
+        carried_ = std::make_shared<Prefetcher<Data>>(
+            *workers_, config_.prefetch, next->size(),
+            [next, copy = std::decay_t<Load>(load), feeder = feeder_.get()](size_t i) -> Data {
+              return ToDevice(feeder, copy((*next)[i]));
+            });
+        carried_data_ = &typeid(Data);
+        carried_id_ = load.id();
+      }
+    };
+    start_next();
+    for (size_t i = 0; i < mbs.size(); ++i) {
+      absl::StatusOr<Data> data = prefetch->Take(i);
+      if (!data.ok()) return Abandon(i, LoadFailure(i, data.status()));
+      try {
+        if constexpr (TensorWalk<Data>::kKnown) {
+          if (feeder_ != nullptr) feeder_->Adopt(TensorsIn(*data));
+        }
+        DataReady();
+        EVENSTEP_RETURN_IF_ERROR(first(i, *data));
+      } catch (const std::exception& e) {
+        return Abandon(i, e.what());
+      }
+    }
+    EVENSTEP_RETURN_IF_ERROR(rest());
+    absl::StatusOr<StepReport> report = FinishStep();
+    if (report.ok()) start_next();
+    return report;
+  }
+  template <typename LossSum, typename Data>
+  static at::Tensor CallLoss(LossSum& loss_sum, Data& data, const MicroBatch& mb) {
+    if constexpr (std::is_invocable_v<LossSum&, Data&, const MicroBatch&>) {
+      return loss_sum(data, mb);
+    } else {
+      return loss_sum(data);
+    }
+  }
   absl::Status Abandon(size_t micro_batch, const std::string& what);
   // The current part's sync, clipping, optimizer step and zero_grad.
   absl::Status ApplyPart();
@@ -483,7 +570,10 @@ class BalancedStep {
   // A Prefetcher<Data> already loading the planned step, and its types.
   std::shared_ptr<void> carried_;
   const std::type_info* carried_data_ = nullptr;
-  const std::type_info* carried_load_ = nullptr;
+  const void* carried_id_ = nullptr;  // the Loader it loads with
+  // This Step loads the next step's micro-batches ahead (a Loader on the
+  // data workers, BalanceConfig::prefetch_next_step).
+  bool next_step_loads_ = false;
   CostModel cost_model_;
   Planner planner_;
 

@@ -75,6 +75,12 @@ struct SamplerOptions {
   int64_t streams = 0;
 };
 
+// Lengths for samples that all cost the same (images, fixed-size records):
+// `n` ones. With them, work and dynamic balancing split by sample counts.
+inline std::vector<int64_t> UniformLengths(int64_t n) {
+  return std::vector<int64_t>(n > 0 ? static_cast<size_t>(n) : 0, 1);
+}
+
 struct MicroBatch {
   std::vector<int64_t> samples;  // dataset indices, longest first
   int64_t tokens = 0;            // sum of lengths

@@ -6,17 +6,23 @@
 //   auto dataset = MyDataset(...).map(torch::data::transforms::Stack<>());
 //   auto lengths = evenstep::UniformLengths(*dataset.size());  // or real lengths
 //   auto es = evenstep::Session::Create(*ctx, *model, optimizer, lengths, run_dir);
+//   auto batches = evenstep::LoaderOf(dataset);
 //   while ((*es)->epoch() < epochs) {
-//     auto report = (*es)->Step(evenstep::BatchesOf(dataset),
-//                               [&](const torch::data::Example<>& batch) {
-//                                 return torch::nll_loss(model->forward(batch.data), batch.target);
-//                               });  // a MEAN: run with --evenstep_loss_reduction=mean
+//     auto report = (*es)->Step(batches, [&](const torch::data::Example<>& batch) {
+//       return torch::nll_loss(model->forward(batch.data), batch.target);
+//     });  // a MEAN: run with --evenstep_loss_reduction=mean
 //   }
 //
 // The micro-batch's sample indices (int64_t) become the dataset's size_t
-// indices; get_batch runs on --evenstep_data_workers threads when set (like
-// torch::data's own workers, it must then be safe to call concurrently). This
-// header includes torch/data; nothing else of evenstep does.
+// indices. LoaderOf copies the dataset into an evenstep::Loader (loader.h):
+// like torch::data's DataLoader with workers, each data worker calls
+// get_batch on a copy of its own, so the loads run on the data workers and
+// ahead into the next step by default (a torch::data dataset copies cheaply:
+// its tensors share their storage). BatchesOf(dataset) instead refers to the
+// caller's dataset: loaded on the training thread, or with
+// --evenstep_data_workers=N > 0 on N threads calling get_batch on that one
+// dataset concurrently. This header includes torch/data; nothing else of
+// evenstep does.
 #pragma once
 
 #include <torch/data/datasets/base.h>
@@ -26,15 +32,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "evenstep/loader.h"
 #include "evenstep/sampler.h"
 
 namespace evenstep {
-
-// Lengths for samples that all cost the same (images, fixed-size records):
-// `n` ones. With them, work and dynamic balancing split by sample counts.
-inline std::vector<int64_t> UniformLengths(int64_t n) {
-  return std::vector<int64_t>(n > 0 ? static_cast<size_t>(n) : 0, 1);
-}
 
 // The size of a torch::data dataset: FailedPrecondition for one without a
 // size (a stream-style dataset, which evenstep's sampler cannot index).
@@ -49,7 +50,7 @@ absl::StatusOr<int64_t> DatasetSize(const Dataset& dataset) {
   return static_cast<int64_t>(*size);
 }
 
-// The load function for Step: dataset.get_batch(the micro-batch's samples).
+// A load function for Step: dataset.get_batch(the micro-batch's samples).
 // The dataset must outlive the returned function.
 template <typename Dataset>
 auto BatchesOf(Dataset& dataset) {
@@ -57,6 +58,15 @@ auto BatchesOf(Dataset& dataset) {
     std::vector<size_t> indices(mb.samples.begin(), mb.samples.end());
     return dataset.get_batch(indices);
   };
+}
+
+// The Loader of a copy of `dataset` (see the top of this file): made once,
+// before the loop, and passed to every Step.
+template <typename Dataset>
+auto LoaderOf(Dataset dataset) {
+  return Loader([dataset = std::move(dataset)](const MicroBatch& mb) mutable {
+    return BatchesOf(dataset)(mb);
+  });
 }
 
 }  // namespace evenstep

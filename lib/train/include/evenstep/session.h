@@ -73,6 +73,19 @@ class Session {
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir = "",
                                                          std::vector<double> counts = {});
+  // Samples that all cost the same (images): their number instead of their
+  // lengths (UniformLengths).
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::vector<ModelPart> parts,
+                                                         int64_t samples,
+                                                         const std::string& run_dir = "") {
+    return Create(std::move(parts), UniformLengths(samples), run_dir);
+  }
+  static absl::StatusOr<std::unique_ptr<Session>> Create(torch::nn::Module& model,
+                                                         torch::optim::Optimizer& optimizer,
+                                                         int64_t samples,
+                                                         const std::string& run_dir = "") {
+    return Create(model, optimizer, UniformLengths(samples), run_dir);
+  }
   // One model, on a DistContext the Session creates and owns.
   static absl::StatusOr<std::unique_ptr<Session>> Create(torch::nn::Module& model,
                                                          torch::optim::Optimizer& optimizer,
@@ -87,13 +100,17 @@ class Session {
   int rank() const;
   int world_size() const;
 
+  // Setup before the first step: ScheduleLearningRate, Schedule, DeclareSum
+  // and Keep return nothing; a misuse (an unknown part, a sum declared
+  // twice or after the first step, a scheduler that cannot be replayed)
+  // makes the next Step return the error, naming the call, and run nothing.
+  //
   // The learning rate of every parameter group of `part`'s optimizer (""
   // = the first part) set to lr(step, epoch) before each step (step 1-based,
   // epoch 0-based, as epoch() reports): a pure function of the step, so a
-  // resumed run has the uninterrupted run's rates. InvalidArgument for an
-  // unknown part.
-  absl::Status ScheduleLearningRate(std::function<double(int64_t step, int64_t epoch)> lr,
-                                    const std::string& part = "");
+  // resumed run has the uninterrupted run's rates.
+  void ScheduleLearningRate(std::function<double(int64_t step, int64_t epoch)> lr,
+                            const std::string& part = "");
   // A libtorch scheduler (torch::optim::StepLR or another LRScheduler)
   // stepped after every step (kStep) or after each epoch's last step
   // (kEpoch), as the plain loop does. Its count of steps is checkpointed: on
@@ -101,13 +118,17 @@ class Session {
   // schedule goes on where it stopped. Register schedulers in the same order
   // in every run.
   enum class Every { kStep, kEpoch };
-  absl::Status Schedule(torch::optim::LRScheduler& scheduler, Every every);
+  void Schedule(torch::optim::LRScheduler& scheduler, Every every);
   // The loop's own state (running metrics, counters), saved with every
   // checkpoint. `update(report)` runs inside Step after every completed step,
   // before that step's checkpoint (also the one a preemption takes, whose
   // Step then returns CANCELLED): update the state from the report there,
   // not after Step returns, or a checkpoint misses its own step. `save()`
-  // returns the state as JSON when a checkpoint is taken. After a resume,
+  // returns the state as JSON; it runs right after every update (keep the
+  // state small: metrics, counters), so that a checkpoint of step N, also
+  // one taken later by Finish or Checkpoint, holds the state as step N left
+  // it and not as the loop's code after Step changed it (an epoch's end
+  // resetting its metrics: see first_epoch). After a resume,
   // resumed_user_state() is what the checkpoint held ("{}" if none).
   void set_user_state(std::function<void(const StepReport&)> update,
                       std::function<std::string()> save) {
@@ -115,6 +136,16 @@ class Session {
     user_state_ = std::move(save);
   }
   const std::string& resumed_user_state() const { return resumed_user_state_; }
+  // The same for a state object with `std::string Json() const` and
+  // `void Restore(const std::string& json)`: restored now from the resumed
+  // checkpoint (when there is one), saved with every checkpoint, and
+  // updated by `update(report)` after every step. `state` must outlive the
+  // Session.
+  template <typename State>
+  void Keep(State& state, std::function<void(const StepReport&)> update) {
+    if (resumed_user_state_ != "{}") state.Restore(resumed_user_state_);
+    set_user_state(std::move(update), [&state] { return std::string(state.Json()); });
+  }
   // Stream mode (--evenstep_streams=S): per-stream state the loop keeps in
   // `*state`, a tensor whose dimension `stream_dim` has size S (an LSTM's
   // hidden state [layers, S, hidden]); a rank reads and writes only the
@@ -130,7 +161,7 @@ class Session {
   // Step sums over all ranks (StepReport::sums; see BalancedStep::DeclareSum):
   // declare before the first step, add inside the loss functions; each sum
   // is also logged as a metric under its name.
-  absl::Status DeclareSum(const std::string& name) { return step_->DeclareSum(name); }
+  void DeclareSum(const std::string& name) { KeepError(step_->DeclareSum(name)); }
   void AddToSum(const std::string& name, double value) { step_->AddToSum(name, value); }
   void AddToSum(const std::string& name, const at::Tensor& value) { step_->AddToSum(name, value); }
   // The last step's report, also when Step returned CANCELLED for a
@@ -141,6 +172,16 @@ class Session {
   int64_t first_step() const { return first_step_; }
   // The epoch of the next step (BalancedStep::epoch): restored on resume.
   int64_t epoch() const;
+  // Where a loop over epochs starts: the epoch of the last step the resumed
+  // checkpoint holds (0 in a fresh run). In
+  //   for (int64_t e = es->first_epoch(); e < epochs; ++e) {
+  //     while (es->epoch() == e) es->Step(...);
+  //     ... the end of epoch e (printing its figures, evaluating) ...
+  //   }
+  // a run resumed right after an epoch's last step still runs that
+  // epoch's end (which no checkpoint holds), and a run resumed mid-epoch
+  // goes on inside it.
+  int64_t first_epoch() const { return first_epoch_; }
   BalancedStep& balanced_step() { return *step_; }
 
   // One step (see BalancedStep::Step), then: timeline, log of loss and
@@ -153,7 +194,7 @@ class Session {
   // the next run resumes at the following step.
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
-    BeforeStep();
+    EVENSTEP_RETURN_IF_ERROR(BeforeStep());
     absl::StatusOr<StepReport> report =
         step_->Step(std::forward<Load>(load), std::forward<LossSum>(loss_sum));
     if (!report.ok()) return report;
@@ -166,6 +207,18 @@ class Session {
   // A step of a Session with several model parts: `losses[k]` is part k's
   // loss of a micro-batch (BalancedStep::Step with PartLoss).
   absl::StatusOr<StepReport> Step(const std::vector<PartLoss>& losses);
+  // The same with one Loader: each micro-batch loaded once, `losses[k](data)`
+  // part k's loss of it (BalancedStep::Step with a Loader and losses).
+  template <typename Data>
+  absl::StatusOr<StepReport> Step(
+      const Loader<Data>& loader,
+      const std::vector<std::function<at::Tensor(const Data&)>>& losses) {
+    EVENSTEP_RETURN_IF_ERROR(BeforeStep());
+    absl::StatusOr<StepReport> report = step_->Step(loader, losses);
+    if (!report.ok()) return report;
+    EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
+    return report;
+  }
   template <typename LossSum>
   absl::StatusOr<StepReport> Step(LossSum&& loss_sum) {
     return Step([](const MicroBatch& mb) -> const MicroBatch* { return &mb; },
@@ -215,10 +268,18 @@ class Session {
   // state and the schedulers' counts.
   TrainState State() const;
   absl::Status AfterStep(StepReport* report);
+  absl::Status AddScheduler(torch::optim::LRScheduler& scheduler, Every every);
   // The schedulers' steps after `report`'s step.
   void StepSchedulers(const StepReport& report);
   absl::StatusOr<size_t> PartIndex(const std::string& part) const;
-  void BeforeStep();
+  // Keeps the first setup error for the next Step.
+  void KeepError(const absl::Status& status) {
+    if (setup_error_.ok()) setup_error_ = status;
+  }
+  absl::Status setup_error_;
+  // The setup's error (see DeclareSum), else OK after setting the
+  // scheduled learning rates.
+  absl::Status BeforeStep();
   absl::Status StopForPreemption(int signal, int64_t step);
   absl::Status LockRunDir(const std::string& run_dir);
   // Reports the outcome of the save of `step` (a line when it failed).
@@ -238,6 +299,8 @@ class Session {
   std::function<void(const StepReport&)> user_update_;
   std::function<std::string()> user_state_;
   std::string resumed_user_state_ = "{}";
+  // save()'s document after the last step's update (what checkpoints hold).
+  std::string loop_json_ = "{}";
   StepReport last_report_;
   struct StreamState {
     std::string name;
@@ -251,6 +314,7 @@ class Session {
   std::unique_ptr<Timeline> timeline_;
   std::unique_ptr<MetricsLogger> metrics_;
   int64_t first_step_ = 1;
+  int64_t first_epoch_ = 0;
   int64_t last_step_ = 0;
   int64_t last_saved_ = 0;
   bool created_ = false;  // Create finished: every part exists
