@@ -146,16 +146,22 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
   }
-  const int workers = step->config_.data_workers == BalanceConfig::kAutoDataWorkers
-                          ? DefaultDataWorkers(ctx.local_world_size())
-                          : step->config_.data_workers;
-  if (workers > 0) {
-    step->workers_ = std::make_unique<WorkerPool>(workers);
-    if (step->config_.pin_memory && !device.is_cpu()) {
-      step->feeder_ = std::make_unique<DeviceFeeder>(device, /*pinned=*/true);
-    }
-  }
+  // Asked-for workers start now; the default ones with the first Loader.
+  if (step->config_.data_workers > 0) step->StartWorkers();
   return step;
+}
+
+void BalancedStep::StartWorkers() {
+  if (workers_ != nullptr) return;
+  const int n = config_.data_workers == BalanceConfig::kAutoDataWorkers
+                    ? DefaultDataWorkers(ctx_.local_world_size())
+                    : config_.data_workers;
+  if (n <= 0) return;
+  workers_ = std::make_unique<WorkerPool>(n);
+  const c10::Device device = ModelDevice(*parts_[0].spec.module);
+  if (config_.pin_memory && !device.is_cpu()) {
+    feeder_ = std::make_unique<DeviceFeeder>(device, /*pinned=*/true);
+  }
 }
 
 BalancedStep::BalancedStep(DistContext& ctx, std::vector<Part> parts, Sampler sampler,

@@ -433,6 +433,9 @@ class BalancedStep {
                std::unique_ptr<internal::MicroStepClock> clock);
   // FailedPrecondition when there are several parts (the two-callback Step).
   absl::Status OnePart() const;
+  // Starts the data workers (BalanceConfig::data_workers) unless running
+  // or none are wanted.
+  void StartWorkers();
   // InvalidArgument unless `losses` is the number of parts.
   absl::Status PartCount(size_t losses) const;
   // A step whose micro-batches are loaded by `load` (see Step): `first(i,
@@ -441,6 +444,7 @@ class BalancedStep {
   template <typename Load, typename First, typename Rest>
   absl::StatusOr<StepReport> LoadedStep(Load&& load, First&& first, Rest&& rest) {
     constexpr bool kOwned = IsLoader<std::decay_t<Load>>::value;
+    if (kOwned) StartWorkers();
     const bool on_workers = workers_ != nullptr && (kOwned || config_.data_workers > 0);
     next_step_loads_ = kOwned && on_workers && config_.prefetch_next_step;
     using Data = std::decay_t<std::invoke_result_t<Load&, const MicroBatch&>>;
