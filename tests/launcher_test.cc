@@ -133,6 +133,29 @@ TEST(LauncherTest, ForwardsSigtermToEveryRank) {
   EXPECT_THAT(result.output, HasSubstr("[1] got SIGTERM"));
 }
 
+// A rank of a program linked with evenstep that gets the preemption signal
+// before any Session exists (here: before its rendezvous) has no step of
+// this run to save: it says so and exits 83 at once, and so does the
+// launcher (not 128 + SIGTERM: the scheduler sees a preemption to requeue).
+TEST(LauncherTest, APreemptionBeforeTheSessionExitsAt83WithNothingToSave) {
+  for (int sig : {SIGTERM, SIGUSR1}) {
+    PidDir pids;
+    Subprocess run(ProcessSpec{Launch(2, {EVENSTEP_RANK_HELPER, "hang"}),
+                               {{"EVENSTEP_TEST_PID_DIR", pids.path()}}});
+    ASSERT_TRUE(pids.WaitForAll(2, kHangBound));
+    ASSERT_EQ(kill(run.pid(), sig), 0);
+    ProcessResult result = run.Wait(kHangBound);
+    ASSERT_FALSE(result.timed_out) << result.output;
+    EXPECT_EQ(result.exit_code, 83) << "signal " << sig << "\n" << result.output;
+    for (const char* rank : {"[0] ", "[1] "}) {
+      EXPECT_THAT(result.output,
+                  HasSubstr(absl::StrCat(rank, "[evenstep] signal ", sig,
+                                         " outside a Session: no step of this run in progress")))
+          << result.output;
+    }
+  }
+}
+
 TEST(LauncherTest, ForwardedSignalGivesTheRanksTheGraceToSaveThenExits83) {
   // Each rank takes 4 s to "save" after SIGTERM (beyond the old fixed 3 s)
   // and exits with kPreemptedExitCode; the launcher waits (--grace 60s) and

@@ -1,6 +1,7 @@
 // Launcher environment conventions; see launch_env.h.
 #include "evenstep/launch_env.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -30,6 +31,39 @@ const bool kStdoutLineBuffered = [] {
     return false;
   }
   return setvbuf(stdout, nullptr, _IOLBF, BUFSIZ) == 0;
+}();
+
+// A rank started by a launcher that gets SIGTERM or SIGUSR1 (the default
+// --evenstep_preempt_signals) before its Session installs its own handlers
+// (while torch loads, during the rendezvous, while the model is built) has
+// run no step of this run: nothing is lost, and the rerun resumes from the
+// last checkpoint. It exits at once with kPreemptedExitCode, saying so, so
+// that the launcher and the scheduler see a preemption rather than a rank
+// killed by a signal (128 + 15). A handler the program installed itself is
+// kept (only the default action is replaced), and the Session's handlers
+// replace this one while it exists.
+extern "C" void ExitPreemptedBeforeSession(int sig) {
+  char line[] =
+      "[evenstep] signal 00 outside a Session: no step of this run in progress, nothing to save; "
+      "exiting 83 (preempted)\n";
+  line[18] = static_cast<char>('0' + sig / 10 % 10);
+  line[19] = static_cast<char>('0' + sig % 10);
+  ssize_t ignored = write(STDERR_FILENO, line, sizeof(line) - 1);
+  (void)ignored;
+  _exit(kPreemptedExitCode);
+}
+
+const bool kEarlyPreemptExit = [] {
+  if (std::getenv("RANK") == nullptr) return false;
+  for (int sig : {SIGTERM, SIGUSR1}) {
+    struct sigaction old {};
+    if (sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
+    struct sigaction action {};
+    action.sa_handler = ExitPreemptedBeforeSession;
+    sigemptyset(&action.sa_mask);
+    sigaction(sig, &action, nullptr);
+  }
+  return true;
 }();
 
 constexpr int kDefaultMasterPort = 29500;
