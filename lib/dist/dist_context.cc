@@ -36,6 +36,7 @@
 #include "evenstep/internal/c10d_compat.h"
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/gloo_address.h"
 #include "evenstep/internal/store_server.h"
 #include "evenstep/status_macros.h"
 
@@ -63,10 +64,6 @@ namespace {
 
 std::vector<uint8_t> Bytes(absl::string_view s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string Text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-
-bool IsLoopback(const std::string& host) {
-  return host.empty() || absl::StartsWith(host, "127.") || host == "localhost" || host == "::1";
-}
 
 c10d::ReduceOp ToC10d(ReduceOp op) {
   switch (op) {
@@ -275,16 +272,39 @@ absl::Status DistContext::Rendezvous() {
   return absl::OkStatus();
 }
 
-std::string DistContext::GlooDevice() const {
+absl::StatusOr<std::string> DistContext::GlooDevice() const {
+  internal::GlooAddressInputs in;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  in.host = host;
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-    return absl::StrCat("if:", ifname);
+    in.ifname = ifname;
+    in.ifname_loopback = internal::IsLoopbackInterface(in.ifname);
   }
-  if (env_.world_size == 1 || IsLoopback(env_.master_addr)) return "127.0.0.1";
-  return "";
+  in.master_addr = env_.master_addr;
+  in.world_size = env_.world_size;
+  in.local_world_size = env_.local_world_size;
+  if (env_.world_size > 1) {
+    absl::StatusOr<std::string> route =
+        internal::LocalAddressTowards(env_.master_addr, env_.master_port);
+    if (route.ok()) {
+      in.route_address = *route;
+    } else {
+      in.route_error = std::string(route.status().message());
+    }
+    in.interfaces = internal::UpInterfaceAddresses();
+  }
+  return internal::ChooseGlooAddress(in);
 }
 
 absl::Status DistContext::CreateGroups() {
-  const std::string device = GlooDevice();
+  absl::StatusOr<std::string> chosen = GlooDevice();
+  if (!chosen.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", env_.rank, ": ", chosen.status().message()));
+  }
+  gloo_device_ = *chosen;
+  const std::string& device = gloo_device_;
   const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
   try {
     groups_->control =
@@ -573,7 +593,7 @@ absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewSubgroup(const std::st
     impl->group = compat::MakeGlooGroup(
         compat::MakePrefixStore(absl::StrCat("evenstep/sub/", name), groups_->store), index,
         static_cast<int>(ranks.size()), internal::ToChronoMillis(options_.collective_timeout),
-        GlooDevice());
+        gloo_device_);
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": creating subgroup ", name,
                                                " (ranks ", absl::StrJoin(ranks, ","),

@@ -166,8 +166,10 @@ class DistContext {
   absl::Status Connect();
   absl::Status Rendezvous();
   absl::Status CreateGroups();
-  // The Gloo transport device: GLOO_SOCKET_IFNAME, loopback, or the default.
-  std::string GlooDevice() const;
+  // The Gloo transport device: GLOO_SOCKET_IFNAME, loopback, or the address
+  // that reaches MASTER_ADDR (internal::ChooseGlooAddress).
+  absl::StatusOr<std::string> GlooDevice() const;
+  std::string gloo_device_;  // GlooDevice()'s choice, for the subgroups too
   template <typename Launch>
   absl::Status Run(const std::string& what, Launch&& launch);
   // OK, or the failure that made the groups unusable, for `what`.

@@ -1,0 +1,107 @@
+// Ranks on separate hosts, simulated with network namespaces
+// (tests/testing/netns.h): each host's own name on 127.0.1.1, as a Debian or
+// Ubuntu /etc/hosts has it, one rank per host, and MASTER_ADDR set to the
+// first host's NAME (what people type) without GLOO_SOCKET_IFNAME. Gloo must
+// bind to the address that reaches the master, not to loopback: the group
+// forms and its collectives are exact. Skipped with the reason where
+// namespaces cannot be made (no root, no `ip`).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "evenstep/internal/store_server.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/netns.h"
+#include "tests/testing/subprocess.h"
+
+namespace evenstep {
+namespace {
+
+using ::evenstep::testing::ProcessSpec;
+using ::evenstep::testing::SimulatedCluster;
+using ::testing::HasSubstr;
+
+// The torchrun variables of rank `rank`, one rank per host, the store hosted
+// by the test inside host 0 (port from the OS there).
+std::vector<std::pair<std::string, std::string>> RankEnv(const SimulatedCluster& cluster, int rank,
+                                                         int port) {
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(cluster.hosts())},
+          {"LOCAL_RANK", "0"},
+          {"LOCAL_WORLD_SIZE", "1"},
+          {"MASTER_ADDR", cluster.name(0)},
+          {"MASTER_PORT", std::to_string(port)},
+          {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+          {"OMP_NUM_THREADS", "1"}};
+}
+
+// The c10d store, served from inside host `k` (its socket made there, port
+// from the OS), or null.
+std::unique_ptr<internal::StoreServer> HostStoreIn(const SimulatedCluster& cluster, int k) {
+  std::unique_ptr<internal::StoreServer> store;
+  absl::Status entered = cluster.InHost(k, [&] {
+    auto started = internal::StoreServer::Start(0);
+    if (started.ok()) store = std::move(*started);
+  });
+  return entered.ok() ? std::move(store) : nullptr;
+}
+
+TEST(MultiHostTest, HostNamesOnLoopbackStillFormAGroupWithExactCollectives) {
+  for (int hosts : {2, 3}) {
+    auto cluster = SimulatedCluster::Create(hosts);
+    if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+    std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+    ASSERT_NE(store, nullptr);
+    std::vector<ProcessSpec> specs;
+    for (int r = 0; r < hosts; ++r) {
+      specs.push_back((*cluster)->On(r,
+                                     {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=30s",
+                                      "--evenstep_timeout=30s", "collectives"},
+                                     RankEnv(**cluster, r, store->port())));
+    }
+    const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2));
+    for (int r = 0; r < hosts; ++r) {
+      EXPECT_FALSE(results[r].timed_out) << hosts << " hosts\n" << results[r].output;
+      EXPECT_EQ(results[r].exit_code, 0) << hosts << " hosts\n" << results[r].output;
+      EXPECT_THAT(results[r].output,
+                  HasSubstr(absl::StrCat("collectives ok: rank ", r, " of ", hosts)));
+    }
+  }
+}
+
+// Loopback asked for (GLOO_SOCKET_IFNAME=lo) in a job across hosts: what
+// the old default did silently (one rank refused, the other waiting for
+// Gloo's connect timeout). Every rank stops at once, naming the variable,
+// the host and what to set.
+TEST(MultiHostTest, GlooOnLoopbackAcrossHostsIsRefusedNamingTheFix) {
+  auto cluster = SimulatedCluster::Create(2);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+  ASSERT_NE(store, nullptr);
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    auto env = RankEnv(**cluster, r, store->port());
+    env.emplace_back("GLOO_SOCKET_IFNAME", "lo");
+    specs.push_back((*cluster)->On(r,
+                                   {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=5s",
+                                    "--evenstep_timeout=5s", "collectives"},
+                                   env));
+  }
+  const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << results[r].output;
+    EXPECT_NE(results[r].exit_code, 0) << results[r].output;
+    EXPECT_THAT(results[r].output,
+                HasSubstr(absl::StrCat("rank ", r, ": host ", (*cluster)->name(r),
+                                       ": GLOO_SOCKET_IFNAME=lo is a loopback interface but the "
+                                       "job spans hosts (2 ranks, 1 on this host)")))
+        << results[r].output;
+    EXPECT_THAT(results[r].output, HasSubstr("set MASTER_ADDR to an address the other hosts reach"))
+        << results[r].output;
+  }
+}
+
+}  // namespace
+}  // namespace evenstep
