@@ -23,10 +23,11 @@ using ::evenstep::testing::ProcessSpec;
 using ::evenstep::testing::SimulatedCluster;
 using ::testing::HasSubstr;
 
+using Env = std::vector<std::pair<std::string, std::string>>;
+
 // The torchrun variables of rank `rank`, one rank per host, the store hosted
 // by the test inside host 0 (port from the OS there).
-std::vector<std::pair<std::string, std::string>> RankEnv(const SimulatedCluster& cluster, int rank,
-                                                         int port) {
+Env RankEnv(const SimulatedCluster& cluster, int rank, int port) {
   return {{"RANK", std::to_string(rank)},
           {"WORLD_SIZE", std::to_string(cluster.hosts())},
           {"LOCAL_RANK", "0"},
@@ -34,6 +35,33 @@ std::vector<std::pair<std::string, std::string>> RankEnv(const SimulatedCluster&
           {"MASTER_ADDR", cluster.name(0)},
           {"MASTER_PORT", std::to_string(port)},
           {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+          {"OMP_NUM_THREADS", "1"}};
+}
+
+// What srun gives rank `rank` (one task per node): the master is the first
+// host of the node list and rank 0 hosts the store on the port derived from
+// the job id. A fixed port is safe here: nothing else lives in these
+// namespaces.
+Env SlurmEnv(const SimulatedCluster& cluster, int rank) {
+  const int n = cluster.hosts();
+  return {{"SLURM_PROCID", std::to_string(rank)},
+          {"SLURM_NTASKS", std::to_string(n)},
+          {"SLURM_LOCALID", "0"},
+          {"SLURM_NODEID", std::to_string(rank)},
+          {"SLURM_TASKS_PER_NODE", absl::StrCat("1(x", n, ")")},
+          {"SLURM_JOB_NODELIST", absl::StrCat("node-[0-", n - 1, "]")},
+          {"SLURM_JOB_ID", "4242"},
+          {"OMP_NUM_THREADS", "1"}};
+}
+
+// What `mpirun -x MASTER_ADDR=node-0 -x MASTER_PORT=...` gives rank `rank`.
+Env MpirunEnv(const SimulatedCluster& cluster, int rank) {
+  return {{"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
+          {"OMPI_COMM_WORLD_SIZE", std::to_string(cluster.hosts())},
+          {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+          {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
+          {"MASTER_ADDR", cluster.name(0)},
+          {"MASTER_PORT", "29611"},
           {"OMP_NUM_THREADS", "1"}};
 }
 
@@ -67,6 +95,30 @@ TEST(MultiHostTest, HostNamesOnLoopbackStillFormAGroupWithExactCollectives) {
       EXPECT_EQ(results[r].exit_code, 0) << hosts << " hosts\n" << results[r].output;
       EXPECT_THAT(results[r].output,
                   HasSubstr(absl::StrCat("collectives ok: rank ", r, " of ", hosts)));
+    }
+  }
+}
+
+// The same under srun's and mpirun's conventions, where rank 0 hosts the
+// store itself (bound on every address of host 0, reached over loopback by
+// rank 0 and over the link by the others).
+TEST(MultiHostTest, SrunAndMpirunConventionsAcrossHosts) {
+  auto cluster = SimulatedCluster::Create(2);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  for (const char* launcher : {"srun", "mpirun"}) {
+    std::vector<ProcessSpec> specs;
+    for (int r = 0; r < 2; ++r) {
+      specs.push_back((*cluster)->On(
+          r,
+          {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=30s", "--evenstep_timeout=30s",
+           "collectives"},
+          std::string(launcher) == "srun" ? SlurmEnv(**cluster, r) : MpirunEnv(**cluster, r)));
+    }
+    const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(results[r].exit_code, 0) << launcher << "\n" << results[r].output;
+      EXPECT_THAT(results[r].output, HasSubstr(absl::StrCat("collectives ok: rank ", r, " of 2")))
+          << launcher;
     }
   }
 }
