@@ -5,7 +5,9 @@
 // bind to the address that reaches the master, not to loopback: the group
 // forms and its collectives are exact. Skipped with the reason where
 // namespaces cannot be made (no root, no `ip`).
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/netns.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
@@ -121,6 +124,45 @@ TEST(MultiHostTest, SrunAndMpirunConventionsAcrossHosts) {
           << launcher;
     }
   }
+}
+
+// The preflight across hosts (plumbing; its verdicts on timings are tested
+// with injected figures in preflight_test): 2 ranks on each of 2 hosts, the
+// nodes are the hosts' own names, and the within-node and cross-node
+// all-reduce groups both measure.
+TEST(MultiHostTest, PreflightSeesTheHostsAsNodesAndMeasuresAcrossThem) {
+  auto cluster = SimulatedCluster::Create(2);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+  ASSERT_NE(store, nullptr);
+  evenstep::testing::TempDir dir("evenstep_multihost");
+  const std::string json = dir.path() + "/preflight.json";
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 4; ++r) {
+    Env env = RankEnv(**cluster, r, store->port());
+    for (auto& [name, value] : env) {
+      if (name == "WORLD_SIZE") value = "4";
+      if (name == "LOCAL_RANK") value = std::to_string(r % 2);
+      if (name == "LOCAL_WORLD_SIZE") value = "2";
+    }
+    specs.push_back((*cluster)->On(r / 2,
+                                   {EVENSTEP_PREFLIGHT, "--quick", "--json=" + json,
+                                    "--evenstep_rendezvous_timeout=60s", "--evenstep_timeout=60s"},
+                                   env));
+  }
+  const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(4));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << results[r].output;
+    // 3: an outlier named on this shared machine's timings; still a full run.
+    EXPECT_TRUE(results[r].exit_code == 0 || results[r].exit_code == 3) << results[r].output;
+  }
+  EXPECT_THAT(results[0].output, HasSubstr("4 ranks on 2 nodes")) << results[0].output;
+  std::ifstream in(json);
+  const nlohmann::json report = nlohmann::json::parse(in, nullptr, false);
+  ASSERT_TRUE(report.is_object()) << results[0].output;
+  EXPECT_EQ(report["nodes"], nlohmann::json::array({"node-0", "node-0", "node-1", "node-1"}));
+  EXPECT_GT(report["group"]["local_busbw_gbps"].get<double>(), 0);
+  EXPECT_GT(report["group"]["cross_node_busbw_gbps"].get<double>(), 0);
 }
 
 // Loopback asked for (GLOO_SOCKET_IFNAME=lo) in a job across hosts: what
