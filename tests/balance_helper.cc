@@ -323,47 +323,46 @@ int main(int argc, char** argv) {
       }
       return load_samples(mb);
     };
-    auto loss =
-        [&](const Loaded& batch) {
-          const std::vector<int64_t>& samples = batch.first;
-          const std::vector<torch::Tensor>* inputs = nullptr;
-          if (absl::GetFlag(FLAGS_load_tensors)) {
-            for (size_t k = 0; k < samples.size(); ++k) {
-              const torch::Tensor& t = batch.second[k];
-              if (t.device() != data.x[0].device() || !torch::equal(t, data.x[samples[k]])) {
-                std::cout << "FEED MISMATCH at step " << s << ": sample " << samples[k] << " on "
-                          << t.device() << std::endl;
-                throw std::runtime_error("a loaded tensor did not arrive intact");
-              }
-            }
-            inputs = &batch.second;
+    auto loss = [&](const Loaded& batch) {
+      const std::vector<int64_t>& samples = batch.first;
+      const std::vector<torch::Tensor>* inputs = nullptr;
+      if (absl::GetFlag(FLAGS_load_tensors)) {
+        for (size_t k = 0; k < samples.size(); ++k) {
+          const torch::Tensor& t = batch.second[k];
+          if (t.device() != data.x[0].device() || !torch::equal(t, data.x[samples[k]])) {
+            std::cout << "FEED MISMATCH at step " << s << ": sample " << samples[k] << " on "
+                      << t.device() << std::endl;
+            throw std::runtime_error("a loaded tensor did not arrive intact");
           }
-          --counters->ahead;
-          ++calls;
-          // The data must be this micro-batch's, in order, whoever loaded it.
-          if (samples != (*step)->micro_batches()[calls - 1].samples) {
-            std::cout << "ORDER MISMATCH at step " << s << " micro-batch " << calls << std::endl;
-            throw std::runtime_error("data of another micro-batch");
-          }
-          const int fail_at = std::min<int>(absl::GetFlag(FLAGS_fail_micro_batch),
-                                            static_cast<int>((*step)->micro_batches().size()));
-          if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
-            if (absl::GetFlag(FLAGS_fail_by_exit)) std::_Exit(5);
-            throw std::runtime_error("injected failure in the loss callback");
-          }
-          if (sleep_ms > 0) {
-            const double f = rank == degrade_rank && s >= degrade_step ? degrade_factor : 1.0;
-            const auto us = static_cast<int64_t>(1000 * sleep_ms * f);
-            if (virtual_time) {
-              virtual_us += us;
-            } else {
-              std::this_thread::sleep_for(std::chrono::microseconds(us));
-            }
-          }
-          return config->loss_reduction == evenstep::LossReduction::kMean
-                     ? LossMean(model, data, samples, per_token, inputs)
-                     : LossSum(model, data, samples, per_token, inputs);
-        };
+        }
+        inputs = &batch.second;
+      }
+      --counters->ahead;
+      ++calls;
+      // The data must be this micro-batch's, in order, whoever loaded it.
+      if (samples != (*step)->micro_batches()[calls - 1].samples) {
+        std::cout << "ORDER MISMATCH at step " << s << " micro-batch " << calls << std::endl;
+        throw std::runtime_error("data of another micro-batch");
+      }
+      const int fail_at = std::min<int>(absl::GetFlag(FLAGS_fail_micro_batch),
+                                        static_cast<int>((*step)->micro_batches().size()));
+      if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
+        if (absl::GetFlag(FLAGS_fail_by_exit)) std::_Exit(5);
+        throw std::runtime_error("injected failure in the loss callback");
+      }
+      if (sleep_ms > 0) {
+        const double f = rank == degrade_rank && s >= degrade_step ? degrade_factor : 1.0;
+        const auto us = static_cast<int64_t>(1000 * sleep_ms * f);
+        if (virtual_time) {
+          virtual_us += us;
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(us));
+        }
+      }
+      return config->loss_reduction == evenstep::LossReduction::kMean
+                 ? LossMean(model, data, samples, per_token, inputs)
+                 : LossSum(model, data, samples, per_token, inputs);
+    };
     auto report = owned ? (*step)->Step(*owned, loss) : (*step)->Step(load, loss);
     if (!report.ok()) {
       std::cerr << report.status() << "\n";
