@@ -285,6 +285,9 @@ absl::StatusOr<std::string> DistContext::GlooDevice() const {
   in.world_size = env_.world_size;
   in.local_world_size = env_.local_world_size;
   if (env_.world_size > 1) {
+    in.interfaces = internal::UpInterfaceAddresses();  // also named in errors
+  }
+  if (env_.world_size > 1 && in.ifname.empty()) {
     absl::StatusOr<std::string> route =
         internal::LocalAddressTowards(env_.master_addr, env_.master_port);
     if (route.ok()) {
@@ -292,7 +295,6 @@ absl::StatusOr<std::string> DistContext::GlooDevice() const {
     } else {
       in.route_error = std::string(route.status().message());
     }
-    in.interfaces = internal::UpInterfaceAddresses();
   }
   return internal::ChooseGlooAddress(in);
 }

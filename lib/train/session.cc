@@ -266,11 +266,7 @@ void Session::StepSchedulers(const StepReport& report) {
 }
 
 absl::StatusOr<StepReport> Session::Step(const std::vector<PartLoss>& losses) {
-  EVENSTEP_RETURN_IF_ERROR(BeforeStep());
-  absl::StatusOr<StepReport> report = step_->Step(losses);
-  if (!report.ok()) return report;
-  EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
-  return report;
+  return Around([&] { return step_->Step(losses); });
 }
 
 Session::~Session() {

@@ -194,12 +194,8 @@ class Session {
   // the next run resumes at the following step.
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
-    EVENSTEP_RETURN_IF_ERROR(BeforeStep());
-    absl::StatusOr<StepReport> report =
-        step_->Step(std::forward<Load>(load), std::forward<LossSum>(loss_sum));
-    if (!report.ok()) return report;
-    EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
-    return report;
+    return Around(
+        [&] { return step_->Step(std::forward<Load>(load), std::forward<LossSum>(loss_sum)); });
   }
   // The same with the loop's own loss: `loss_sum(samples)` gets a
   // micro-batch's dataset indices (const std::vector<int64_t>&), loads them
@@ -213,11 +209,7 @@ class Session {
   absl::StatusOr<StepReport> Step(
       const Loader<Data>& loader,
       const std::vector<std::function<at::Tensor(const Data&)>>& losses) {
-    EVENSTEP_RETURN_IF_ERROR(BeforeStep());
-    absl::StatusOr<StepReport> report = step_->Step(loader, losses);
-    if (!report.ok()) return report;
-    EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
-    return report;
+    return Around([&] { return step_->Step(loader, losses); });
   }
   template <typename LossSum>
   absl::StatusOr<StepReport> Step(LossSum&& loss_sum) {
@@ -280,6 +272,15 @@ class Session {
   // The setup's error (see DeclareSum), else OK after setting the
   // scheduled learning rates.
   absl::Status BeforeStep();
+  // BeforeStep, `run()` (a BalancedStep::Step), then AfterStep on its report.
+  template <typename Run>
+  absl::StatusOr<StepReport> Around(Run&& run) {
+    EVENSTEP_RETURN_IF_ERROR(BeforeStep());
+    absl::StatusOr<StepReport> report = run();
+    if (!report.ok()) return report;
+    EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
+    return report;
+  }
   absl::Status StopForPreemption(int signal, int64_t step);
   absl::Status LockRunDir(const std::string& run_dir);
   // Reports the outcome of the save of `step` (a line when it failed).
@@ -317,7 +318,7 @@ class Session {
   int64_t first_epoch_ = 0;
   int64_t last_step_ = 0;
   int64_t last_saved_ = 0;
-  bool created_ = false;  // Create finished: every part exists
+  bool created_ = false;       // Create finished: every part exists
   bool owns_context_ = false;  // the one Session registered on ctx_
   int run_dir_lock_ = -1;      // rank 0: RUN_DIR/.evenstep.lock, flock'ed while it lives
   bool finished_ = false;
