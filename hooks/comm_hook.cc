@@ -4,11 +4,19 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <future>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/internal/collective.h"
+#include "evenstep/internal/error_text.h"
 
 namespace evenstep {
 
@@ -209,6 +217,180 @@ BucketFuture PowerSgd(const std::shared_ptr<PowerSgdState>& state, const CommHoo
   return BucketFuture(ctx.group->allreduce(tensors, options), finish);
 }
 
+// One bucket on its way through HierarchicalHook's phases.
+struct HierarchicalJob {
+  CommHookContext ctx;  // params cleared: they describe the whole bucket
+  at::Tensor bucket;    // flat
+  int64_t chunk = 0;    // elements per local rank (the bucket padded to L x chunk)
+  at::Tensor part;      // after the scatter: this rank's summed chunk
+  std::promise<at::Tensor> done;
+};
+
+// HierarchicalHook's threads and queues; see comm_hook.h.
+class HierarchicalState {
+ public:
+  HierarchicalState(HierarchicalGroups groups, CommHook cross, bool average)
+      : g_(std::move(groups)), cross_(std::move(cross)), average_(average) {
+    scatter_thread_ = std::thread([this] { Loop(&scatter_queue_, &HierarchicalState::Scatter); });
+    across_thread_ = std::thread([this] { Loop(&across_queue_, &HierarchicalState::Across); });
+  }
+  ~HierarchicalState() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    scatter_thread_.join();
+    across_thread_.join();
+  }
+
+  BucketFuture Start(const CommHookContext& ctx, const at::Tensor& bucket) {
+    auto job = std::make_shared<HierarchicalJob>();
+    job->ctx = ctx;
+    job->ctx.params = nullptr;
+    job->bucket = bucket.reshape({-1});
+    const int64_t l = g_.local_size;
+    job->chunk = (job->bucket.numel() + l - 1) / l;
+    std::shared_future<at::Tensor> result = job->done.get_future().share();
+    Push(&scatter_queue_, job);
+    // Each phase is bounded by the timeout; the whole by the three of them.
+    const auto bound = internal::ToChronoMillis(g_.timeout * 3 + absl::Seconds(1));
+    const at::IntArrayRef sizes = bucket.sizes();
+    std::vector<int64_t> shape(sizes.begin(), sizes.end());
+    return BucketFuture(
+        c10::intrusive_ptr<c10d::Work>(), [result, bound, shape, index = ctx.bucket_index] {
+          if (result.wait_for(bound) != std::future_status::ready) {
+            throw std::runtime_error(absl::StrCat("hierarchical sync: bucket ", index,
+                                                  " not reduced within ",
+                                                  absl::FormatDuration(absl::FromChrono(bound))));
+          }
+          return result.get().view(shape);
+        });
+  }
+
+ private:
+  using Queue = std::deque<std::shared_ptr<HierarchicalJob>>;
+  using Phase = void (HierarchicalState::*)(const std::shared_ptr<HierarchicalJob>&);
+
+  void Push(Queue* q, std::shared_ptr<HierarchicalJob> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      q->push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
+
+  // Runs `phase` on each job of `q` in order; a failure fails this job and,
+  // since the groups are then unusable, every later one at once.
+  void Loop(Queue* q, Phase phase) {
+    for (;;) {
+      std::shared_ptr<HierarchicalJob> job;
+      std::string broken;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !q->empty(); });
+        if (q->empty()) return;
+        job = std::move(q->front());
+        q->pop_front();
+        broken = broken_;
+      }
+      try {
+        if (!broken.empty()) throw std::runtime_error(broken);
+        (this->*phase)(job);
+      } catch (const std::exception& e) {
+        const std::string text = internal::ErrorText(e);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (broken_.empty()) broken_ = text;
+        }
+        job->done.set_exception(std::make_exception_ptr(std::runtime_error(text)));
+      }
+    }
+  }
+
+  // Waits for `work` (one phase of bucket `index`) or throws what failed.
+  void Await(const c10::intrusive_ptr<c10d::Work>& work, const char* phase, int index) {
+    const internal::CollectiveWait outcome = internal::WaitCollective(work.get(), g_.timeout);
+    if (outcome.failed) {
+      throw std::runtime_error(absl::StrCat("hierarchical sync, bucket ", index, ": ", phase,
+                                            " failed after ", absl::FormatDuration(outcome.elapsed),
+                                            ": ", outcome.error));
+    }
+  }
+
+  // Within the node: chunk j of every local rank's bucket to local rank j,
+  // summed there (a reduce-scatter made of an all-to-all, which Gloo has in
+  // every libtorch; the sum is in local rank order on every node).
+  void Scatter(const std::shared_ptr<HierarchicalJob>& shared) {
+    HierarchicalJob& job = *shared;
+    const int64_t l = g_.local_size, n = job.bucket.numel();
+    if (l == 1) {
+      job.part = job.bucket;
+    } else {
+      at::Tensor padded = job.bucket;
+      if (n != l * job.chunk) {
+        padded = at::zeros({l * job.chunk}, job.bucket.options());
+        padded.narrow(0, 0, n).copy_(job.bucket);
+      }
+      at::Tensor received = at::empty({l * job.chunk}, job.bucket.options());
+      std::vector<int64_t> equal;  // empty split sizes: equal chunks
+      c10d::AllToAllOptions options;
+      Await(g_.scatter->alltoall_base(received, padded, equal, equal, options),
+            "within-node reduce-scatter", job.ctx.bucket_index);
+      job.part = received.view({l, job.chunk}).sum(0);
+    }
+    Push(&across_queue_, shared);
+  }
+
+  // Across nodes: the cross-node hook on this rank's part; then the node's
+  // parts gathered back into a whole bucket.
+  void Across(const std::shared_ptr<HierarchicalJob>& shared) {
+    HierarchicalJob& job = *shared;
+    at::Tensor reduced = job.part;
+    if (g_.nodes > 1) {
+      CommHookContext ctx = job.ctx;
+      ctx.group = g_.across;
+      ctx.rank = g_.node;
+      ctx.world_size = g_.nodes;
+      at::Tensor part = job.part;
+      BucketFuture f = cross_(ctx, part);
+      reduced = f.Wait(internal::ToChronoMillis(g_.timeout));
+    }
+    at::Tensor whole = reduced;
+    const int64_t l = g_.local_size, n = job.bucket.numel();
+    if (l > 1) {
+      at::Tensor gathered = at::empty({l * job.chunk}, job.bucket.options());
+      std::vector<std::vector<at::Tensor>> outputs(1);
+      for (int64_t j = 0; j < l; ++j) {
+        outputs[0].push_back(gathered.narrow(0, j * job.chunk, job.chunk));
+      }
+      std::vector<at::Tensor> inputs{reduced.contiguous()};
+      Await(g_.gather->allgather(outputs, inputs), "within-node all-gather", job.ctx.bucket_index);
+      whole = gathered.narrow(0, 0, n);
+    }
+    if (average_) whole = whole.div(job.ctx.world_size);
+    job.done.set_value(whole);
+  }
+
+  HierarchicalGroups g_;
+  CommHook cross_;
+  bool average_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  Queue scatter_queue_, across_queue_;
+  bool stop_ = false;
+  std::string broken_;
+  std::thread scatter_thread_, across_thread_;
+};
+
+// The hook object: a type of its own, so GradSync can tell that it keeps
+// zeros zero (internal::IsZeroPreservingHook) like its built-in inner hook.
+struct HierarchicalHookFn {
+  std::shared_ptr<HierarchicalState> state;
+  BucketFuture operator()(const CommHookContext& ctx, at::Tensor& bucket) const {
+    return state->Start(ctx, bucket);
+  }
+};
 }  // namespace
 
 CommHook SumHook() { return BuiltinHook{BuiltinHook::kSum}; }
@@ -224,8 +406,29 @@ CommHook PowerSgdHook(PowerSgdOptions options) {
   };
 }
 
+absl::StatusOr<CommHook> HierarchicalHook(HierarchicalGroups groups, CommHook cross_node) {
+  const BuiltinHook* builtin = cross_node.target<BuiltinHook>();
+  if (builtin == nullptr) {
+    return absl::InvalidArgumentError(
+        "hierarchical sync applies the comm hook to each rank's part of a bucket: only the "
+        "element-wise built-in hooks (sum, avg, fp16, bf16) can be its cross-node part; powersgd "
+        "and user hooks need whole gradients (use the flat sync with them)");
+  }
+  if ((groups.local_size > 1 && (groups.scatter == nullptr || groups.gather == nullptr)) ||
+      (groups.nodes > 1 && groups.across == nullptr) || groups.local_size < 1 || groups.nodes < 1) {
+    return absl::InvalidArgumentError("HierarchicalHook: a group is missing for the layout given");
+  }
+  const bool average = builtin->kind == BuiltinHook::kAvg;
+  if (average) cross_node = SumHook();
+  return CommHook(HierarchicalHookFn{
+      std::make_shared<HierarchicalState>(std::move(groups), std::move(cross_node), average)});
+}
+
 namespace internal {
-bool IsZeroPreservingHook(const CommHook& hook) { return hook.target<BuiltinHook>() != nullptr; }
+bool IsZeroPreservingHook(const CommHook& hook) {
+  return hook.target<BuiltinHook>() != nullptr || hook.target<HierarchicalHookFn>() != nullptr;
+}
+bool IsElementwiseHook(const CommHook& hook) { return hook.target<BuiltinHook>() != nullptr; }
 }  // namespace internal
 
 absl::StatusOr<CommHook> CommHookByName(absl::string_view name) {

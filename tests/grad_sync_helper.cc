@@ -22,10 +22,13 @@
 //                   sync times out naming rank 1, and rank 0's next GradSync
 //                   sync and DistContext collective fail at once with that
 //                   error instead of blocking on the timed-out all_reduce
+// --evenstep_sync_topology=hierarchical runs exact, unused and hook through
+// the hierarchical sync (nodes from GROUP_RANK).
 // --device=cuda puts the models and the batch of exact, nosync and unused on
 // the GPU (tests/cuda_test.cc: NCCL at world size 1, Gloo with CUDA tensors
 // for several ranks sharing one GPU).
-// Exit codes: 0 passed, 1 check failed (printed), 3 init failed, 4 expected error.
+// Exit codes: 0 passed, 1 check failed (printed), 3 init failed, 4 expected error,
+// 5 sync topology refused.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -39,7 +42,9 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/sync_topology.h"
 
 ABSL_FLAG(std::string, device, "cpu", "Where the models and the batch live (cpu, cuda).");
 
@@ -139,6 +144,25 @@ evenstep::GradSyncOptions TinyBuckets() {
   return options;
 }
 
+// TinyBuckets() with `hook` under --evenstep_sync_topology (hierarchical
+// wraps it over ApplySyncTopology's subgroups); prints the choice's line, or
+// the refusal and exits 5.
+evenstep::GradSyncOptions TopologyBuckets(evenstep::DistContext& dist,
+                                          evenstep::CommHook hook = evenstep::SumHook()) {
+  evenstep::GradSyncOptions options = TinyBuckets();
+  options.comm_hook = std::move(hook);
+  auto topology = evenstep::SyncTopologyByName(absl::GetFlag(FLAGS_evenstep_sync_topology));
+  absl::StatusOr<evenstep::TopologyChoice> choice =
+      topology.ok() ? evenstep::ApplySyncTopology(dist, *topology, &options)
+                    : absl::StatusOr<evenstep::TopologyChoice>(topology.status());
+  if (!choice.ok()) {
+    std::cout << "topology refused: " << choice.status() << std::endl;
+    std::exit(5);
+  }
+  std::cout << choice->line << std::endl;
+  return options;
+}
+
 int Exact(evenstep::DistContext& dist, int seed) {
   const int world = dist.world_size(), rank = dist.rank();
   const Batch batch = GlobalBatch();
@@ -147,7 +171,7 @@ int Exact(evenstep::DistContext& dist, int seed) {
   ScaledLoss(*ref, batch, torch::arange(kBatch)).backward();
 
   auto net = MakeNet(7 + rank);  // differs per rank until Attach broadcasts rank 0's
-  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), TopologyBuckets(dist));
   if (!sync.ok()) {
     std::cout << "attach failed: " << sync.status() << std::endl;
     return 1;
@@ -242,7 +266,7 @@ int Unused(evenstep::DistContext& dist) {
   const int world = dist.world_size(), rank = dist.rank();
   const Batch batch = GlobalBatch();
   auto net = MakeNet(5, kHidden, /*with_extra=*/true);
-  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), TopologyBuckets(dist));
   if (!sync.ok()) {
     std::cout << sync.status() << std::endl;
     return 1;
@@ -316,8 +340,31 @@ int Hook(evenstep::DistContext& dist, const std::string& name) {
   const int world = dist.world_size(), rank = dist.rank();
   const Batch batch = GlobalBatch();
   auto net = MakeNet(9);
-  evenstep::GradSyncOptions options = TinyBuckets();
-  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), options);
+  double factor = 1, tolerance = 1e-2;
+  evenstep::CommHook hook;
+  if (name == "user") {
+    evenstep::CommHook base = evenstep::SumHook();
+    hook = [base](const evenstep::CommHookContext& ctx, at::Tensor& bucket) {
+      return evenstep::BucketFuture::Then(base(ctx, bucket),
+                                          [](at::Tensor reduced) { return reduced.mul(2); });
+    };
+    factor = 2;
+    tolerance = 1e-5;
+  } else {
+    auto named = evenstep::CommHookByName(name);
+    if (!named.ok()) {
+      std::cout << named.status() << std::endl;
+      return 1;
+    }
+    hook = *named;
+    if (name == "avg") {
+      factor = 1.0 / world;
+      tolerance = 1e-5;
+    } else if (name == "sum") {
+      tolerance = 1e-5;  // the same sums in another order
+    }
+  }
+  auto sync = evenstep::GradSync::Attach(*net, dist.data_group(), TopologyBuckets(dist, hook));
   if (!sync.ok()) {
     std::cout << sync.status() << std::endl;
     return 1;
@@ -327,29 +374,6 @@ int Hook(evenstep::DistContext& dist, const std::string& name) {
   // sync at all (the ranks' SUM of their strided parts must equal it).
   auto sum = MakeNet(9);
   ScaledLoss(*sum, batch, torch::arange(0, kBatch)).backward();
-  double factor = 1, tolerance = 1e-2;
-  if (name == "user") {
-    evenstep::CommHook base = evenstep::SumHook();
-    (*sync)->set_comm_hook([base](const evenstep::CommHookContext& ctx, at::Tensor& bucket) {
-      return evenstep::BucketFuture::Then(base(ctx, bucket),
-                                          [](at::Tensor reduced) { return reduced.mul(2); });
-    });
-    factor = 2;
-    tolerance = 1e-5;
-  } else {
-    auto hook = evenstep::CommHookByName(name);
-    if (!hook.ok()) {
-      std::cout << hook.status() << std::endl;
-      return 1;
-    }
-    (*sync)->set_comm_hook(*hook);
-    if (name == "avg") {
-      factor = 1.0 / world;
-      tolerance = 1e-5;
-    } else if (name == "sum") {
-      tolerance = 1e-5;  // the same sums in another order
-    }
-  }
   ScaledLoss(*net, batch, idx).backward();
   if (!CompareGrads(*net, *sum, tolerance, "hook " + name, factor)) return 1;
   std::cout << "hook " << name << " ok" << std::endl;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
@@ -161,6 +162,83 @@ TEST(GradSyncTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
 
 INSTANTIATE_TEST_SUITE_P(Hooks, CommHookTest,
                          ::testing::Values("sum", "avg", "fp16", "bf16", "user"));
+
+// The hierarchical sync (reduce-scatter within each node, all-reduce across,
+// all-gather within) against one process's gradient, on nodes simulated on
+// this host (GROUP_RANK): the same scenarios as the flat sync, every
+// parameter its own bucket (so buckets smaller than the node's ranks and
+// uneven chunks are covered), a rank without work joining through SyncNow.
+struct TopologyCase {
+  std::vector<int> nodes;
+  std::vector<std::string> scenario;
+  const char* expect;  // in every rank's output
+  friend void PrintTo(const TopologyCase& c, std::ostream* os) {
+    *os << absl::StrJoin(c.nodes, "+") << " " << absl::StrJoin(c.scenario, " ");
+  }
+};
+
+class HierarchicalSyncTest : public ::testing::TestWithParam<TopologyCase> {};
+
+TEST_P(HierarchicalSyncTest, EqualsTheSingleProcessGradient) {
+  const TopologyCase& c = GetParam();
+  std::vector<std::string> args = {"--evenstep_sync_topology=hierarchical"};
+  args.insert(args.end(), c.scenario.begin(), c.scenario.end());
+  auto results = evenstep::testing::RunProgramOnNodes(c.nodes, EVENSTEP_GRAD_SYNC_HELPER, args);
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr(absl::StrCat("gradient sync: hierarchical (", c.nodes.size(),
+                                                 c.nodes.size() == 1 ? " node x " : " nodes x ",
+                                                 c.nodes[0], " rank")))
+        << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr(c.expect)) << Describe(results);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, HierarchicalSyncTest,
+                         ::testing::Values(TopologyCase{{2, 2}, {"exact", "14"}, "exact ok"},
+                                           TopologyCase{{2, 2}, {"exact", "41"}, "exact ok"},
+                                           TopologyCase{{1, 1}, {"exact", "12"}, "exact ok"},
+                                           TopologyCase{{3}, {"exact", "13"}, "exact ok"},
+                                           TopologyCase{{2, 2}, {"unused"}, "unused ok"},
+                                           TopologyCase{{2, 2}, {"hook", "avg"}, "hook avg ok"},
+                                           TopologyCase{{2, 2}, {"hook", "fp16"}, "hook fp16 ok"},
+                                           TopologyCase{
+                                               {1, 1, 1}, {"hook", "bf16"}, "hook bf16 ok"}),
+                         [](const auto& info) {
+                           std::string name =
+                               absl::StrCat(absl::StrJoin(info.param.nodes, "x"), "_",
+                                            absl::StrJoin(info.param.scenario, "_"));
+                           return name;
+                         });
+
+// What hierarchical cannot do is refused on every rank, naming the flag and
+// the reason; auto stays flat there and says why.
+TEST(HierarchicalSyncTest, UnevenNodesAndWholeGradientHooksAreRefusedAndAutoStaysFlat) {
+  auto uneven = evenstep::testing::RunProgramOnNodes(
+      {3, 1}, EVENSTEP_GRAD_SYNC_HELPER, {"--evenstep_sync_topology=hierarchical", "exact", "14"});
+  for (const ProcessResult& r : uneven) {
+    EXPECT_EQ(r.exit_code, 5) << Describe(uneven);
+    EXPECT_THAT(r.output, HasSubstr("--evenstep_sync_topology=hierarchical: the nodes hold "
+                                    "different numbers of ranks (node0: 3 ranks (0,1,2); node1: "
+                                    "1 rank (3))"))
+        << Describe(uneven);
+  }
+  auto user = evenstep::testing::RunProgramOnNodes(
+      {1, 1}, EVENSTEP_GRAD_SYNC_HELPER, {"--evenstep_sync_topology=hierarchical", "hook", "user"});
+  for (const ProcessResult& r : user) {
+    EXPECT_EQ(r.exit_code, 5) << Describe(user);
+    EXPECT_THAT(r.output, HasSubstr("powersgd or a user hook")) << Describe(user);
+  }
+  auto flat = evenstep::testing::RunProgramOnNodes(
+      {3, 1}, EVENSTEP_GRAD_SYNC_HELPER, {"--evenstep_sync_topology=auto", "exact", "14"});
+  for (const ProcessResult& r : flat) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(flat);
+    EXPECT_THAT(r.output, HasSubstr("gradient sync: flat (hierarchical cannot run: the nodes "
+                                    "hold different numbers of ranks"))
+        << Describe(flat);
+    EXPECT_THAT(r.output, HasSubstr("exact ok"));
+  }
+}
 
 }  // namespace
 }  // namespace evenstep

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <iostream>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -117,6 +118,9 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   }
   EVENSTEP_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(std::move(lengths), config.sampler,
                                                              config.cost, std::move(counts)));
+  EVENSTEP_ASSIGN_OR_RETURN(const TopologyChoice topology,
+                            ApplySyncTopology(ctx, config.sync_topology, &config.grad_sync));
+  if (topology.say && ctx.rank() == 0) std::cerr << "evenstep: " << topology.line << std::endl;
   // A failed gradient bucket names the ranks that never reached the sync.
   config.grad_sync.diagnosis.arrive = [&ctx] { return ctx.MarkArrival(); };
   config.grad_sync.diagnosis.diagnose = [&ctx](int64_t seq, const std::string& what,

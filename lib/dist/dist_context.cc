@@ -23,6 +23,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -576,6 +579,91 @@ absl::Status Subgroup::AllReduce(at::Tensor& tensor) {
 
 absl::Status Subgroup::Barrier() {
   return Run("barrier", [&] { return impl_->group->barrier(); });
+}
+
+c10d::ProcessGroup& Subgroup::process_group() { return *impl_->group; }
+
+absl::StatusOr<double> MeasureBusBandwidth(int n, size_t bytes, int iters,
+                                           const std::function<absl::Status(at::Tensor&)>& reduce) {
+  at::Tensor t = at::ones({static_cast<int64_t>(bytes / sizeof(float))});
+  EVENSTEP_RETURN_IF_ERROR(reduce(t));  // warm-up
+  double per = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < iters; ++i) {
+    const absl::Time begin = absl::Now();
+    EVENSTEP_RETURN_IF_ERROR(reduce(t));
+    per = std::min(per, absl::ToDoubleSeconds(absl::Now() - begin));
+  }
+  const double algbw = static_cast<double>(bytes) / per / 1e9;
+  return n > 1 ? algbw * 2.0 * (n - 1) / n : algbw;
+}
+
+// ---------------------------------------------------------------------------
+// Nodes
+
+bool NodeLayout::even() const {
+  for (const auto& members : ranks) {
+    if (members.size() != ranks.front().size()) return false;
+  }
+  return true;
+}
+
+std::string NodeLayout::Describe() const {
+  std::vector<std::string> parts;
+  for (const auto& members : ranks) {
+    parts.push_back(absl::StrCat(names[members.front()], ": ", members.size(), " rank",
+                                 members.size() == 1 ? "" : "s", " (", absl::StrJoin(members, ","),
+                                 ")"));
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+namespace {
+
+// This rank's node key: the host name, with the launcher's node index when
+// it gives one.
+std::string NodeKey() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  for (const char* var : {"GROUP_RANK", "SLURM_NODEID"}) {
+    if (const char* v = std::getenv(var); v != nullptr && *v) return absl::StrCat(host, "#", v);
+  }
+  return host;
+}
+
+}  // namespace
+
+absl::StatusOr<NodeLayout> DistContext::Nodes() {
+  if (nodes_.has_value()) return *nodes_;
+  const int world = env_.world_size;
+  std::vector<std::string> keys;
+  {
+    const std::string key = NodeKey().substr(0, 127);
+    at::Tensor in = at::zeros({128}, at::kByte);
+    std::memcpy(in.data_ptr<uint8_t>(), key.data(), key.size());
+    std::vector<at::Tensor> all;
+    EVENSTEP_RETURN_IF_ERROR(AllGather(in, &all), "exchanging node names");
+    for (const at::Tensor& t : all) {
+      keys.emplace_back(reinterpret_cast<const char*>(t.data_ptr<uint8_t>()));
+    }
+  }
+  std::vector<std::string> in_order;  // distinct keys, by first rank
+  for (const std::string& k : keys) {
+    if (std::find(in_order.begin(), in_order.end(), k) == in_order.end()) in_order.push_back(k);
+  }
+  std::set<std::string> hosts;
+  for (const std::string& k : in_order) hosts.insert(k.substr(0, k.find('#')));
+  NodeLayout layout;
+  layout.ranks.resize(in_order.size());
+  for (int r = 0; r < world; ++r) {
+    const int node =
+        static_cast<int>(std::find(in_order.begin(), in_order.end(), keys[r]) - in_order.begin());
+    layout.node_of.push_back(node);
+    layout.ranks[node].push_back(r);
+    layout.names.push_back(hosts.size() == in_order.size() ? keys[r].substr(0, keys[r].find('#'))
+                                                           : absl::StrCat("node", node));
+  }
+  nodes_ = layout;
+  return layout;
 }
 
 absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewSubgroup(const std::string& name,

@@ -264,18 +264,6 @@ double FreeDeviceGb(const c10::Device& device) {
   return kNaN;
 }
 
-// This rank's node: the host name, with the launcher's node index when it
-// gives one (torchrun's GROUP_RANK, Slurm's SLURM_NODEID), so that ranks on
-// one host split into several nodes (evenstep-run --nodes) count as such.
-std::string NodeKey() {
-  char host[256] = {0};
-  ::gethostname(host, sizeof(host) - 1);
-  for (const char* var : {"GROUP_RANK", "SLURM_NODEID"}) {
-    if (const char* v = std::getenv(var); v != nullptr && *v) return absl::StrCat(host, "#", v);
-  }
-  return host;
-}
-
 // A figure's measured values: those of the ranks that measured it (not NaN).
 std::vector<double> Measured(const std::vector<double>& values) {
   std::vector<double> present;
@@ -307,23 +295,6 @@ std::optional<double> ReferenceOfMeasured(const std::vector<double>& values) {
   const std::vector<double> present = Measured(values);
   if (present.empty()) return std::nullopt;
   return Reference(present);
-}
-
-// Bus bandwidth of an all-reduce of `bytes` over a group of `n` ranks
-// (nccl-tests: algbw x 2(n-1)/n), timed by `reduce`: the fastest of `iters`
-// (one slow iteration is noise, not a slow link).
-template <typename Reduce>
-absl::StatusOr<double> BusBandwidth(int n, size_t bytes, int iters, Reduce&& reduce) {
-  at::Tensor t = at::ones({static_cast<int64_t>(bytes / sizeof(float))});
-  EVENSTEP_RETURN_IF_ERROR(reduce(t));  // warm-up
-  double per = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < iters; ++i) {
-    const absl::Time begin = absl::Now();
-    EVENSTEP_RETURN_IF_ERROR(reduce(t));
-    per = std::min(per, Seconds(begin));
-  }
-  const double algbw = static_cast<double>(bytes) / per / 1e9;
-  return n > 1 ? algbw * 2.0 * (n - 1) / n : algbw;
 }
 
 // Every rank's value of `mine` (NaN allowed), through the control group.
@@ -387,40 +358,13 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
   report.world_size = world;
   std::vector<std::string> notes;
 
-  // Nodes: every rank's key (up to 127 bytes) through an all-gather.
-  {
-    std::string key = NodeKey().substr(0, 127);
-    at::Tensor in = at::zeros({128}, at::kByte);
-    std::memcpy(in.data_ptr<uint8_t>(), key.data(), key.size());
-    std::vector<at::Tensor> all;
-    EVENSTEP_RETURN_IF_ERROR(ctx.AllGather(in, &all), "preflight: exchanging node names");
-    for (const at::Tensor& t : all) {
-      report.nodes.emplace_back(reinterpret_cast<const char*>(t.data_ptr<uint8_t>()));
-    }
-  }
-  // Display names: host names when they differ, else node0, node1, ...
-  std::vector<std::string> keys_in_order;
-  for (const std::string& k : report.nodes) {
-    if (std::find(keys_in_order.begin(), keys_in_order.end(), k) == keys_in_order.end()) {
-      keys_in_order.push_back(k);
-    }
-  }
-  std::set<std::string> hosts;
-  for (const std::string& k : keys_in_order) hosts.insert(k.substr(0, k.find('#')));
-  std::vector<int> node_of(world);
-  for (int r = 0; r < world; ++r) {
-    node_of[r] =
-        static_cast<int>(std::find(keys_in_order.begin(), keys_in_order.end(), report.nodes[r]) -
-                         keys_in_order.begin());
-  }
-  for (int r = 0; r < world; ++r) {
-    const std::string& k = report.nodes[r];
-    report.nodes[r] = hosts.size() == keys_in_order.size() ? k.substr(0, k.find('#'))
-                                                           : absl::StrCat("node", node_of[r]);
-  }
-  const int nodes = static_cast<int>(keys_in_order.size());
-  std::vector<std::vector<int>> node_ranks(nodes);
-  for (int r = 0; r < world; ++r) node_ranks[node_of[r]].push_back(r);
+  // Nodes: host names (and the launcher's node index), exchanged once per job.
+  EVENSTEP_ASSIGN_OR_RETURN(const NodeLayout layout, ctx.Nodes(),
+                            "preflight: exchanging node names");
+  report.nodes = layout.names;
+  const std::vector<int>& node_of = layout.node_of;
+  const std::vector<std::vector<int>>& node_ranks = layout.ranks;
+  const int nodes = layout.nodes();
   int turns = 0, my_turn = 0;
   for (const auto& members : node_ranks) turns = std::max<int>(turns, members.size());
   {
@@ -532,8 +476,8 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
         if (partner < world && turn == my_pair_turn) {
           Subgroup& g = *pair_groups[k];
           EVENSTEP_ASSIGN_OR_RETURN(
-              double bw,
-              BusBandwidth(2, group_bytes, iters, [&](at::Tensor& t) { return g.AllReduce(t); }));
+              double bw, MeasureBusBandwidth(2, group_bytes, iters,
+                                             [&](at::Tensor& t) { return g.AllReduce(t); }));
           pair_bw[k] = std::isnan(pair_bw[k]) ? bw : std::max(pair_bw[k], bw);
         }
         EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight after a turn of pairs");
@@ -595,9 +539,9 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
     }
     report.group["allreduce_latency_us"] = Median(lat);
     for (size_t mb : quick ? std::vector<size_t>{1} : std::vector<size_t>{1, 16}) {
-      EVENSTEP_ASSIGN_OR_RETURN(double bw, BusBandwidth(world, mb << 20, iters, [&](at::Tensor& t) {
-                                  return ctx.AllReduce(t);
-                                }));
+      EVENSTEP_ASSIGN_OR_RETURN(
+          double bw, MeasureBusBandwidth(world, mb << 20, iters,
+                                         [&](at::Tensor& t) { return ctx.AllReduce(t); }));
       report.group[absl::StrCat("allreduce_busbw_gbps_", mb, "mb")] = bw;
       report.group["allreduce_busbw_gbps"] = bw;
     }
@@ -610,9 +554,9 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
     if (local.size() > 1) {
       EVENSTEP_ASSIGN_OR_RETURN(auto g,
                                 ctx.NewSubgroup(absl::StrCat(ns, "node", node_of[rank]), local));
-      EVENSTEP_ASSIGN_OR_RETURN(sub[0],
-                                BusBandwidth(g->size(), group_bytes, iters,
-                                             [&](at::Tensor& t) { return g->AllReduce(t); }));
+      EVENSTEP_ASSIGN_OR_RETURN(
+          sub[0], MeasureBusBandwidth(g->size(), group_bytes, iters,
+                                      [&](at::Tensor& t) { return g->AllReduce(t); }));
     }
     std::vector<int> across;
     for (const auto& members : node_ranks) {
@@ -621,9 +565,9 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
     if (across.size() > 1) {
       EVENSTEP_ASSIGN_OR_RETURN(auto g,
                                 ctx.NewSubgroup(absl::StrCat(ns, "cross", my_turn), across));
-      EVENSTEP_ASSIGN_OR_RETURN(sub[1],
-                                BusBandwidth(g->size(), group_bytes, iters,
-                                             [&](at::Tensor& t) { return g->AllReduce(t); }));
+      EVENSTEP_ASSIGN_OR_RETURN(
+          sub[1], MeasureBusBandwidth(g->size(), group_bytes, iters,
+                                      [&](at::Tensor& t) { return g->AllReduce(t); }));
     }
     EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> groups, GatherDoubles(ctx, sub));
     double local_min = kNaN, cross_min = kNaN;

@@ -38,6 +38,12 @@ ABSL_FLAG(
     "How gradient buckets are reduced: sum (exact; weighting comes from loss scaling), avg, "
     "fp16 or bf16 (compressed: scaled by 1/world before the cast, cast back after), or powersgd "
     "(rank-1 PowerSGD with error feedback: approximate, far fewer bytes).");
+ABSL_FLAG(std::string, evenstep_sync_topology, "auto",
+          "Shape of the gradient all-reduce across nodes: flat (one ring over every rank), "
+          "hierarchical (reduce-scatter within each node, all-reduce across nodes, all-gather "
+          "within: only the bucket's bytes cross the link between nodes; needs the same ranks "
+          "per node, Gloo and an element-wise comm hook) or auto (hierarchical when the "
+          "cross-node bandwidth measured at start-up is below half the within-node one).");
 ABSL_FLAG(double, evenstep_bucket_cap_mb, 25,
           "Gradient bucket size cap in MiB; a bucket's all-reduce starts as soon as all its "
           "gradients are ready.");
@@ -293,6 +299,8 @@ absl::StatusOr<PreflightOptions> PreflightOptions::FromFlags() {
 absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   BalanceConfig config;
   EVENSTEP_ASSIGN_OR_RETURN(config.grad_sync, GradSyncOptionsFromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(config.sync_topology,
+                            SyncTopologyByName(absl::GetFlag(FLAGS_evenstep_sync_topology)));
   const std::string mode = absl::GetFlag(FLAGS_evenstep_balance);
   absl::StatusOr<BalanceMode> balance = BalanceModeByName(mode);
   if (!balance.ok()) {

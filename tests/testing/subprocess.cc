@@ -249,6 +249,32 @@ std::vector<ProcessResult> RunProgramOnRanks(int world, const std::string& progr
   return RunRanks(world, RankArgv(program, args), timeout);
 }
 
+std::vector<ProcessResult> RunProgramOnNodes(const std::vector<int>& ranks_per_node,
+                                             const std::string& program,
+                                             const std::vector<std::string>& args,
+                                             absl::Duration timeout) {
+  int world = 0;
+  for (int n : ranks_per_node) world += n;
+  auto server = internal::StoreServer::Start(0);
+  if (!server.ok()) {
+    ProcessResult failed;
+    failed.output = "could not host the store: " + server.status().ToString();
+    return std::vector<ProcessResult>(world, failed);
+  }
+  std::vector<ProcessSpec> specs = TorchrunRanks(world, (*server)->port(), RankArgv(program, args));
+  int rank = 0;
+  for (size_t node = 0; node < ranks_per_node.size(); ++node) {
+    for (int local = 0; local < ranks_per_node[node]; ++local, ++rank) {
+      for (auto& [name, value] : specs[rank].env) {
+        if (name == "LOCAL_RANK") value = std::to_string(local);
+        if (name == "LOCAL_WORLD_SIZE") value = std::to_string(ranks_per_node[node]);
+      }
+      specs[rank].env.emplace_back("GROUP_RANK", std::to_string(node));
+    }
+  }
+  return RunAll(specs, timeout);
+}
+
 std::pair<int, std::string> RunShell(const std::string& command, absl::Duration timeout) {
   const auto results = RunAll({ProcessSpec{{"/bin/sh", "-c", command}, {}}}, timeout);
   return {results[0].exit_code, results[0].output};

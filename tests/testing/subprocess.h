@@ -92,6 +92,15 @@ std::vector<ProcessResult> RunProgramOnRanks(int world, const std::string& progr
                                              const std::vector<std::string>& args,
                                              absl::Duration timeout = HangBound(2));
 
+// RunProgramOnRanks on nodes simulated on this host: node k holds the next
+// ranks_per_node[k] ranks, each with LOCAL_RANK, LOCAL_WORLD_SIZE and
+// GROUP_RANK (torchrun's node index, which evenstep's node layout honours)
+// of its node.
+std::vector<ProcessResult> RunProgramOnNodes(const std::vector<int>& ranks_per_node,
+                                             const std::string& program,
+                                             const std::vector<std::string>& args,
+                                             absl::Duration timeout = HangBound(2));
+
 // A network namespace of the test's own (ip netns), for ranks that must
 // meet on a fixed port: where rank 0 hosts the store on MASTER_PORT (Slurm,
 // Open MPI, torchrun without an agent store), a port the OS picks cannot be

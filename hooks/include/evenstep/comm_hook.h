@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -28,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace evenstep {
 
@@ -103,6 +105,46 @@ struct PowerSgdOptions {
 };
 CommHook PowerSgdHook(PowerSgdOptions options = {});
 
+// Hierarchical reduction of each bucket (Horovod's hierarchical allreduce),
+// for clusters whose link between nodes is slower than the paths inside a
+// node: within the node a reduce-scatter (each of the node's L ranks sums
+// 1/L of the bucket over the node's copies), across nodes `cross_node` on
+// that part among the ranks with the same place in their node, within the
+// node an all-gather. The result is the same SUM as one all-reduce over
+// every rank (summed in another order: equal up to rounding, identical on
+// every rank), and only the bucket's bytes S cross the link between two
+// nodes in each direction instead of a flat ring's 2(n-1)/n S.
+//
+// The three phases of a bucket run on two threads of the hook, bucket after
+// bucket in launch order (the within-node scatters on one, the cross-node
+// reduction and the gather on the other), so they overlap with backward and
+// with each other's buckets as a flat all-reduce does. Each group is used by
+// one thread only, in bucket order, so every rank issues the same sequence
+// on it.
+struct HierarchicalGroups {
+  // Within the node (L ranks; both null when L == 1): one group for the
+  // scatters, another for the gathers.
+  c10d::ProcessGroup* scatter = nullptr;
+  c10d::ProcessGroup* gather = nullptr;
+  int local_rank = 0;
+  int local_size = 1;
+  // Across nodes: the ranks with this rank's place in their node (null when
+  // there is one node).
+  c10d::ProcessGroup* across = nullptr;
+  int node = 0;
+  int nodes = 1;
+  // Longest each phase may take.
+  absl::Duration timeout = absl::Minutes(10);
+  // Keeps the groups alive as long as any copy of the hook.
+  std::shared_ptr<void> owner;
+};
+
+// `cross_node` must be a built-in hook other than powersgd (sum, avg, fp16
+// or bf16: they work element by element, so they apply to a part of a
+// bucket; avg divides the SUM by the whole world). InvalidArgument
+// otherwise, saying why.
+absl::StatusOr<CommHook> HierarchicalHook(HierarchicalGroups groups, CommHook cross_node);
+
 // "sum", "avg", "fp16", "bf16" or "powersgd" (rank 1). InvalidArgument naming --evenstep_comm_hook
 // otherwise.
 absl::StatusOr<CommHook> CommHookByName(absl::string_view name);
@@ -113,6 +155,8 @@ namespace internal {
 // its per-synchronisation bitmap in the last bucket instead of a separate
 // collective.
 bool IsZeroPreservingHook(const CommHook& hook);
+// True for the hooks HierarchicalHook accepts as its cross-node part.
+bool IsElementwiseHook(const CommHook& hook);
 }  // namespace internal
 
 }  // namespace evenstep

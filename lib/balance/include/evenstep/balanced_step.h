@@ -83,6 +83,7 @@
 #include "evenstep/prefetch.h"
 #include "evenstep/sampler.h"
 #include "evenstep/status_macros.h"
+#include "evenstep/sync_topology.h"
 #include "evenstep/torch_fwd.h"
 
 namespace evenstep {
@@ -105,6 +106,10 @@ struct BalanceConfig {
   PlannerOptions planner;
   CostModelOptions cost_model;
   GradSyncOptions grad_sync;
+  // The shape of the gradient all-reduce across nodes (sync_topology.h):
+  // applied to grad_sync.comm_hook by Create, said on rank 0 when there is
+  // more than one node.
+  SyncTopology sync_topology = SyncTopology::kAuto;
   // Cost units of a sample from its length; null = the length (tokens).
   CostFunction cost;
   // Re-plan every this many optimizer steps.

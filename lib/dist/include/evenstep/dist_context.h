@@ -20,7 +20,9 @@
 // same order). Accessors are thread-safe.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,6 +64,22 @@ enum class ReduceOp { kSum, kProduct, kMin, kMax };
 
 class DistContext;
 
+// Which ranks share a node (DistContext::Nodes).
+struct NodeLayout {
+  // Per rank: its node's name (the host name; "node<i>" when one host holds
+  // several nodes, e.g. evenstep-run --nodes) and its node's index (nodes
+  // numbered in the order of their first rank).
+  std::vector<std::string> names;
+  std::vector<int> node_of;
+  // Per node: its ranks, ascending.
+  std::vector<std::vector<int>> ranks;
+  int nodes() const { return static_cast<int>(ranks.size()); }
+  // Every node holds the same number of ranks.
+  bool even() const;
+  // "node-0: 2 ranks (0,1); node-1: 2 ranks (2,3)".
+  std::string Describe() const;
+};
+
 // A process group of some of the job's ranks (Gloo, CPU tensors): for
 // measurements over node-local, cross-node or pairs of ranks.
 class Subgroup {
@@ -78,6 +96,9 @@ class Subgroup {
   // names this rank, the group and its ranks.
   absl::Status AllReduce(at::Tensor& tensor);
   absl::Status Barrier();
+  // The c10d group itself, for layers that launch their own work on it
+  // (hierarchical gradient sync); valid while this Subgroup lives.
+  c10d::ProcessGroup& process_group();
 
  private:
   friend class DistContext;
@@ -143,6 +164,13 @@ class DistContext {
   absl::StatusOr<std::unique_ptr<Subgroup>> NewSubgroup(const std::string& name,
                                                         std::vector<int> ranks);
 
+  // Which ranks share a node: every rank's host name, with the launcher's
+  // node index when it gives one (torchrun's GROUP_RANK, Slurm's
+  // SLURM_NODEID), so ranks on one host split into several nodes count as
+  // such. Exchanged once through the control group (collective on the first
+  // call: every rank makes it at the same point), then kept.
+  absl::StatusOr<NodeLayout> Nodes();
+
   // For lower layers that launch their own c10d work: records that this rank
   // arrived at operation `what` (call before launching it), so a failure can be
   // diagnosed. Returns the operation's sequence number.
@@ -170,6 +198,7 @@ class DistContext {
   // that reaches MASTER_ADDR (internal::ChooseGlooAddress).
   absl::StatusOr<std::string> GlooDevice() const;
   std::string gloo_device_;  // GlooDevice()'s choice, for the subgroups too
+  std::optional<NodeLayout> nodes_;  // Nodes(), once exchanged
   template <typename Launch>
   absl::Status Run(const std::string& what, Launch&& launch);
   // OK, or the failure that made the groups unusable, for `what`.
@@ -180,5 +209,13 @@ class DistContext {
   std::unique_ptr<Groups> groups_;
   int64_t op_seq_ = 0;
 };
+
+// Bus bandwidth in GB/s of an all-reduce of `bytes` over a group of `n`
+// ranks (nccl-tests: algbw x 2(n-1)/n), timed around `reduce` (which
+// all-reduces the float tensor it is given): the fastest of `iters` after a
+// warm-up (one slow iteration is noise, not a slow link). Collective as
+// `reduce` is.
+absl::StatusOr<double> MeasureBusBandwidth(int n, size_t bytes, int iters,
+                                           const std::function<absl::Status(at::Tensor&)>& reduce);
 
 }  // namespace evenstep

@@ -15,6 +15,7 @@ ABSL_DECLARE_FLAG(std::string, evenstep_backend);
 ABSL_DECLARE_FLAG(absl::Duration, evenstep_timeout);
 ABSL_DECLARE_FLAG(absl::Duration, evenstep_rendezvous_timeout);
 ABSL_DECLARE_FLAG(std::string, evenstep_comm_hook);
+ABSL_DECLARE_FLAG(std::string, evenstep_sync_topology);
 ABSL_DECLARE_FLAG(double, evenstep_bucket_cap_mb);
 ABSL_DECLARE_FLAG(double, evenstep_first_bucket_cap_mb);
 ABSL_DECLARE_FLAG(std::string, evenstep_balance);
