@@ -8,6 +8,10 @@ compute_ms and ddp_ms.
 
   ddp_grad_sync_peer.py --shapes blocks:256,mlp:1024,branch:1024 --layers 8 \
       --batch 64 --steps 20 --bucket_bytes blocks=N,...
+
+Started by a launcher (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
+environment, as bench/sync_topology.cc starts it on each simulated host),
+it is one rank of that world (env://) instead of spawning two.
 """
 import argparse
 import json
@@ -61,7 +65,10 @@ class Net(nn.Module):
 
 def run(rank, args, store):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    if store is None:  # under a launcher
+        dist.init_process_group("gloo", init_method="env://")
+    else:
+        dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
     results = {}
     flag = torch.zeros(1)
     device = torch.device("cpu")
@@ -119,6 +126,9 @@ def main():
     args = parser.parse_args()
     args.bucket_bytes = {k: int(v) for k, v in
                          (kv.split("=") for kv in args.bucket_bytes.split(","))}
+    if "RANK" in os.environ:
+        run(int(os.environ["RANK"]), args, None)
+        return 0
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(run, args=(args, os.path.join(d, "store")), nprocs=2, join=True)
     return 0

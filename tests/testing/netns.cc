@@ -33,6 +33,10 @@ absl::Status Sh(const std::string& command) {
 
 }  // namespace
 
+std::string SimulatedCluster::interface(int k) const {
+  return absl::StrCat(prefix_, "v", k);  // <= 15 characters
+}
+
 std::string SimulatedCluster::address(int k) const { return absl::StrCat("10.77.0.", k + 1); }
 
 absl::StatusOr<std::unique_ptr<SimulatedCluster>> SimulatedCluster::Create(int hosts,
@@ -62,7 +66,7 @@ absl::StatusOr<std::unique_ptr<SimulatedCluster>> SimulatedCluster::Create(int h
     const std::string& ns = c->spaces_[k];
     if (absl::Status s = Sh("ip netns add " + ns); !s.ok()) return s;
     const std::string in_host = "ip netns exec " + ns + " ";
-    const std::string host_end = absl::StrCat(c->prefix_, "v", k);  // <= 15 characters
+    const std::string host_end = c->interface(k);
     const std::string switch_end = absl::StrCat(c->prefix_, "s", k);
     std::string setup = absl::StrCat(
         "ip link add ", host_end, " netns ", ns, " type veth peer name ", switch_end, " netns ",

@@ -42,6 +42,9 @@ class SimulatedCluster {
   // Host k's name ("node-0", ...) and its address on the cluster's link.
   const std::string& name(int k) const { return names_[k]; }
   std::string address(int k) const;
+  // Host k's interface on the cluster's link, as seen inside the host (for
+  // GLOO_SOCKET_IFNAME, or its byte counters in /proc/net/dev).
+  std::string interface(int k) const;
   // `argv` run on host k: in its network namespace, under its host name,
   // with its /etc/hosts; `env` added as ProcessSpec::env.
   ProcessSpec On(int k, const std::vector<std::string>& argv,
