@@ -25,6 +25,7 @@ namespace {
 using ::evenstep::testing::ProcessSpec;
 using ::evenstep::testing::SimulatedCluster;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using Env = std::vector<std::pair<std::string, std::string>>;
 
@@ -163,6 +164,96 @@ TEST(MultiHostTest, PreflightSeesTheHostsAsNodesAndMeasuresAcrossThem) {
   EXPECT_EQ(report["nodes"], nlohmann::json::array({"node-0", "node-0", "node-1", "node-1"}));
   EXPECT_GT(report["group"]["local_busbw_gbps"].get<double>(), 0);
   EXPECT_GT(report["group"]["cross_node_busbw_gbps"].get<double>(), 0);
+}
+
+// The ranks of a `hosts` x `per_host` job on `cluster` (torchrun's
+// variables, the store hosted by the test in host 0), running `argv`.
+std::vector<ProcessSpec> JobOnHosts(const SimulatedCluster& cluster, int per_host, int port,
+                                    const std::vector<std::string>& argv) {
+  std::vector<ProcessSpec> specs;
+  const int world = cluster.hosts() * per_host;
+  for (int r = 0; r < world; ++r) {
+    Env env = RankEnv(cluster, r, port);
+    for (auto& [name, value] : env) {
+      if (name == "WORLD_SIZE") value = std::to_string(world);
+      if (name == "LOCAL_RANK") value = std::to_string(r % per_host);
+      if (name == "LOCAL_WORLD_SIZE") value = std::to_string(per_host);
+    }
+    specs.push_back(cluster.On(r / per_host, argv, env));
+  }
+  return specs;
+}
+
+// The hierarchical sync across real (simulated) hosts whose link is slow:
+// the nodes are the host names, auto measures the link and picks
+// hierarchical, and the gradient equals one process's (2 x 2 and 2 x 1).
+TEST(MultiHostTest, AutoPicksTheHierarchicalSyncOverASlowLinkAndItIsExact) {
+  SimulatedCluster::Options options;
+  options.mbit = {100, 100};
+  auto cluster = SimulatedCluster::Create(2, options);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  for (int per_host : {2, 1}) {
+    std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+    ASSERT_NE(store, nullptr);
+    const auto results = evenstep::testing::RunAll(
+        JobOnHosts(**cluster, per_host, store->port(),
+                   {EVENSTEP_GRAD_SYNC_HELPER, "--evenstep_rendezvous_timeout=60s",
+                    "--evenstep_timeout=60s",
+                    per_host == 1 ? "--evenstep_sync_topology=hierarchical"
+                                  : "--evenstep_sync_topology=auto",
+                    "exact", "14"}),
+        evenstep::testing::HangBound(2));
+    for (size_t r = 0; r < results.size(); ++r) {
+      EXPECT_EQ(results[r].exit_code, 0) << evenstep::testing::Describe(results);
+      EXPECT_THAT(results[r].output,
+                  HasSubstr(absl::StrCat("gradient sync: hierarchical (2 nodes x ", per_host)))
+          << evenstep::testing::Describe(results);
+      EXPECT_THAT(results[r].output, HasSubstr("exact ok"));
+    }
+  }
+}
+
+// The preflight on shaped links (the shaper sets the rates: 40 Mbit/s
+// against an unshaped path tens of times faster on any load). One host's
+// link slow among three hosts of one rank: the link is named, with its
+// hosts. Every link between two hosts of two ranks slow: the cross-node
+// ratio is reported with the hierarchical sync recommended.
+TEST(MultiHostTest, PreflightNamesTheSlowLinkAndTheSlowPathBetweenNodes) {
+  evenstep::testing::TempDir dir("evenstep_multihost");
+  const std::string json = dir.path() + "/preflight.json";
+  auto run = [&](const SimulatedCluster& cluster, int per_host) {
+    std::unique_ptr<internal::StoreServer> store = HostStoreIn(cluster, 0);
+    EXPECT_NE(store, nullptr);
+    if (store == nullptr) return std::string();
+    const auto results = evenstep::testing::RunAll(
+        JobOnHosts(cluster, per_host, store->port(),
+                   {EVENSTEP_PREFLIGHT, "--quick", "--json=" + json,
+                    "--evenstep_rendezvous_timeout=60s", "--evenstep_timeout=60s"}),
+        evenstep::testing::HangBound(4));
+    for (const auto& r : results) {
+      EXPECT_FALSE(r.timed_out) << r.output;
+      EXPECT_EQ(r.exit_code, 3) << r.output;  // 3: an outlier named
+    }
+    return results[0].output;
+  };
+  {
+    SimulatedCluster::Options options;
+    options.mbit = {0, 0, 40};
+    auto cluster = SimulatedCluster::Create(3, options);
+    if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+    const std::string out = run(**cluster, 1);
+    EXPECT_THAT(out, HasSubstr("link 0-2 (node-0 to node-2): all-reduce")) << out;
+    EXPECT_THAT(out, Not(HasSubstr("rank 2: every link measured is slow"))) << out;
+  }
+  {
+    SimulatedCluster::Options options;
+    options.mbit = {40, 40};
+    auto cluster = SimulatedCluster::Create(2, options);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    const std::string out = run(**cluster, 2);
+    EXPECT_THAT(out, HasSubstr("cross-node all-reduce")) << out;
+    EXPECT_THAT(out, HasSubstr("--evenstep_sync_topology=hierarchical")) << out;
+  }
 }
 
 // Loopback asked for (GLOO_SOCKET_IFNAME=lo) in a job across hosts: what

@@ -699,13 +699,19 @@ void JudgePreflight(PreflightReport* report) {
     for (const auto& [p, bw] : report->pairs) {
       if (!(median > 0) || bw / median >= kPairThreshold) continue;
       if (slow_ranks.count(p.first) || slow_ranks.count(p.second)) continue;
-      out.push_back({"pair_busbw_gbps",
-                     {p.first, p.second},
-                     "",
-                     bw / median,
-                     absl::StrFormat("link %d-%d: all-reduce %.2fx the median pair (%.3g vs %.3g "
-                                     "GB/s)",
-                                     p.first, p.second, bw / median, bw, median)});
+      const bool hosts = report->nodes.size() == static_cast<size_t>(world) &&
+                         report->nodes[p.first] != report->nodes[p.second];
+      out.push_back(
+          {"pair_busbw_gbps",
+           {p.first, p.second},
+           "",
+           bw / median,
+           absl::StrFormat("link %d-%d%s: all-reduce %.2fx the median pair (%.3g vs %.3g GB/s)",
+                           p.first, p.second,
+                           hosts ? absl::StrCat(" (", report->nodes[p.first], " to ",
+                                                report->nodes[p.second], ")")
+                                 : std::string(),
+                           bw / median, bw, median)});
     }
   }
   const auto local = report->group.find("local_busbw_gbps");
@@ -716,7 +722,10 @@ void JudgePreflight(PreflightReport* report) {
                    {},
                    "",
                    cross->second / local->second,
-                   absl::StrFormat("cross-node all-reduce %.2fx intra-node (%.3g vs %.3g GB/s)",
+                   absl::StrFormat("cross-node all-reduce %.2fx intra-node (%.3g vs %.3g GB/s): "
+                                   "keep gradient traffic inside the nodes with "
+                                   "--evenstep_sync_topology=hierarchical (auto, the default, "
+                                   "chooses it at this ratio)",
                                    cross->second / local->second, cross->second, local->second)});
   }
   if (auto c = report->per_rank.find("clock_offset_ms"); c != report->per_rank.end()) {
