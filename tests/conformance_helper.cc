@@ -41,7 +41,9 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/sync_topology.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, case_name, "tied_adam", "The model case.");
@@ -479,6 +481,18 @@ int Run(evenstep::DistContext& dist) {
   options.timeout = absl::Seconds(60);
   options.bucket_cap_bytes = 256;  // several buckets even for these small models
   options.first_bucket_cap_bytes = 64;
+  // --evenstep_sync_topology=hierarchical: the same cases through the
+  // hierarchical sync (nodes from GROUP_RANK).
+  if (absl::GetFlag(FLAGS_evenstep_sync_topology) != "auto") {
+    auto topology = evenstep::SyncTopologyByName(absl::GetFlag(FLAGS_evenstep_sync_topology));
+    auto choice = topology.ok() ? evenstep::ApplySyncTopology(dist, *topology, &options)
+                                : absl::StatusOr<evenstep::TopologyChoice>(topology.status());
+    if (!choice.ok()) {
+      std::cout << "topology refused: " << choice.status() << std::endl;
+      return 3;
+    }
+    std::cout << choice->line << std::endl;
+  }
   auto sync = evenstep::GradSync::Attach(*model, dist.data_group(), options);
   if (!sync.ok()) {
     std::cout << "attach failed: " << sync.status() << std::endl;

@@ -120,6 +120,42 @@ TEST(ConformanceTest, RandomModelsEqualOneProcess) {
   }
 }
 
+// The hierarchical sync under the same cases, on 2 nodes x 2 ranks
+// simulated on this host (GROUP_RANK): every parameter equals one process's
+// after five steps, as with the flat sync.
+TEST(ConformanceTest, TheHierarchicalSyncPassesTheSameCases) {
+  struct Run {
+    std::string name;
+    int micro;
+    std::vector<std::string> extra;
+  };
+  std::vector<Run> runs;
+  for (const char* name : {"tied_adam", "tied_sgd", "sparse", "mixed", "layout", "reverse",
+                           "control_flow", "zero_features"}) {
+    runs.push_back({name, 3, {}});
+  }
+  runs.push_back({"batchnorm", 1, {}});  // 3 micro-batches of 4 ranks' share: some of 1 sample
+  runs.push_back({"sparse", 1, {}});
+  runs.push_back({"one_param", 1, {"--keep_grad", "--create_graph"}});
+  runs.push_back({"tied_adam", 3, {"--scenario=two_backward"}});
+  for (int seed = 1; seed <= 6; ++seed) {
+    runs.push_back({"random", 1 + seed % 3, {absl::StrCat("--seed=", seed)}});
+    if (seed % 3 == 0) runs.back().extra.push_back("--keep_grad");
+  }
+  for (const Run& run : runs) {
+    std::vector<std::string> args = {"--evenstep_sync_topology=hierarchical",
+                                     "--case_name=" + run.name,
+                                     absl::StrCat("--micro=", run.micro)};
+    args.insert(args.end(), run.extra.begin(), run.extra.end());
+    auto results = evenstep::testing::RunProgramOnNodes({2, 2}, EVENSTEP_CONFORMANCE_HELPER, args);
+    for (const ProcessResult& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << absl::StrJoin(args, " ") << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("gradient sync: hierarchical (2 nodes x 2 ranks"));
+      EXPECT_THAT(r.output, HasSubstr("conformance ok " + run.name)) << Describe(results);
+    }
+  }
+}
+
 TEST(ConformanceTest, AnIdleRankJoinsWithZeros) {
   for (int world : {2, 3}) {
     auto results = RunCase(world, {"--case_name=tied_adam", "--idle_rank=1"});

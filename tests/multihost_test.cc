@@ -99,6 +99,11 @@ TEST(MultiHostTest, HostNamesOnLoopbackStillFormAGroupWithExactCollectives) {
       EXPECT_EQ(results[r].exit_code, 0) << hosts << " hosts\n" << results[r].output;
       EXPECT_THAT(results[r].output,
                   HasSubstr(absl::StrCat("collectives ok: rank ", r, " of ", hosts)));
+      // Each host says where its ranks listen.
+      EXPECT_THAT(results[r].output,
+                  HasSubstr(absl::StrCat("[evenstep] host ", (*cluster)->name(r), " (rank ", r,
+                                         "): Gloo on ", (*cluster)->address(r),
+                                         " (the address that reaches MASTER_ADDR node-0)")));
     }
   }
 }

@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <set>
 #include <thread>
@@ -310,6 +311,17 @@ absl::Status DistContext::CreateGroups() {
   }
   gloo_device_ = *chosen;
   const std::string& device = gloo_device_;
+  if (env_.world_size > env_.local_world_size && env_.local_rank == 0) {
+    // One line per host: where its ranks listen, before anything connects.
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    std::cerr << "[evenstep] host " << host << " (rank " << env_.rank << "): Gloo on "
+              << (device.rfind("if:", 0) == 0
+                      ? absl::StrCat("interface ", device.substr(3), " (GLOO_SOCKET_IFNAME)")
+                      : absl::StrCat(device, " (the address that reaches MASTER_ADDR ",
+                                     env_.master_addr, ")"))
+              << std::endl;
+  }
   const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
   try {
     groups_->control =
