@@ -522,7 +522,9 @@ void GradSyncState::OnBackwardEnded(int64_t sync, bool completed) {
                        " (GradSync joined it with a failure mark)")));
     }
     s = Finish();
-    failed_in_backward = !s.ok();
+    // Also when the sync succeeded (the exception came after every gradient
+    // was in it): AbandonStep must not start another.
+    failed_in_backward = !completed || !s.ok();
   }
   if (completed && !s.ok()) throw std::runtime_error(s.ToString());
 }
@@ -655,6 +657,10 @@ absl::Status GradSyncState::Finish() {
     local_failure = absl::OkStatus();
     return last;
   }
+  // A failure of this rank that came after every gradient was in the
+  // reduction (an exception late in backward) could not ride along: the sum
+  // is complete, and it must not mark the next synchronisation.
+  local_failure = absl::OkStatus();
   // Buffers from root.
   if (rank != options.broadcast_root) {
     at::NoGradGuard no_grad;

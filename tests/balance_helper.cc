@@ -17,6 +17,7 @@
 // Exit codes: 0 passed, 1 gradient mismatch, 2 BalancedStep error, 3 init.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -67,6 +68,16 @@ ABSL_FLAG(bool, continue_after_failure, false,
 ABSL_FLAG(bool, fail_by_exit, false,
           "With --fail_rank: the failing rank dies (_exit) instead of throwing.");
 ABSL_FLAG(int, samples, 300, "Samples in the synthetic dataset.");
+ABSL_FLAG(int, oom_rank, -1,
+          "Rank that runs out of memory (c10::OutOfMemoryError) in every micro-batch (or piece "
+          "of one) above --oom_tokens padded tokens (samples x longest length).");
+ABSL_FLAG(bool, resume, false,
+          "With --duty=evenstep: load the newest checkpoint of --evenstep_ckpt_dir first.");
+ABSL_FLAG(int64_t, oom_tokens, 0, "With --oom_rank: the rank's memory budget in padded tokens.");
+ABSL_FLAG(std::string, oom_where, "forward",
+          "With --oom_rank: forward (the loss throws), backward (backward throws, after the "
+          "last layers' gradients accumulated) or synced (backward throws, only in the step's "
+          "last micro-batch: the synchronised backward).");
 ABSL_FLAG(int, load_jitter_ms, 0,
           "The load function sleeps 0..N ms (fixed per micro-batch), so that with data workers "
           "later micro-batches often finish loading first.");
@@ -149,14 +160,33 @@ torch::Tensor Predict(torch::nn::Sequential& model, const torch::Tensor& x, int6
 // Sum over `samples` of each sample's loss: the mean squared error over its
 // tokens (normalise=samples) or the sum (normalise=tokens).
 // `inputs`: the samples' inputs as loaded (else d.x).
+// `oom_in_backward`: backward throws c10::OutOfMemoryError when it reaches
+// the first sample's first hidden layer: after the gradients of the last
+// layers (which every sample's path reaches first) have accumulated, before
+// the first layer's.
 torch::Tensor LossSum(torch::nn::Sequential& model, const Data& d,
                       const std::vector<int64_t>& samples, bool per_token,
-                      const std::vector<torch::Tensor>* inputs = nullptr) {
+                      const std::vector<torch::Tensor>* inputs = nullptr,
+                      bool oom_in_backward = false) {
   torch::Tensor total = torch::zeros({}, d.x[0].options());
   for (size_t k = 0; k < samples.size(); ++k) {
     const int64_t i = samples[k];
     const torch::Tensor& x = inputs != nullptr ? (*inputs)[k] : d.x[i];
-    const torch::Tensor err = (Predict(model, x, i) - d.y[i]).pow(2);
+    torch::Tensor prediction;
+    if (oom_in_backward && k == 0) {
+      prediction = x;
+      for (auto& layer : *model) {
+        prediction = layer.forward(prediction);
+        if (prediction.dim() > 0 && &layer == &*model->begin()) {
+          prediction.register_hook([](const torch::Tensor&) {
+            C10_THROW_ERROR(OutOfMemoryError, "injected: out of memory in backward");
+          });
+        }
+      }
+    } else {
+      prediction = Predict(model, x, i);
+    }
+    const torch::Tensor err = (prediction - d.y[i]).pow(2);
     total = total + (per_token ? err.sum() : err.mean());
   }
   return total;
@@ -253,6 +283,7 @@ int main(int argc, char** argv) {
   }
   const std::string duty = absl::GetFlag(FLAGS_duty);
   std::unique_ptr<evenstep::TrainCheckpointer> checkpointer;
+  int64_t resumed_step = 0;  // saves go on from the loaded step
   if (duty == "evenstep") {
     auto options = evenstep::CheckpointOptionsFromFlags();
     auto created =
@@ -264,6 +295,17 @@ int main(int argc, char** argv) {
       return 3;
     }
     checkpointer = *std::move(created);
+    if (absl::GetFlag(FLAGS_resume)) {
+      auto loaded = checkpointer->Load({model.ptr().get(), &optimizer, step_ptr, "{}"});
+      if (!loaded.ok()) {
+        std::cerr << loaded.status() << "\n";
+        return 3;
+      }
+      resumed_step = loaded->step;
+      std::cout << "resumed from step " << loaded->step << " memory caps:";
+      for (int64_t c : (*step)->state().memory_caps) std::cout << " " << c;
+      std::cout << std::endl;
+    }
   }
   const int sleep_ms = absl::GetFlag(FLAGS_sleep_ms_per_micro);
   int degrade_rank = -1, degrade_step = 0;
@@ -339,8 +381,29 @@ int main(int argc, char** argv) {
       }
       --counters->ahead;
       ++calls;
-      // The data must be this micro-batch's, in order, whoever loaded it.
-      if (samples != (*step)->micro_batches()[calls - 1].samples) {
+      bool oom_in_backward = false;
+      if (rank == absl::GetFlag(FLAGS_oom_rank)) {
+        int64_t longest = 0;
+        for (int64_t i : samples) longest = std::max(longest, data.lengths[i]);
+        const int64_t padded = static_cast<int64_t>(samples.size()) * longest;
+        const std::string where = absl::GetFlag(FLAGS_oom_where);
+        const std::vector<int64_t>& last = (*step)->micro_batches().back().samples;
+        const bool in_last = std::all_of(samples.begin(), samples.end(), [&](int64_t i) {
+          return std::find(last.begin(), last.end(), i) != last.end();
+        });
+        if (padded > absl::GetFlag(FLAGS_oom_tokens) && (where != "synced" || in_last)) {
+          std::cout << "injected oom step " << s << " padded " << padded << " " << where
+                    << std::endl;
+          if (where == "forward") {
+            C10_THROW_ERROR(OutOfMemoryError, "injected: out of memory in the loss");
+          }
+          oom_in_backward = true;
+        }
+      }
+      // The data must be this micro-batch's, in order, whoever loaded it
+      // (a retried piece of one after an out-of-memory error: not checked).
+      if (absl::GetFlag(FLAGS_oom_rank) < 0 &&
+          samples != (*step)->micro_batches()[calls - 1].samples) {
         std::cout << "ORDER MISMATCH at step " << s << " micro-batch " << calls << std::endl;
         throw std::runtime_error("data of another micro-batch");
       }
@@ -361,7 +424,7 @@ int main(int argc, char** argv) {
       }
       return config->loss_reduction == evenstep::LossReduction::kMean
                  ? LossMean(model, data, samples, per_token, inputs)
-                 : LossSum(model, data, samples, per_token, inputs);
+                 : LossSum(model, data, samples, per_token, inputs, oom_in_backward);
     };
     auto report = owned ? (*step)->Step(*owned, loss) : (*step)->Step(load, loss);
     if (!report.ok()) {
@@ -418,7 +481,8 @@ int main(int argc, char** argv) {
     if (duty == "rank0" && rank == 0 && duty_now) {
       std::this_thread::sleep_for(std::chrono::milliseconds(absl::GetFlag(FLAGS_duty_ms)));
     } else if (duty == "evenstep") {
-      auto ticket = checkpointer->Save(s, {model.ptr().get(), &optimizer, step_ptr, "{}"});
+      auto ticket =
+          checkpointer->Save(s + resumed_step, {model.ptr().get(), &optimizer, step_ptr, "{}"});
       if (!ticket.ok()) {
         std::cerr << ticket.status() << "\n";
         return 2;
@@ -428,8 +492,9 @@ int main(int argc, char** argv) {
       timeline->Span("checkpoint", duty_begin, absl::Now(), s);
     }
     std::cout << absl::StrFormat(
-        "step %d rank %d micro %d samples %d loss %.6f eff %.3f err %.3g shares", s, rank,
-        report->micro_batches, report->samples, report->loss, report->balance_efficiency, max_err);
+        "step %d rank %d micro %d samples %d loss %.6f eff %.3f err %.3g oom_splits %d shares", s,
+        rank, report->micro_batches, report->samples, report->loss, report->balance_efficiency,
+        max_err, report->oom_splits);
     for (double share : report->shares) std::cout << absl::StrFormat(" %.3f", share);
     std::cout << " health";
     for (double h : report->rank_health) std::cout << absl::StrFormat(" %.3f", h);
@@ -442,6 +507,11 @@ int main(int argc, char** argv) {
                                  state.sampler.epoch, state.sampler.step, state.steps,
                                  (*step)->epoch())
               << std::endl;
+    if (!state.memory_caps.empty()) {
+      std::cout << "memory caps after step " << s << ":";
+      for (int64_t c : state.memory_caps) std::cout << " " << c;
+      std::cout << std::endl;
+    }
     // fp32 sums in another order: ~1e-6 typical, up to ~2e-5 over a few
     // dozen steps on a parameter with small gradients; a wrong scale or a
     // missing micro-batch is 1e-2 or more.

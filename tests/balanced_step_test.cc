@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
@@ -325,6 +326,135 @@ TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
     EXPECT_EQ(results[0].exit_code, 3) << flag << "\n" << Describe(results);
     EXPECT_THAT(results[0].output, HasSubstr(message)) << flag;
   }
+}
+
+// Out-of-memory recovery (--evenstep_oom=split, the default): rank 1 runs
+// out of memory (the real c10::OutOfMemoryError, injected) in every
+// micro-batch, or piece of one, above a budget of padded tokens: in the loss
+// function, in an unsynchronised backward after the last layers' gradients
+// accumulated, or in the synchronised backward (every rank abandons that
+// synchronisation and all run the part again). Every step's applied
+// gradient equals one process's over the whole global batch (the helper
+// checks it after every sync: max relative error <= 5e-5, exit 1
+// otherwise), each recovery is said once, and after the first recovery the
+// rank's learned cap keeps every later micro-batch under the budget: no
+// out-of-memory after the step of the first.
+struct OomCase {
+  std::string where;
+  int world;
+  std::string mode;
+  std::vector<std::string> extra = {};
+  friend void PrintTo(const OomCase& c, std::ostream* os) {
+    *os << c.where << " world " << c.world << " " << c.mode;
+  }
+};
+
+class OutOfMemoryTest : public ::testing::TestWithParam<OomCase> {};
+
+// The steps of the "injected oom step S ..." lines of `output`.
+std::vector<int> InjectedSteps(const std::string& output) {
+  std::vector<int> steps;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    int step = 0;
+    if (std::sscanf(std::string(line).c_str(), "injected oom step %d", &step) == 1) {
+      steps.push_back(step);
+    }
+  }
+  return steps;
+}
+
+TEST_P(OutOfMemoryTest, TheMicroBatchIsSplitAndRetriedWithTheExactGradient) {
+  const OomCase& c = GetParam();
+  std::vector<std::string> args = {"--evenstep_balance=" + c.mode,
+                                   "--evenstep_global_batch=37",
+                                   "--evenstep_micro_batch_samples=4",
+                                   "--steps=5",
+                                   "--oom_rank=1",
+                                   "--oom_tokens=24",
+                                   "--oom_where=" + c.where};
+  args.insert(args.end(), c.extra.begin(), c.extra.end());
+  auto results = RunHelper(c.world, args);
+  for (const ProcessResult& r : results) {
+    ASSERT_EQ(r.exit_code, 0) << Describe(results);
+    EXPECT_THAT(r.output, HasSubstr("balance ok"));
+    // Every rank knows rank 1's learned cap (the budget or below).
+    EXPECT_THAT(r.output, ::testing::ContainsRegex("memory caps after step 5: 0 (1[0-9]|2[0-4])"))
+        << Describe(results);
+  }
+  const std::string& oom_rank = results[1].output;
+  EXPECT_THAT(oom_rank, ::testing::ContainsRegex(
+                            "\\[evenstep\\] rank 1, step 1: out of memory in micro-batch [0-9]+ "
+                            "of [0-9]+ \\([0-9]+ samples, [0-9]+ padded tokens\\): split in "))
+      << Describe(results);
+  const std::vector<int> injected = InjectedSteps(oom_rank);
+  ASSERT_FALSE(injected.empty()) << Describe(results);
+  for (int step : injected) EXPECT_EQ(step, injected.front()) << Describe(results);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, OutOfMemoryTest,
+    ::testing::Values(
+        OomCase{"forward", 2, "static"}, OomCase{"forward", 3, "dynamic"},
+        OomCase{"backward", 2, "static"}, OomCase{"backward", 3, "dynamic"},
+        OomCase{"synced", 3, "static"}, OomCase{"synced", 3, "dynamic"},
+        // An evenstep::Loader on data workers, loading ahead
+        // (the next step's micro-batches packed again under
+        // the cap), and a MEAN loss.
+        OomCase{"backward", 2, "work", {"--owned_loader"}},
+        OomCase{"forward", 2, "work", {"--owned_loader", "--evenstep_loss_reduction=mean"}}),
+    [](const auto& info) {
+      return absl::StrCat(info.param.where, "_world", info.param.world, "_", info.param.mode,
+                          info.param.extra.empty() ? "" : "_loader",
+                          info.param.extra.size() > 1 ? "_mean" : "");
+    });
+
+// A sample that does not fit even alone stops the run on every rank, named
+// with its length and rank; --evenstep_oom=fail abandons the step at once.
+TEST(OutOfMemoryTest, ASampleThatDoesNotFitAloneOrTheFailPolicyStopsTheRunNamingIt) {
+  auto alone = RunHelper(2, {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
+                             "--steps=2", "--oom_rank=1", "--oom_tokens=10"});
+  for (const ProcessResult& r : alone) {
+    EXPECT_FALSE(r.timed_out) << Describe(alone);
+    EXPECT_EQ(r.exit_code, 2) << Describe(alone);
+  }
+  EXPECT_THAT(alone[1].output,
+              ::testing::ContainsRegex("out of memory with sample [0-9]+ \\(length [0-9]+\\) "
+                                       "alone on rank 1: it does not fit even by itself"))
+      << Describe(alone);
+  EXPECT_THAT(alone[0].output, HasSubstr("rank(s) 1 failed")) << Describe(alone);
+  auto fail = RunHelper(2, {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
+                            "--steps=2", "--oom_rank=1", "--oom_tokens=24", "--evenstep_oom=fail"});
+  for (const ProcessResult& r : fail) EXPECT_EQ(r.exit_code, 2) << Describe(fail);
+  EXPECT_THAT(fail[1].output, HasSubstr("out of memory: injected: out of memory in the loss "
+                                        "(--evenstep_oom=fail)"))
+      << Describe(fail);
+}
+
+// The learned cap is part of the checkpoint: resumed, rank 1 is never again
+// given a micro-batch above its budget.
+TEST(OutOfMemoryTest, TheLearnedCapSurvivesAResume) {
+  evenstep::testing::TempDir dir("evenstep_oom");
+  const std::vector<std::string> common = {"--evenstep_global_batch=37",
+                                           "--evenstep_micro_batch_samples=4",
+                                           "--oom_rank=1",
+                                           "--oom_tokens=24",
+                                           "--duty=evenstep",
+                                           "--evenstep_ckpt_dir=" + dir.path()};
+  std::vector<std::string> first = common;
+  first.push_back("--steps=2");
+  auto before = RunHelper(2, first);
+  for (const ProcessResult& r : before) ASSERT_EQ(r.exit_code, 0) << Describe(before);
+  ASSERT_FALSE(InjectedSteps(before[1].output).empty()) << Describe(before);
+  std::vector<std::string> second = common;
+  second.push_back("--steps=3");
+  second.push_back("--resume");
+  auto after = RunHelper(2, second);
+  for (const ProcessResult& r : after) {
+    ASSERT_EQ(r.exit_code, 0) << Describe(after);
+    EXPECT_THAT(r.output, ::testing::ContainsRegex("resumed from step 2 memory caps: 0 [1-9]"))
+        << Describe(after);
+  }
+  EXPECT_TRUE(InjectedSteps(after[1].output).empty()) << Describe(after);
 }
 
 }  // namespace

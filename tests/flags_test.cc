@@ -134,6 +134,7 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_rendezvous_timeout", {"0s", "-5m", "inf"}},
       {"evenstep_comm_hook", {"foo", ""}},
       {"evenstep_sync_topology", {"tree", "", "Flat"}},
+      {"evenstep_oom", {"skip", "", "Split"}},
       {"evenstep_preempt_signals", {"KILL", "TERM,FOO", "15"}},
       {"evenstep_bucket_cap_mb", {"0", "-1", "nan", "inf", "1e30"}},
       {"evenstep_first_bucket_cap_mb", {"0", "-1", "nan", "1e30"}},

@@ -218,6 +218,28 @@ TEST(MultiHostTest, AutoPicksTheHierarchicalSyncOverASlowLinkAndItIsExact) {
   }
 }
 
+// A rank on the other host that leaves mid-job (after the start-up
+// barrier, before the all_reduce the others enter): every other rank, on
+// both hosts, fails within the collective timeout naming it.
+TEST(MultiHostTest, ARankLostOnTheOtherHostIsNamedWithinTheTimeout) {
+  auto cluster = SimulatedCluster::Create(2);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+  ASSERT_NE(store, nullptr);
+  const auto results = evenstep::testing::RunAll(
+      JobOnHosts(**cluster, 2, store->port(),
+                 {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=30s",
+                  "--evenstep_timeout=10s", "die_after_init", "3"}),
+      evenstep::testing::HangBound(2));
+  EXPECT_EQ(results[3].exit_code, 0) << evenstep::testing::Describe(results);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << evenstep::testing::Describe(results);
+    EXPECT_EQ(results[r].exit_code, 4) << evenstep::testing::Describe(results);
+    EXPECT_THAT(results[r].output, HasSubstr("rank(s) 3 (last at #2) never arrived"))
+        << evenstep::testing::Describe(results);
+  }
+}
+
 // The preflight on shaped links (the shaper sets the rates: 40 Mbit/s
 // against an unshaped path tens of times faster on any load). One host's
 // link slow among three hosts of one rank: the link is named, with its

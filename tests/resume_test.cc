@@ -36,6 +36,7 @@
 #include "evenstep/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/netns.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/temp_dir.h"
 
@@ -772,6 +773,43 @@ std::map<int, double> TorchrunWorker0Losses(const std::string& output) {
   return Losses(lines);
 }
 
+// Torchrun's output of global rank 0 (its "[default0]:" lines) shows a
+// first attempt from step 1 and a restarted one that resumed after a
+// committed checkpoint (step 4 or 6: the save of step 6 may not have
+// committed when rank 1 died at step 7), with the losses of an
+// uninterrupted run from there to `steps`.
+void ExpectResumedWithTheUninterruptedLosses(const std::string& output,
+                                             const std::map<int, double>& want, int steps) {
+  EXPECT_THAT(output, HasSubstr("[default0]:first step 1\n")) << output;
+  const size_t resumed_at =
+      output.find("[default0]:first step ", output.find("[default0]:first step 1\n") + 1);
+  ASSERT_NE(resumed_at, std::string::npos) << output;
+  const int first = std::atoi(output.c_str() + resumed_at + 22);
+  EXPECT_TRUE(first == 5 || first == 7) << "resumed at step " << first << "\n" << output;
+  const auto got = TorchrunWorker0Losses(output.substr(resumed_at));
+  for (int step = first; step <= steps; ++step) {
+    ASSERT_TRUE(got.count(step) && want.count(step)) << step << "\n" << output;
+    EXPECT_NEAR(got.at(step), want.at(step), 1e-9 * std::abs(want.at(step))) << "step " << step;
+  }
+}
+
+// A worker script for torchrun: the session trainer for `steps` steps in
+// `dir`/run, whose rank 1 SIGKILLs itself after step 7 of the first
+// attempt. Its path, or "" when it could not be written.
+std::string KilledOnFirstAttemptScript(const std::string& dir, int steps,
+                                       const std::vector<std::string>& extra) {
+  const std::string script = dir + "/worker.sh";
+  {
+    std::ofstream out(script);
+    out << "#!/bin/sh\nextra=\n"
+        << "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then\n"
+        << "  extra='--signal_at_step=7 --signal_rank=1 --signal=KILL'\nfi\nexec";
+    for (const std::string& a : SessionArgs(dir + "/run", steps, extra)) out << " '" << a << "'";
+    out << " $extra\n";
+  }
+  return chmod(script.c_str(), 0755) == 0 ? script : "";
+}
+
 class TorchrunRestartTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TorchrunRestartTest, AKilledWorkerRestartsTheGroupWhichResumesFromTheNewestCheckpoint) {
@@ -798,18 +836,8 @@ TEST_P(TorchrunRestartTest, AKilledWorkerRestartsTheGroupWhichResumesFromTheNewe
   for (const ProcessResult& r : reference) ASSERT_EQ(r.exit_code, 0) << Describe(reference);
   const auto want = Losses(reference[0].output);
 
-  const std::string script = dir.path() + "/worker.sh";
-  {
-    std::ofstream out(script);
-    out << "#!/bin/sh\nextra=\n"
-        << "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then\n"
-        << "  extra='--signal_at_step=7 --signal_rank=1 --signal=KILL'\nfi\nexec";
-    for (const std::string& a : SessionArgs(dir.path() + "/run", kSteps, balance)) {
-      out << " '" << a << "'";
-    }
-    out << " $extra\n";
-  }
-  ASSERT_EQ(chmod(script.c_str(), 0755), 0);
+  const std::string script = KilledOnFirstAttemptScript(dir.path(), kSteps, balance);
+  ASSERT_FALSE(script.empty());
   // Static rendezvous needs a fixed port (torchrun hands its --master_port
   // to the workers): it gets one in a network namespace of its own, where
   // nothing else can hold it.
@@ -829,23 +857,57 @@ TEST_P(TorchrunRestartTest, AKilledWorkerRestartsTheGroupWhichResumesFromTheNewe
                    prefix.empty() ? "" : "'", " 2>&1"),
       evenstep::testing::HangBound(4));
   EXPECT_EQ(code, 0) << output;
-  EXPECT_THAT(output, HasSubstr("[default0]:first step 1\n")) << output;
-  // The restarted group resumed after a committed checkpoint (step 4 or 6:
-  // the save of step 6 may not have committed when rank 1 died at step 7).
-  const size_t resumed_at =
-      output.find("[default0]:first step ", output.find("[default0]:first step 1\n") + 1);
-  ASSERT_NE(resumed_at, std::string::npos) << output;
-  const int first = std::atoi(output.c_str() + resumed_at + 22);
-  EXPECT_TRUE(first == 5 || first == 7) << "resumed at step " << first << "\n" << output;
   EXPECT_THAT(output, HasSubstr("[default1]:finished")) << output;
-  const auto got = TorchrunWorker0Losses(output.substr(resumed_at));
-  for (int step = first; step <= kSteps; ++step) {
-    ASSERT_TRUE(got.count(step) && want.count(step)) << step << "\n" << output;
-    EXPECT_NEAR(got.at(step), want.at(step), 1e-9 * std::abs(want.at(step))) << "step " << step;
-  }
+  ExpectResumedWithTheUninterruptedLosses(output, want, kSteps);
 }
 
 INSTANTIATE_TEST_SUITE_P(Rendezvous, TorchrunRestartTest, ::testing::Values("static", "c10d"));
+
+// torchrun across two hosts (simulated: tests/testing/netns.h, each host's
+// name on 127.0.1.1 in its /etc/hosts, no GLOO_SOCKET_IFNAME), one agent per
+// host with c10d rendezvous at the first host's name (--nnodes 2), one
+// worker each, a shared run directory (as on a shared file system): the
+// job trains, a worker SIGKILLed after step 7 restarts the group on both
+// hosts (--max_restarts 1), and the restarted group resumes from the
+// newest committed checkpoint with the uninterrupted run's losses.
+TEST(TorchrunAcrossHostsTest, AKilledWorkerOnOneHostRestartsTheJobOnBothWhichResumes) {
+  if (evenstep::testing::RunShell(
+          absl::StrCat(EVENSTEP_PEER_PYTHON, " -c 'import torch.distributed.run'"))
+          .first != 0) {
+    GTEST_SKIP() << "no torch.distributed.run in " << EVENSTEP_PEER_PYTHON << ": not run";
+  }
+  auto cluster = evenstep::testing::SimulatedCluster::Create(2);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  constexpr int kSteps = 12;
+  const std::vector<std::string> balance = {"--evenstep_balance=static"};
+  TempDir plain, dir;
+  auto reference = Train(plain.path(), kSteps, balance);
+  for (const ProcessResult& r : reference) ASSERT_EQ(r.exit_code, 0) << Describe(reference);
+  const auto want = Losses(reference[0].output);
+  const std::string script = KilledOnFirstAttemptScript(dir.path(), kSteps, balance);
+  ASSERT_FALSE(script.empty());
+  std::vector<evenstep::testing::ProcessSpec> agents;
+  for (int k = 0; k < 2; ++k) {
+    agents.push_back((*cluster)->On(
+        k, {"/bin/sh", "-c",
+            absl::StrCat("cd ", dir.path(), " && exec ", EVENSTEP_PEER_PYTHON,
+                         " -m torch.distributed.run --no_python --rdzv_backend c10d "
+                         "--rdzv_endpoint ",
+                         (*cluster)->name(0),
+                         ":29400 --rdzv_id evenstep --nnodes 2 "
+                         "--nproc_per_node 1 -r 1 -t 1 --log_dir ",
+                         dir.path(), "/logs", k, " --monitor_interval 1 --max_restarts 1 ", script,
+                         " 2>&1")}));
+  }
+  const auto results = evenstep::testing::RunAll(agents, evenstep::testing::HangBound(4));
+  std::string rank0;  // the agent whose worker was global rank 0: it prints the losses
+  for (const ProcessResult& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << Describe(results);
+    if (r.output.find("[default0]:step 12 loss") != std::string::npos) rank0 = r.output;
+  }
+  ASSERT_FALSE(rank0.empty()) << Describe(results);
+  ExpectResumedWithTheUninterruptedLosses(rank0, want, kSteps);
+}
 
 }  // namespace
 }  // namespace evenstep

@@ -12,6 +12,7 @@
 #include "evenstep/balanced_step.h"
 
 #include <ATen/Context.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
@@ -44,6 +45,8 @@ enum ExchangeField {
   kFitObservations,
   kBusy,
   kMicroBatches,
+  kOomSplits,
+  kMemoryCap,
   kAgreed,                                  // kAgreementSlots values follow
   kPartLosses = kAgreed + kAgreementSlots,  // one loss sum per part follows
 };
@@ -217,6 +220,8 @@ void BalancedStep::StartPart(size_t k) {
   Reseed(0);
   Part& part = parts_[k];
   syncs_at_begin_ = part.sync->syncs_completed();
+  part_sums_ = {step_sums_, step_sum_tensors_, loss_on_device_[k]};
+  slot_pieces_.assign(micro_.size(), 1);
   if (parts_.size() == 1) return;
   // What the plain loop's zero_grad does before this model's backward: drop
   // what other parts' backwards left here, and their use marks.
@@ -239,10 +244,13 @@ absl::StatusOr<StepReport> BalancedStep::Step(const std::vector<PartLoss>& losse
   const std::vector<MicroBatch>& mbs = micro_batches();
   for (size_t k = 0; k < parts_.size(); ++k) {
     if (k > 0) EVENSTEP_RETURN_IF_ERROR(EndPart());
+    RecomputeScope scope(this, [&losses, k](const MicroBatch& mb) { return losses[k](mb); });
     for (size_t i = 0; i < mbs.size(); ++i) {
       try {
         DataReady();
         EVENSTEP_RETURN_IF_ERROR(Backward(losses[k](mbs[i])));
+      } catch (const c10::OutOfMemoryError& e) {
+        EVENSTEP_RETURN_IF_ERROR(OutOfMemory(i, false, internal::ErrorText(e)));
       } catch (const std::exception& e) {
         return Abandon(i, internal::ErrorText(e));
       }
@@ -270,7 +278,7 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
   } else {
     parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
   }
-  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]));
+  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), memory_cap_);
   for (size_t i = 0; i < next.micro.size(); ++i) {
     next.micro[i].epoch = next.batch.epoch;
     next.micro[i].index = static_cast<int>(i);
@@ -338,6 +346,7 @@ absl::Status BalancedStep::BeginStep() {
 void BalancedStep::DataReady() {
   clock_->Start();
   data_marked_ = true;
+  slot_sums_ = {step_sums_, step_sum_tensors_, loss_on_device_[part_]};
 }
 
 absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
@@ -349,8 +358,6 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
   if (!data_marked_) DataReady();
   const size_t index = next_micro_++;
   const bool last = next_micro_ == micro_.size();
-  GradSync& sync = *parts_[part_].sync;
-  sync.set_sync_enabled(last);
   try {
     if (loss_sum.dim() != 0) {
       return Abandon(
@@ -359,35 +366,237 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
                        config_.loss_reduction == LossReduction::kMean ? "mean" : "sum",
                        " of the micro-batch's losses); got shape ", c10::str(loss_sum.sizes())));
     }
-    // The factor that makes this micro-batch's loss its share of the global
-    // batch's mean: 1 / (global count) for a SUM; for a MEAN, times the
-    // micro-batch's own count first.
-    const double factor =
-        scale_ * (config_.loss_reduction == LossReduction::kMean ? micro_[index].count : 1.0);
-    at::Tensor scaled_loss = loss_sum * factor;
-    if (last) {
-      // Parameters the loss cannot reach are ready at once (their buckets
-      // are not held back to the end of backward).
-      if (absl::Status s = sync.PrepareForBackward(scaled_loss); !s.ok()) {
-        return Abandon(index, std::string(s.message()));
-      }
-    }
-    scaled_loss.backward();
+    MicroStep(loss_sum, micro_[index].count, last);
     clock_->End();
-    const at::Tensor scaled = loss_sum.detach().to(at::kDouble) * factor;
-    at::Tensor& sum = loss_on_device_[part_];
-    sum = sum.defined() ? sum + scaled : scaled;
+  } catch (const c10::OutOfMemoryError& e) {
+    const bool started = backward_started_;
+    backward_started_ = false;
+    if (!(started && last && SyncedDespiteFailure())) {
+      return OutOfMemory(index, started, internal::ErrorText(e));
+    }
+    // Out of memory after every gradient was in the synchronisation, which
+    // completed on every rank: the step's gradient is whole.
+    clock_->End();
   } catch (const std::exception& e) {
+    backward_started_ = false;
+    if (last && Bystander(e)) {
+      // Another rank abandoned this synchronisation: if it ran out of
+      // memory (and nobody failed otherwise), every rank runs the part again.
+      EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(false, false));
+      if (retry) return Replay(0, micro_.size() - 1, micro_.size());
+    }
     return Abandon(index, internal::ErrorText(e));
   }
   if (last) {
-    const SyncStats stats = sync.last_stats();
+    const SyncStats stats = parts_[part_].sync->last_stats();
     report_.arrived = stats.arrived;
     report_.synced = stats.done;
   }
   data_marked_ = false;
   Reseed(next_micro_);
   return absl::OkStatus();
+}
+
+void BalancedStep::MicroStep(const at::Tensor& loss_sum, double count, bool sync_now) {
+  GradSync& sync = *parts_[part_].sync;
+  sync.set_sync_enabled(sync_now);
+  // The factor that makes this micro-batch's loss its share of the global
+  // batch's mean: 1 / (global count) for a SUM; for a MEAN, times the
+  // micro-batch's own count first.
+  const double factor = scale_ * (config_.loss_reduction == LossReduction::kMean ? count : 1.0);
+  at::Tensor scaled_loss = loss_sum * factor;
+  if (sync_now) {
+    // Parameters the loss cannot reach are ready at once (their buckets
+    // are not held back to the end of backward).
+    if (absl::Status s = sync.PrepareForBackward(scaled_loss); !s.ok()) {
+      throw std::runtime_error(std::string(s.message()));
+    }
+  }
+  // Counted before backward: a replay or an abandoned step restores the sums.
+  const at::Tensor scaled = loss_sum.detach().to(at::kDouble) * factor;
+  at::Tensor& sum = loss_on_device_[part_];
+  sum = sum.defined() ? sum + scaled : scaled;
+  syncs_before_micro_ = sync.syncs_completed();
+  backward_started_ = true;
+  scaled_loss.backward();
+  backward_started_ = false;
+}
+
+bool BalancedStep::SyncedDespiteFailure() const {
+  const GradSync& sync = *parts_[part_].sync;
+  return sync.syncs_completed() > syncs_before_micro_ && sync.status().ok();
+}
+
+bool BalancedStep::Bystander(const std::exception& e) const {
+  const GradSync& sync = *parts_[part_].sync;
+  const absl::Status status = sync.status();
+  return config_.oom == BalanceConfig::OomPolicy::kSplit && recompute_ != nullptr &&
+         status.code() == absl::StatusCode::kAborted && sync.fatal_status().ok() &&
+         status.ToString() == e.what();
+}
+
+absl::StatusOr<bool> BalancedStep::VoteToRetry(bool oom, bool other) {
+  voted_at_ = parts_[part_].sync->syncs_completed();
+  at::Tensor votes = at::tensor({oom ? 1.0 : 0.0, other ? 1.0 : 0.0}, at::kDouble);
+  EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(votes, ReduceOp::kMax), "BalancedStep: ", Where(),
+                           ", agreeing whether to retry after an out-of-memory error");
+  return votes[0].item<double>() > 0 && votes[1].item<double>() == 0;
+}
+
+std::vector<MicroBatch> BalancedStep::SplitMicroBatch(const MicroBatch& mb, int pieces) const {
+  const size_t n = std::min<size_t>(static_cast<size_t>(pieces), mb.samples.size());
+  std::vector<MicroBatch> out(std::max<size_t>(n, 1));
+  for (MicroBatch& piece : out) {
+    piece.epoch = mb.epoch;
+    piece.index = mb.index;
+  }
+  for (size_t k = 0; k < mb.samples.size(); ++k) {
+    MicroBatch& piece = out[k % out.size()];
+    const int64_t i = mb.samples[k];
+    piece.samples.push_back(i);
+    piece.tokens += sampler_.length(i);
+    piece.max_length = std::max(piece.max_length, sampler_.length(i));
+    piece.cost += sampler_.cost(i);
+    piece.count += sampler_.count(i);
+  }
+  return out;
+}
+
+absl::Status BalancedStep::OutOfMemory(size_t slot, bool backward_started,
+                                       const std::string& what) {
+  const std::string why = absl::StrCat("out of memory: ", what);
+  NoteFailedSize(micro_[slot]);
+  if (config_.oom != BalanceConfig::OomPolicy::kSplit || recompute_ == nullptr) {
+    return Abandon(slot, absl::StrCat(why, config_.oom == BalanceConfig::OomPolicy::kFail
+                                               ? " (--evenstep_oom=fail)"
+                                               : " (not retried: the loop calls Backward itself)"));
+  }
+  const size_t n = micro_.size();
+  if (backward_started && slot + 1 == n) {
+    // This rank's failure mark is in the part's synchronisation: every rank
+    // learns of it, and all agree to run the part again.
+    EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(true, false));
+    if (!retry) return Abandon(slot, why);
+    return Replay(0, n - 1, slot);
+  }
+  // Nothing accumulated yet (in the loss function), or part of this
+  // micro-batch's gradient did (in backward): the part again from the start.
+  return Replay(backward_started ? 0 : slot, slot, slot);
+}
+
+absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
+  Part& part = parts_[part_];
+  const size_t n = micro_.size();
+  slot_pieces_.resize(n, 1);
+  std::vector<size_t> split;  // the micro-batches split in this recovery
+  auto split_more = [&](size_t j) {
+    slot_pieces_[j] *= 2;
+    if (std::find(split.begin(), split.end(), j) == split.end()) split.push_back(j);
+  };
+  if (failed < n) split_more(failed);
+  for (;;) {
+    const Sums& at = from == 0 ? part_sums_ : slot_sums_;
+    step_sums_ = at.values;
+    step_sum_tensors_ = at.tensors;
+    loss_on_device_[part_] = at.loss;
+    if (from == 0) {
+      part.spec.optimizer->zero_grad();
+      part.sync->ForgetUse();
+    }
+    bool again = false;
+    int64_t largest = 0;  // padded tokens of the largest split piece that fitted
+    for (size_t j = from; j <= until && !again; ++j) {
+      Reseed(j);
+      const std::vector<MicroBatch> run = slot_pieces_[j] > 1
+                                              ? SplitMicroBatch(micro_[j], slot_pieces_[j])
+                                              : std::vector<MicroBatch>{micro_[j]};
+      for (size_t q = 0; q < run.size() && !again; ++q) {
+        const bool sync_now = j + 1 == n && q + 1 == run.size();
+        try {
+          MicroStep(recompute_(run[q]), run[q].count, sync_now);
+          if (slot_pieces_[j] > 1) {
+            largest = std::max<int64_t>(
+                largest, static_cast<int64_t>(run[q].samples.size()) * run[q].max_length);
+          }
+        } catch (const c10::OutOfMemoryError& e) {
+          const bool started = backward_started_;
+          backward_started_ = false;
+          if (sync_now && started && SyncedDespiteFailure()) continue;  // the gradient is whole
+          NoteFailedSize(run[q]);
+          if (run[q].samples.size() <= 1) {
+            const int64_t sample = run[q].samples.empty() ? -1 : run[q].samples[0];
+            return Abandon(
+                j, absl::StrCat("out of memory with sample ", sample, " (length ",
+                                run[q].max_length, ") alone on rank ", ctx_.rank(),
+                                ": it does not fit even by itself: ", internal::ErrorText(e)));
+          }
+          if (sync_now && started) {
+            EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(true, false));
+            if (!retry) return Abandon(j, internal::ErrorText(e));
+          }
+          split_more(j);
+          from = 0;
+          again = true;
+        } catch (const std::exception& e) {
+          backward_started_ = false;
+          if (!(sync_now && Bystander(e))) return Abandon(j, internal::ErrorText(e));
+          EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(false, false));
+          if (!retry) return Abandon(j, internal::ErrorText(e));
+          from = 0;
+          again = true;
+        }
+      }
+    }
+    if (again) continue;
+    if (!split.empty()) {
+      // The largest piece known to fit, below the smallest that did not.
+      memory_cap_ = std::min(std::max(memory_cap_, largest), memory_failed_min_ - 1);
+      for (size_t j : split) {
+        const MicroBatch& mb = micro_[j];
+        ++report_.oom_splits;
+        std::cerr << absl::StrFormat(
+                         "[evenstep] rank %d, step %d: out of memory in micro-batch %d of %d (%d "
+                         "samples, %d padded tokens): split in %d and retried; this rank's "
+                         "micro-batches are now capped at %d padded tokens",
+                         ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(),
+                         static_cast<int64_t>(mb.samples.size()) * mb.max_length,
+                         std::min<size_t>(slot_pieces_[j], mb.samples.size()), memory_cap_)
+                  << std::endl;
+      }
+      RepackPlanned();
+    }
+    next_micro_ = until + 1;
+    clock_->End();
+    data_marked_ = false;
+    if (until + 1 == n) {
+      const SyncStats stats = part.sync->last_stats();
+      report_.arrived = stats.arrived;
+      report_.synced = stats.done;
+    }
+    Reseed(next_micro_);
+    return absl::OkStatus();
+  }
+}
+
+void BalancedStep::NoteFailedSize(const MicroBatch& mb) {
+  const int64_t padded = static_cast<int64_t>(mb.samples.size()) * mb.max_length;
+  memory_failed_min_ = std::min(memory_failed_min_, padded);
+}
+
+void BalancedStep::RepackPlanned() {
+  if (!planned_ || memory_cap_ <= 0) return;
+  std::vector<int64_t> samples;
+  for (const MicroBatch& mb : planned_->micro) {
+    samples.insert(samples.end(), mb.samples.begin(), mb.samples.end());
+  }
+  std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), memory_cap_);
+  if (micro.size() == planned_->micro.size()) return;  // already within the cap
+  CancelPrefetch();                                    // its loads were for the old micro-batches
+  for (size_t i = 0; i < micro.size(); ++i) {
+    micro[i].epoch = planned_->batch.epoch;
+    micro[i].index = static_cast<int>(i);
+  }
+  planned_->micro = std::move(micro);
 }
 
 absl::Status BalancedStep::Account() {
@@ -474,6 +683,13 @@ absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) 
     status = synced.ok() ? absl::InternalError(absl::StrCat(where, ": ", what))
                          : Annotate(synced, where);
   }
+  // Every rank whose synchronisation was abandoned agrees on a retry
+  // (Backward, Replay, ApplyPart): this rank failed otherwise, so none.
+  if (config_.oom == BalanceConfig::OomPolicy::kSplit && recompute_ != nullptr &&
+      sync.fatal_status().ok() && sync.syncs_completed() != syncs_at_begin_ &&
+      voted_at_ != sync.syncs_completed()) {
+    VoteToRetry(false, true).IgnoreError();  // the status above says what failed
+  }
   // The abandoned step's gradients must never reach an optimizer step.
   try {
     parts_[part_].spec.optimizer->zero_grad();
@@ -495,6 +711,19 @@ absl::Status BalancedStep::ApplyPart() {
     // No work on this rank this step: join the collectives with zeros.
     const absl::Time arrived = absl::Now();
     absl::Status synced = part.sync->SyncNow();
+    // A peer that ran out of memory in the synchronised backward: join the
+    // vote, and the repeated synchronisation.
+    while (synced.code() == absl::StatusCode::kAborted &&
+           config_.oom == BalanceConfig::OomPolicy::kSplit && recompute_ != nullptr &&
+           part.sync->fatal_status().ok()) {
+      absl::StatusOr<bool> retry = VoteToRetry(false, false);
+      if (!retry.ok()) {
+        synced = retry.status();
+        break;
+      }
+      if (!*retry) break;
+      synced = part.sync->SyncNow();
+    }
     report_.arrived = arrived;
     report_.synced = absl::Now();
     report_.sync_wait += report_.synced - arrived;
@@ -570,6 +799,8 @@ absl::Status BalancedStep::Exchange() {
   for (size_t k = 0; k < parts_.size(); ++k) m[kPartLosses + k] = part_loss_sums_[k];
   for (size_t k = 0; k < sum_names_.size(); ++k) m[sums_at + k] = step_sums_[k];
   m[kMicroBatches] = static_cast<double>(micro_.size());
+  m[kOomSplits] = report_.oom_splits;
+  m[kMemoryCap] = static_cast<double>(memory_cap_);
   for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
   std::vector<at::Tensor> all;
   EVENSTEP_RETURN_IF_ERROR(ctx_.AllGather(mine, &all), "BalancedStep: step ", steps_,
@@ -578,6 +809,8 @@ absl::Status BalancedStep::Exchange() {
   fits_.assign(world, CostFit{});
   report_.rank_busy_s.assign(world, 0);
   report_.rank_micro_batches.assign(world, 0);
+  report_.rank_oom_splits.assign(world, 0);
+  report_.rank_memory_caps.assign(world, 0);
   report_.part_losses.assign(parts_.size(), 0.0);
   for (const std::string& name : sum_names_) report_.sums[name] = 0;
   double busy_sum = 0, busy_max = 0;
@@ -592,12 +825,15 @@ absl::Status BalancedStep::Exchange() {
     fits_[r].observations = static_cast<int64_t>(v[kFitObservations]);
     report_.rank_busy_s[r] = v[kBusy];
     report_.rank_micro_batches[r] = static_cast<int>(v[kMicroBatches]);
+    report_.rank_oom_splits[r] = static_cast<int>(v[kOomSplits]);
+    report_.rank_memory_caps[r] = static_cast<int64_t>(v[kMemoryCap]);
     for (size_t k = 0; k < parts_.size(); ++k) report_.part_losses[k] += v[kPartLosses + k];
     for (size_t k = 0; k < sum_names_.size(); ++k) report_.sums[sum_names_[k]] += v[sums_at + k];
     busy_sum += v[kBusy];
     busy_max = std::max(busy_max, v[kBusy]);
   }
   report_.loss = report_.part_losses[0];
+  memory_caps_ = report_.rank_memory_caps;
   report_.balance_efficiency = busy_max > 0 ? busy_sum / world / busy_max : 1.0;
   UpdateHealth();
   return absl::OkStatus();
@@ -693,6 +929,9 @@ BalanceState BalancedStep::state() const {
   state.sampler = planned_ ? planned_->sampler_before : sampler_.state();
   state.shares = planned_ ? planned_->shares_before : planner_.plan().shares;
   state.steps = steps_;
+  if (std::any_of(memory_caps_.begin(), memory_caps_.end(), [](int64_t c) { return c > 0; })) {
+    state.memory_caps = memory_caps_;
+  }
   return state;
 }
 
@@ -730,6 +969,12 @@ absl::Status BalancedStep::Restore(const BalanceState& state) {
                        : planner_.plan().shares;
   fits_.clear();
   cost_model_.Reset();
+  // Each rank's learned memory cap, when the world is the same (ranks of
+  // another world may sit on other devices).
+  memory_caps_ = static_cast<int>(state.memory_caps.size()) == ctx_.world_size()
+                     ? state.memory_caps
+                     : std::vector<int64_t>();
+  memory_cap_ = memory_caps_.empty() ? 0 : memory_caps_[ctx_.rank()];
   return absl::OkStatus();
 }
 

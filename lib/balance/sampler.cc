@@ -362,8 +362,10 @@ std::vector<std::vector<int64_t>> Sampler::PartitionByTime(
   return parts;
 }
 
-bool Sampler::Joins(int64_t n, int64_t max_length, int64_t length) const {
+bool Sampler::Joins(int64_t n, int64_t max_length, int64_t length,
+                    int64_t padded_tokens_cap) const {
   return n > 0 && (options_.micro_batch_samples == 0 || n + 1 <= options_.micro_batch_samples) &&
+         (padded_tokens_cap <= 0 || (n + 1) * std::max(max_length, length) <= padded_tokens_cap) &&
          (options_.micro_batch_tokens == 0 ||
           (n + 1) * std::max(max_length, length) <= options_.micro_batch_tokens);
 }
@@ -561,7 +563,8 @@ std::vector<std::vector<int64_t>> Sampler::PartitionStreams(
   return parts;
 }
 
-std::vector<MicroBatch> Sampler::Pack(std::vector<int64_t> samples) const {
+std::vector<MicroBatch> Sampler::Pack(std::vector<int64_t> samples,
+                                      int64_t padded_tokens_cap) const {
   std::stable_sort(samples.begin(), samples.end(),
                    [&](int64_t a, int64_t b) { return lengths_[a] > lengths_[b]; });
   std::vector<MicroBatch> out;
@@ -574,7 +577,7 @@ std::vector<MicroBatch> Sampler::Pack(std::vector<int64_t> samples) const {
   };
   for (int64_t i : samples) {
     if (out.empty() || !Joins(static_cast<int64_t>(out.back().samples.size()),
-                              out.back().max_length, lengths_[i])) {
+                              out.back().max_length, lengths_[i], padded_tokens_cap)) {
       out.emplace_back();
     }
     add(out.back(), i);

@@ -129,6 +129,11 @@ ABSL_FLAG(std::string, evenstep_loss_reduction, "sum",
 ABSL_FLAG(double, evenstep_cost_quadratic, 0,
           "Cost units of a sample of length L are L + c*L^2 with this c (attention-heavy "
           "models); 0 = tokens.");
+ABSL_FLAG(std::string, evenstep_oom, "split",
+          "A micro-batch that runs out of device memory (in the loss or in backward): split "
+          "(split it in halves, quarters, ... down to one sample and retry it within the step, "
+          "with the exact gradient; the rank then keeps its micro-batches under the largest "
+          "piece that fitted) or fail (abandon the step, as any other error).");
 ABSL_FLAG(double, evenstep_clip_grad_norm, 0,
           "Clip the global gradient's norm (after the sync) to this value; 0 = off.");
 
@@ -342,6 +347,13 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.plan_interval = absl::GetFlag(FLAGS_evenstep_plan_interval);
   config.cost_model.warmup_steps = absl::GetFlag(FLAGS_evenstep_warmup_steps);
   config.clip_grad_norm = absl::GetFlag(FLAGS_evenstep_clip_grad_norm);
+  if (const std::string oom = absl::GetFlag(FLAGS_evenstep_oom); oom == "split" || oom == "fail") {
+    config.oom =
+        oom == "split" ? BalanceConfig::OomPolicy::kSplit : BalanceConfig::OomPolicy::kFail;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_oom=", oom, ": expected split or fail"));
+  }
   config.data_workers = absl::GetFlag(FLAGS_evenstep_data_workers);
   config.prefetch = absl::GetFlag(FLAGS_evenstep_prefetch);
   config.prefetch_next_step = absl::GetFlag(FLAGS_evenstep_prefetch_next_step);

@@ -53,6 +53,7 @@ std::string BalanceJson(const BalanceState& b) {
                       {"seed", b.sampler.seed},   {"num_samples", b.sampler.num_samples},
                       {"steps", b.steps},         {"shares", b.shares}};
   if (!b.stream_shares.empty()) j["stream_shares"] = b.stream_shares;
+  if (!b.memory_caps.empty()) j["memory_caps"] = b.memory_caps;
   if (b.sampler.global_batch > 0) {
     j["global_batch"] = b.sampler.global_batch;
     j["batch_unit"] = b.sampler.tokens ? "tokens" : "samples";
@@ -102,6 +103,15 @@ absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
     for (const auto& v : j["stream_shares"]) {
       if (!v.is_number()) return bad("a stream share is not a number");
       b.stream_shares.push_back(v.get<double>());
+    }
+  }
+  if (j.contains("memory_caps")) {
+    if (!j["memory_caps"].is_array()) return bad("memory_caps must be an array");
+    for (const auto& v : j["memory_caps"]) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+        return bad("a memory cap is not a non-negative integer");
+      }
+      b.memory_caps.push_back(v.get<int64_t>());
     }
   }
   return b;

@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -116,6 +117,15 @@ struct BalanceConfig {
   int plan_interval = 1;
   // Clip the global gradient's norm to this value after the sync; 0 = off.
   double clip_grad_norm = 0;
+  // A micro-step that runs out of memory (c10::OutOfMemoryError, in the
+  // loss function or in backward) under the Step forms that own the loop:
+  // kSplit splits that micro-batch (halves, then quarters, ... down to one
+  // sample) and retries it within the step, with the exact gradient of the
+  // unsplit step (see Step); the rank keeps the largest piece that fitted
+  // as its memory cap, which later plans respect. kFail abandons the step,
+  // as any other error does.
+  enum class OomPolicy { kSplit, kFail };
+  OomPolicy oom = OomPolicy::kSplit;
   // dynamic: the shares used until every rank has measurements (e.g. known
   // device speeds); empty = equal.
   std::vector<double> initial_shares;
@@ -247,6 +257,12 @@ struct StepReport {
   std::vector<double> shares;       // the plan this step used
   std::vector<double> rank_busy_s;  // every rank's busy time
   std::vector<int> rank_micro_batches;
+  // Out-of-memory recoveries (BalanceConfig::oom): the micro-batches this
+  // rank split and retried in this step, and every rank's count and learned
+  // memory cap (padded tokens; 0 = none).
+  int oom_splits = 0;
+  std::vector<int> rank_oom_splits;
+  std::vector<int64_t> rank_memory_caps;
   // The maximum over ranks of each AgreementSlot, from this step's exchange.
   std::array<double, kAgreementSlots> agreed{};
   // Every rank's health, two views of its cost fit's time for a typical
@@ -274,6 +290,10 @@ struct BalanceState {
   int64_t steps = 0;
   // Stream mode: the shares that assigned the streams of the current epoch.
   std::vector<double> stream_shares;
+  // Per rank: the largest micro-batch (padded tokens: samples x longest
+  // length) it may be given, learned from its out-of-memory recoveries; 0 =
+  // no cap learned. Empty when none was.
+  std::vector<int64_t> memory_caps;
 };
 
 class BalancedStep {
@@ -327,7 +347,11 @@ class BalancedStep {
     return LoadedStep(
         std::forward<Load>(load),
         [&](size_t i, auto& data) { return Backward(CallLoss(loss_sum, data, mbs[i])); },
-        [] { return absl::OkStatus(); });
+        [] { return absl::OkStatus(); },
+        [&](const MicroBatch& mb) {
+          auto data = load(mb);
+          return CallLoss(loss_sum, data, mb);
+        });
   }
   // A step of every part with one Loader: each micro-batch is loaded once
   // (as above) and `losses[k](data)` is part k's loss of it. The step's
@@ -340,6 +364,9 @@ class BalancedStep {
       const std::vector<std::function<at::Tensor(const Data&)>>& losses) {
     EVENSTEP_RETURN_IF_ERROR(PartCount(losses.size()));
     std::vector<Data> kept;
+    auto recompute = [&](size_t k) {
+      return [&, k](const MicroBatch& mb) { return losses[k](loader(mb)); };
+    };
     return LoadedStep(
         loader,
         [&](size_t, Data& data) {
@@ -349,17 +376,21 @@ class BalancedStep {
         [&]() -> absl::Status {
           for (size_t k = 1; k < parts_.size(); ++k) {
             EVENSTEP_RETURN_IF_ERROR(EndPart());
+            recompute_ = recompute(k);
             for (size_t i = 0; i < kept.size(); ++i) {
               try {
                 DataReady();
                 EVENSTEP_RETURN_IF_ERROR(Backward(losses[k](kept[i])));
+              } catch (const c10::OutOfMemoryError& e) {
+                EVENSTEP_RETURN_IF_ERROR(OutOfMemory(i, false, e.what_without_backtrace()));
               } catch (const std::exception& e) {
                 return Abandon(i, e.what());
               }
             }
           }
           return absl::OkStatus();
-        });
+        },
+        recompute(0));
   }
   // Sums over all ranks that every step reports (StepReport::sums) without
   // a collective of the loop's own: DeclareSum each name once, on every
@@ -446,8 +477,9 @@ class BalancedStep {
   // A step whose micro-batches are loaded by `load` (see Step): `first(i,
   // data)` runs the first part's micro-batch i; `rest()` the later parts,
   // before the step finishes.
-  template <typename Load, typename First, typename Rest>
-  absl::StatusOr<StepReport> LoadedStep(Load&& load, First&& first, Rest&& rest) {
+  template <typename Load, typename First, typename Rest, typename Recompute>
+  absl::StatusOr<StepReport> LoadedStep(Load&& load, First&& first, Rest&& rest,
+                                        Recompute&& recompute) {
     constexpr bool kOwned = IsLoader<std::decay_t<Load>>::value;
     if (kOwned) StartWorkers();
     const bool on_workers = workers_ != nullptr && (kOwned || config_.data_workers > 0);
@@ -463,6 +495,7 @@ class BalancedStep {
     }
     CancelPrefetch();  // another load's leftovers: wait for them and drop them
     EVENSTEP_RETURN_IF_ERROR(BeginStep());
+    RecomputeScope scope(this, std::forward<Recompute>(recompute));
     const std::vector<MicroBatch>& mbs = micro_batches();
     if (!on_workers) {
       for (size_t i = 0; i < mbs.size(); ++i) {
@@ -470,6 +503,8 @@ class BalancedStep {
           Data data = load(mbs[i]);
           DataReady();
           EVENSTEP_RETURN_IF_ERROR(first(i, data));
+        } catch (const c10::OutOfMemoryError& e) {
+          EVENSTEP_RETURN_IF_ERROR(OutOfMemory(i, false, e.what_without_backtrace()));
         } catch (const std::exception& e) {
           return Abandon(i, e.what());
         }
@@ -509,6 +544,8 @@ class BalancedStep {
         }
         DataReady();
         EVENSTEP_RETURN_IF_ERROR(first(i, *data));
+      } catch (const c10::OutOfMemoryError& e) {
+        EVENSTEP_RETURN_IF_ERROR(OutOfMemory(i, false, e.what_without_backtrace()));
       } catch (const std::exception& e) {
         return Abandon(i, e.what());
       }
@@ -527,6 +564,70 @@ class BalancedStep {
     }
   }
   absl::Status Abandon(size_t micro_batch, const std::string& what);
+
+  // Out-of-memory recovery (BalanceConfig::oom). The Step forms that own the
+  // loop set recompute_ for the running part: a micro-batch (or a piece of
+  // one) -> its loss, loaded on the training thread; RecomputeScope clears
+  // it when the step returns.
+  std::function<at::Tensor(const MicroBatch&)> recompute_;
+  struct RecomputeScope {
+    template <typename F>
+    RecomputeScope(BalancedStep* s, F&& f) : step(s) {
+      step->recompute_ = std::forward<F>(f);
+    }
+    ~RecomputeScope() { step->recompute_ = nullptr; }
+    BalancedStep* step;
+  };
+  // Micro-batch `slot` of the running part threw c10::OutOfMemoryError
+  // (`backward_started`: in its backward, so its gradients may be partly
+  // accumulated). Recovers (OK: the loop goes on with slot + 1) or returns
+  // the step's failure.
+  absl::Status OutOfMemory(size_t slot, bool backward_started, const std::string& what);
+  // Runs the running part's micro-batches `from`..`until` again through
+  // recompute_, each in its slot_pieces_ pieces, after doubling those of
+  // `failed` (none when out of range); the part's gradients are zeroed
+  // first when `from` is 0. A further out-of-memory doubles that
+  // micro-batch's pieces and starts again from 0.
+  absl::Status Replay(size_t from, size_t until, size_t failed);
+  // Pieces each micro-batch of the running part runs in (1: whole).
+  std::vector<int> slot_pieces_;
+  // After the part's synchronisation was abandoned (not timed out): every
+  // rank says whether it ran out of memory and whether it failed otherwise;
+  // true when some rank ran out of memory and none failed otherwise, on
+  // every rank alike (a collective of every rank whose sync was abandoned).
+  absl::StatusOr<bool> VoteToRetry(bool oom, bool other);
+  // `e` is the running part's GradSync reporting a synchronisation another
+  // rank abandoned (this rank's own code did not fail).
+  bool Bystander(const std::exception& e) const;
+  // The backward of one micro-step: `loss_sum` scaled to its share of the
+  // global mean (`count`: the micro-batch's count, for mean losses),
+  // synchronised when `sync`. Throws what backward throws.
+  void MicroStep(const at::Tensor& loss_sum, double count, bool sync);
+  // `mb` dealt into `pieces` pieces (alternately, so they hold similar
+  // lengths).
+  std::vector<MicroBatch> SplitMicroBatch(const MicroBatch& mb, int pieces) const;
+  bool backward_started_ = false;
+  int64_t syncs_before_micro_ = 0;  // the part's syncs before the running micro-step
+  // The running micro-step's synchronisation completed, successfully, although
+  // its backward threw afterwards: its gradient is whole on every rank.
+  bool SyncedDespiteFailure() const;
+  int64_t voted_at_ = -1;   // the part sync number already voted on
+  int64_t memory_cap_ = 0;  // this rank's learned cap, padded tokens (0 = none)
+  // The smallest micro-batch (padded tokens) that ran out of memory here.
+  int64_t memory_failed_min_ = std::numeric_limits<int64_t>::max();
+  void NoteFailedSize(const MicroBatch& mb);
+  std::vector<int64_t> memory_caps_;  // every rank's, from the exchange
+  // The step's sums as the running part began (restored before a replay).
+  struct Sums {
+    std::vector<double> values;
+    std::vector<at::Tensor> tensors;
+    at::Tensor loss;
+  };
+  Sums part_sums_;
+  Sums slot_sums_;  // ... and as the running micro-batch began
+  // After a recovery lowered memory_cap_: the next step's planned
+  // micro-batches packed again under it.
+  void RepackPlanned();
   // The current part's sync, clipping, optimizer step and zero_grad.
   absl::Status ApplyPart();
   // Zeroes part `k`'s gradients and forgets its use marks (a step of

@@ -159,8 +159,10 @@ class Sampler {
   std::vector<std::vector<int64_t>> PartitionByTime(const GlobalBatch& batch,
                                                     const std::vector<CostFit>& fits,
                                                     const std::vector<double>& target_s) const;
-  // Cuts one rank's samples into micro-batches under the caps, longest first.
-  std::vector<MicroBatch> Pack(std::vector<int64_t> samples) const;
+  // Cuts one rank's samples into micro-batches under the caps, longest first;
+  // `padded_tokens_cap` > 0 adds this rank's own cap on samples x longest
+  // length (its learned memory cap: BalanceConfig::oom).
+  std::vector<MicroBatch> Pack(std::vector<int64_t> samples, int64_t padded_tokens_cap = 0) const;
   // Stream mode: the streams [first, last) rank `rank` of shares.size()
   // owns under `shares` (contiguous blocks by the cumulative shares), and
   // `batch` split that way.
@@ -195,7 +197,7 @@ class Sampler {
 
   // Whether a sample of `length` joins an open micro-batch of `n` samples
   // (0: none open) whose longest is `max_length`, under the caps.
-  bool Joins(int64_t n, int64_t max_length, int64_t length) const;
+  bool Joins(int64_t n, int64_t max_length, int64_t length, int64_t padded_tokens_cap = 0) const;
   // The number of micro-batches Pack cuts `longest_first` into.
   int64_t MicroSteps(const std::vector<int64_t>& longest_first) const;
   // Evens out the predicted finish times of a greedy split (see sampler.cc);

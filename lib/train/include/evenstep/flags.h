@@ -39,6 +39,7 @@ ABSL_DECLARE_FLAG(int64_t, evenstep_streams);
 ABSL_DECLARE_FLAG(bool, evenstep_reseed);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
 ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);
+ABSL_DECLARE_FLAG(std::string, evenstep_oom);
 ABSL_DECLARE_FLAG(double, evenstep_clip_grad_norm);
 ABSL_DECLARE_FLAG(std::string, evenstep_run_dir);
 ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_dir);
