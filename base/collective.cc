@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace evenstep::internal {
@@ -16,13 +17,18 @@ CollectiveWait WaitCollective(c10d::Work* work, absl::Duration timeout, absl::Ti
   return {false, "", absl::Now() - since};
 }
 
+bool TimedOut(absl::Duration elapsed, absl::Duration timeout, absl::string_view error) {
+  return elapsed >= timeout || absl::StrContains(error, "Timed out") ||
+         absl::StrContains(error, "timed out");
+}
+
 absl::Status CollectiveFailed(int rank, absl::string_view what, const CollectiveWait& outcome,
                               absl::Duration timeout) {
   const std::string message =
       absl::StrCat("rank ", rank, ": ", what, " failed after ",
                    absl::FormatDuration(absl::Trunc(outcome.elapsed, absl::Milliseconds(1))), ": ",
                    outcome.error);
-  return outcome.elapsed >= timeout ? absl::DeadlineExceededError(message)
+  return TimedOut(outcome.elapsed, timeout, outcome.error) ? absl::DeadlineExceededError(message)
                                     : absl::UnavailableError(message);
 }
 

@@ -470,7 +470,7 @@ absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::D
   }
   absl::StrAppend(&message, store_note, "; c10d: ", error);
   absl::Status status = absl::InternalError(message);
-  if (elapsed >= options_.collective_timeout) {
+  if (internal::TimedOut(elapsed, options_.collective_timeout, error)) {
     status = absl::DeadlineExceededError(message);
   } else if (!missing.empty() || !store_note.empty() || absl::StrContains(error, "onnection")) {
     status = absl::UnavailableError(message);

@@ -49,6 +49,11 @@ CollectiveWait RunCollective(Launch&& launch, absl::Duration timeout) {
   }
 }
 
+// A collective that failed by its deadline: the wait took the whole
+// timeout, or c10d/Gloo says it timed out (its own clock may have started
+// before the wait was measured from: a bucket launched during backward).
+bool TimedOut(absl::Duration elapsed, absl::Duration timeout, absl::string_view error);
+
 // The plain status of a failed collective: "rank R: WHAT failed after T:
 // ERROR", DeadlineExceeded when the wait took the whole timeout (a peer
 // never came), Unavailable otherwise (a peer's connection broke).
