@@ -29,7 +29,7 @@ absl::Status CollectiveFailed(int rank, absl::string_view what, const Collective
                    absl::FormatDuration(absl::Trunc(outcome.elapsed, absl::Milliseconds(1))), ": ",
                    outcome.error);
   return TimedOut(outcome.elapsed, timeout, outcome.error) ? absl::DeadlineExceededError(message)
-                                    : absl::UnavailableError(message);
+                                                           : absl::UnavailableError(message);
 }
 
 }  // namespace evenstep::internal

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -127,21 +128,16 @@ absl::StatusOr<TopologyChoice> ApplySyncTopology(DistContext& ctx, SyncTopology 
   constexpr size_t kProbeBytes = size_t{4} << 20;
   constexpr double kUnmeasured = std::numeric_limits<double>::infinity();
   at::Tensor measured = at::full({2}, kUnmeasured, at::kDouble);
-  if (groups->scatter != nullptr) {
-    Subgroup& g = *groups->scatter;
+  const std::pair<Subgroup*, const char*> probes[2] = {{groups->scatter.get(), "within the node"},
+                                                       {groups->across.get(), "across nodes"}};
+  for (int k = 0; k < 2; ++k) {
+    Subgroup* g = probes[k].first;
+    if (g == nullptr) continue;
     EVENSTEP_ASSIGN_OR_RETURN(double bw,
-                              MeasureBusBandwidth(g.size(), kProbeBytes, 3,
-                                                  [&](at::Tensor& t) { return g.AllReduce(t); }),
-                              "--evenstep_sync_topology: measuring within the node");
-    measured[0] = bw;
-  }
-  if (groups->across != nullptr) {
-    Subgroup& g = *groups->across;
-    EVENSTEP_ASSIGN_OR_RETURN(double bw,
-                              MeasureBusBandwidth(g.size(), kProbeBytes, 3,
-                                                  [&](at::Tensor& t) { return g.AllReduce(t); }),
-                              "--evenstep_sync_topology: measuring across nodes");
-    measured[1] = bw;
+                              MeasureBusBandwidth(g->size(), kProbeBytes, 3,
+                                                  [g](at::Tensor& t) { return g->AllReduce(t); }),
+                              "--evenstep_sync_topology: measuring ", probes[k].second);
+    measured[k] = bw;
   }
   EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(measured, ReduceOp::kMin),
                            "--evenstep_sync_topology: exchanging the measurements");

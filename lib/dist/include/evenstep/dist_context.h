@@ -197,7 +197,7 @@ class DistContext {
   // The Gloo transport device: GLOO_SOCKET_IFNAME, loopback, or the address
   // that reaches MASTER_ADDR (internal::ChooseGlooAddress).
   absl::StatusOr<std::string> GlooDevice() const;
-  std::string gloo_device_;  // GlooDevice()'s choice, for the subgroups too
+  std::string gloo_device_;          // GlooDevice()'s choice, for the subgroups too
   std::optional<NodeLayout> nodes_;  // Nodes(), once exchanged
   template <typename Launch>
   absl::Status Run(const std::string& what, Launch&& launch);
