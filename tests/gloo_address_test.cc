@@ -5,6 +5,12 @@
 // says what to set — never a silent bind to loopback.
 #include "evenstep/internal/gloo_address.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
 #include <string>
 #include <vector>
 
@@ -115,6 +121,63 @@ TEST(GlooAddressTest, TheRouteFromThisMachine) {
     EXPECT_EQ(*LocalAddressTowards(address, 29500), address) << i;
     EXPECT_FALSE(IsLoopbackAddress(address)) << i;
   }
+}
+
+// The reachability check's connects, each outcome on this machine: a
+// listener reached, a port nobody listens on refused (its cause said), and
+// a listener whose accept queue is full (its SYNs dropped, as a firewall
+// would) unanswered until the timeout.
+TEST(GlooAddressTest, ConnectToEachNamesEveryTargetItCouldNotReach) {
+  auto mine = ReachListener::Open("127.0.0.1");
+  auto open = ReachListener::Open("127.0.0.1");
+  ASSERT_TRUE(mine.ok() && open.ok());
+  int closed_port = 0;
+  {
+    auto closed = ReachListener::Open("127.0.0.1");
+    ASSERT_TRUE(closed.ok());
+    closed_port = (*closed)->port();
+  }
+  // A listener with a backlog of 0 holds one connection; the next SYNs are
+  // dropped while it is full.
+  const int full = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(at);
+  ASSERT_EQ(bind(full, reinterpret_cast<sockaddr*>(&at), len), 0);
+  ASSERT_EQ(listen(full, 0), 0);
+  ASSERT_EQ(getsockname(full, reinterpret_cast<sockaddr*>(&at), &len), 0);
+  const int full_port = ntohs(at.sin_port);
+  std::vector<int> fillers;
+  for (int i = 0; i < 4; ++i) {  // more than the queue holds: it is full
+    const int f = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    connect(f, reinterpret_cast<sockaddr*>(&at), len);
+    fillers.push_back(f);
+  }
+  const std::vector<ReachFailure> failures = ConnectToEach({{1, "127.0.0.1", (*open)->port()},
+                                                            {2, "127.0.0.1", closed_port},
+                                                            {3, "127.0.0.1", full_port},
+                                                            {4, "not-an-address", 1}},
+                                                           **mine, absl::Milliseconds(1500));
+  for (int f : fillers) close(f);
+  close(full);
+  ASSERT_EQ(failures.size(), 3u);
+  std::map<int, ReachFailure> by_rank;
+  for (const ReachFailure& f : failures) by_rank[f.rank] = f;
+  EXPECT_EQ(by_rank.count(1), 0u);
+  EXPECT_EQ(by_rank[2].reason, "Connection refused");
+  EXPECT_THAT(by_rank[2].cause, HasSubstr("nothing listens there"));
+  EXPECT_EQ(by_rank[3].reason, "no answer within 1.5s");
+  EXPECT_THAT(by_rank[3].cause, HasSubstr("dropped on the way"));
+  EXPECT_THAT(by_rank[4].reason, HasSubstr("'not-an-address' is not a numeric address"));
+}
+
+TEST(GlooAddressTest, TheBindAddressOfEachDeviceSpec) {
+  EXPECT_EQ(*GlooBindAddress("10.1.2.3"), "10.1.2.3");
+  EXPECT_EQ(*GlooBindAddress("if:lo"), "127.0.0.1");
+  EXPECT_THAT(std::string(GlooBindAddress("if:no-such-if0").status().message()),
+              HasSubstr("GLOO_SOCKET_IFNAME=no-such-if0 is not an interface that is up"));
+  EXPECT_TRUE(GlooBindAddress("").ok());  // the host name's address
 }
 
 }  // namespace

@@ -315,5 +315,47 @@ TEST(MultiHostTest, GlooOnLoopbackAcrossHostsIsRefusedNamingTheFix) {
   }
 }
 
+// One host's Gloo on an address the other host cannot reach (its
+// GLOO_SOCKET_IFNAME points at a second interface on a private network,
+// like docker0): the rendezvous through MASTER_ADDR works, the Gloo pairs
+// cannot connect. What users saw before: one rank refused at once, the
+// other waiting 304 s past its 5 s flags with an address and no cause.
+// Every rank ends within the timeout flag with a named error: its own
+// address, the peer's, and what to check.
+TEST(MultiHostTest, AGlooAddressTheOtherHostCannotReachEndsEveryRankWithinTheTimeout) {
+  auto cluster = SimulatedCluster::Create(2);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  ASSERT_TRUE((*cluster)->AddIsolatedInterface(0, "private0", "10.76.0.1").ok());
+  std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+  ASSERT_NE(store, nullptr);
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 2; ++r) {
+    auto env = RankEnv(**cluster, r, store->port());
+    if (r == 0) env.emplace_back("GLOO_SOCKET_IFNAME", "private0");
+    specs.push_back((*cluster)->On(r,
+                                   {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=5s",
+                                    "--evenstep_timeout=5s", "collectives"},
+                                   env));
+  }
+  const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << evenstep::testing::Describe(results);
+    EXPECT_EQ(results[r].exit_code, 3) << evenstep::testing::Describe(results);  // init failed
+    const std::string& out = results[r].output;
+    EXPECT_THAT(out, HasSubstr(absl::StrCat(
+                         "rank ", r,
+                         ": the Gloo connections between hosts cannot form: rank 1 (host node-1) "
+                         "cannot reach rank 0 (host node-0, Gloo on 10.76.0.1, interface private0 "
+                         "from GLOO_SOCKET_IFNAME): Network is unreachable (no route from here")))
+        << out;
+    // The fix names the host and what is up there, the shared network first.
+    EXPECT_THAT(out, HasSubstr("set GLOO_SOCKET_IFNAME to the interface on the network the hosts "
+                               "share, on node-0 (up there: "))
+        << out;
+    EXPECT_THAT(out, HasSubstr(absl::StrCat((*cluster)->interface(0), "=", (*cluster)->address(0))))
+        << out;
+  }
+}
+
 }  // namespace
 }  // namespace evenstep

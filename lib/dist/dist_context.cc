@@ -26,6 +26,7 @@
 #include <cstring>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -43,6 +44,7 @@
 #include "evenstep/internal/gloo_address.h"
 #include "evenstep/internal/store_server.h"
 #include "evenstep/status_macros.h"
+#include "nlohmann/json.hpp"
 
 #if EVENSTEP_HAVE_NCCL
 #include <c10/cuda/CUDAFunctions.h>
@@ -68,6 +70,21 @@ namespace {
 
 std::vector<uint8_t> Bytes(absl::string_view s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string Text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+std::string HostName() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+// Why Gloo binds where it does, for device spec `device` (GlooDevice()).
+std::string GlooWhy(const std::string& device, const std::string& master_addr) {
+  if (device.rfind("if:", 0) == 0) {
+    return absl::StrCat("interface ", device.substr(3), " from GLOO_SOCKET_IFNAME");
+  }
+  if (device.empty()) return "the address its host name resolves to";
+  return absl::StrCat("the address that reaches MASTER_ADDR ", master_addr);
+}
 
 c10d::ReduceOp ToC10d(ReduceOp op) {
   switch (op) {
@@ -278,9 +295,7 @@ absl::Status DistContext::Rendezvous() {
 
 absl::StatusOr<std::string> DistContext::GlooDevice() const {
   internal::GlooAddressInputs in;
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  in.host = host;
+  in.host = HostName();
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
     in.ifname = ifname;
     in.ifname_loopback = internal::IsLoopbackInterface(in.ifname);
@@ -313,14 +328,12 @@ absl::Status DistContext::CreateGroups() {
   const std::string& device = gloo_device_;
   if (env_.world_size > env_.local_world_size && env_.local_rank == 0) {
     // One line per host: where its ranks listen, before anything connects.
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    std::cerr << "[evenstep] host " << host << " (rank " << env_.rank << "): Gloo on "
-              << (device.rfind("if:", 0) == 0
-                      ? absl::StrCat("interface ", device.substr(3), " (GLOO_SOCKET_IFNAME)")
-                      : absl::StrCat(device, " (the address that reaches MASTER_ADDR ",
-                                     env_.master_addr, ")"))
-              << std::endl;
+    std::cerr << "[evenstep] host " << HostName() << " (rank " << env_.rank << "): Gloo on "
+              << (device.rfind("if:", 0) == 0 ? device.substr(3) : device) << " ("
+              << GlooWhy(device, env_.master_addr) << ")" << std::endl;
+  }
+  if (env_.world_size > env_.local_world_size) {
+    EVENSTEP_RETURN_IF_ERROR(CheckGlooReachable());
   }
   const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
   try {
@@ -357,6 +370,133 @@ absl::Status DistContext::CreateGroups() {
 #endif
   groups_->raw_store->setTimeout(timeout);
   return absl::OkStatus();
+}
+
+namespace {
+
+// What a rank publishes for the reachability check, and how it names itself.
+struct ReachEndpoint {
+  int rank = 0;
+  std::string host;
+  std::string address;
+  int port = 0;
+  std::string how;         // why Gloo binds there
+  std::string interfaces;  // that host's interfaces, for the fix
+};
+
+std::string Describe(const ReachEndpoint& e) {
+  return absl::StrCat("rank ", e.rank, " (host ", e.host, ", Gloo on ", e.address, ", ", e.how,
+                      ")");
+}
+
+// One error for every rank: which ranks cannot reach which, why, and what
+// to set on the host whose address fails.
+absl::Status UnreachableError(
+    int rank, const std::vector<ReachEndpoint>& endpoints,
+    const std::map<int, std::vector<std::pair<int, std::string>>>& by_target) {
+  std::vector<std::string> parts;
+  std::set<std::string> hosts;
+  for (const auto& [target, sources] : by_target) {
+    std::vector<int> from;
+    for (const auto& [source, why] : sources) from.push_back(source);
+    const ReachEndpoint& t = endpoints[target];
+    hosts.insert(t.host);
+    if (parts.size() < 3) {
+      parts.push_back(absl::StrCat(from.size() == 1 ? "rank " : "ranks ", absl::StrJoin(from, ", "),
+                                   " (host ", endpoints[from[0]].host,
+                                   from.size() > 1 ? ", ..." : "", ") cannot reach ", Describe(t),
+                                   ": ", sources[0].second));
+    }
+  }
+  if (by_target.size() > parts.size()) {
+    absl::StrAppend(&parts.back(), "; and ", by_target.size() - parts.size(), " more rank(s)");
+  }
+  std::vector<std::string> fixes;
+  for (const std::string& host : hosts) {
+    for (const ReachEndpoint& e : endpoints) {
+      if (e.host != host) continue;
+      fixes.push_back(absl::StrCat(host, " (up there: ", e.interfaces, ")"));
+      break;
+    }
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "rank ", rank,
+      ": the Gloo connections between hosts cannot form: ", absl::StrJoin(parts, "; "),
+      ". Every rank's Gloo address must be reachable from every host: set GLOO_SOCKET_IFNAME to "
+      "the interface on the network the hosts share, on ",
+      absl::StrJoin(fixes, ", ")));
+}
+
+}  // namespace
+
+absl::Status DistContext::CheckGlooReachable() {
+  c10d::Store& store = *groups_->ctx_store;
+  const std::string& device = gloo_device_;
+  ReachEndpoint mine;
+  mine.rank = env_.rank;
+  mine.host = HostName();
+  mine.how = GlooWhy(device, env_.master_addr);
+  mine.interfaces = absl::StrJoin(internal::UpInterfaceAddresses(), ", ");
+  absl::StatusOr<std::string> address = internal::GlooBindAddress(device);
+  if (!address.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", env_.rank, " (host ", mine.host, "): ", address.status().message()));
+  }
+  mine.address = *address;
+  auto listener = internal::ReachListener::Open(mine.address);
+  if (!listener.ok()) {
+    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, " (host ", mine.host, ", ",
+                                               mine.how, "): ", listener.status().message()));
+  }
+  mine.port = (*listener)->port();
+  std::vector<ReachEndpoint> endpoints(env_.world_size);
+  std::map<int, std::vector<std::pair<int, std::string>>> by_target;
+  try {
+    store.set(absl::StrCat("reach/", env_.rank),
+              Bytes(nlohmann::json{{"host", mine.host},
+                                   {"address", mine.address},
+                                   {"port", mine.port},
+                                   {"how", mine.how},
+                                   {"interfaces", mine.interfaces}}
+                        .dump()));
+    std::vector<internal::ReachTarget> targets;
+    for (int r = 0; r < env_.world_size; ++r) {
+      if (r == env_.rank) {
+        endpoints[r] = mine;
+        continue;
+      }
+      const auto j = nlohmann::json::parse(Text(store.get(absl::StrCat("reach/", r))));
+      endpoints[r] = {r,
+                      j.at("host").get<std::string>(),
+                      j.at("address").get<std::string>(),
+                      j.at("port").get<int>(),
+                      j.at("how").get<std::string>(),
+                      j.at("interfaces").get<std::string>()};
+      targets.push_back({r, endpoints[r].address, endpoints[r].port});
+    }
+    nlohmann::json failed = nlohmann::json::array();
+    for (const internal::ReachFailure& f :
+         internal::ConnectToEach(targets, **listener, options_.collective_timeout)) {
+      failed.push_back({f.rank, absl::StrCat(f.reason, " (", f.cause, ")")});
+    }
+    store.set(absl::StrCat("reach/result/", env_.rank), Bytes(failed.dump()));
+    // Every rank's result, read before this rank's listener closes: the
+    // others have finished connecting to it when they publish theirs.
+    for (int r = 0; r < env_.world_size; ++r) {
+      const auto j = nlohmann::json::parse(Text(store.get(absl::StrCat("reach/result/", r))));
+      for (const auto& f : j) {
+        by_target[f.at(0).get<int>()].emplace_back(r, f.at(1).get<std::string>());
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", env_.rank, " (host ", mine.host,
+        "): the check that every rank's Gloo address is reachable failed (a rank left, or the "
+        "store at MASTER_ADDR did not answer within --evenstep_rendezvous_timeout=",
+        absl::FormatDuration(options_.rendezvous_timeout), "): ", internal::ErrorText(e)));
+  }
+  if (by_target.empty()) return absl::OkStatus();
+  return UnreachableError(env_.rank, endpoints, by_target);
 }
 
 std::string DistContext::backend_name() const { return compat::BackendName(*groups_->data); }
@@ -634,8 +774,7 @@ namespace {
 // This rank's node key: the host name, with the launcher's node index when
 // it gives one.
 std::string NodeKey() {
-  char host[256] = {0};
-  ::gethostname(host, sizeof(host) - 1);
+  const std::string host = HostName();
   for (const char* var : {"GROUP_RANK", "SLURM_NODEID"}) {
     if (const char* v = std::getenv(var); v != nullptr && *v) return absl::StrCat(host, "#", v);
   }

@@ -122,6 +122,16 @@ ProcessSpec SimulatedCluster::On(int k, const std::vector<std::string>& argv,
   return ProcessSpec{full, std::move(env)};
 }
 
+absl::Status SimulatedCluster::AddIsolatedInterface(int k, const std::string& name,
+                                                    const std::string& address) const {
+  const std::string in_host = "ip netns exec " + spaces_[k] + " ";
+  // A veth pair with both ends in the host (this kernel may lack `dummy`).
+  const std::string peer = name.substr(0, 13) + "_p";
+  return Sh(absl::StrCat(in_host, "ip link add ", name, " type veth peer name ", peer, " && ",
+                         in_host, "ip addr add ", address, "/24 dev ", name, " && ", in_host,
+                         "ip link set ", peer, " up && ", in_host, "ip link set ", name, " up"));
+}
+
 absl::Status SimulatedCluster::InHost(int k, const std::function<void()>& fn) const {
   const int home = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
   const int there = open(("/var/run/netns/" + spaces_[k]).c_str(), O_RDONLY | O_CLOEXEC);

@@ -52,6 +52,11 @@ class SimulatedCluster {
   // Runs `fn` with the calling thread in host k's network namespace (a
   // socket made there stays there: e.g. a store server bound to port 0).
   absl::Status InHost(int k, const std::function<void()>& fn) const;
+  // Gives host k a second interface `name` (<= 15 characters) with
+  // `address`, which no other host routes to: a docker0 bridge or a NIC on
+  // a private network, what a mis-set GLOO_SOCKET_IFNAME points at.
+  absl::Status AddIsolatedInterface(int k, const std::string& name,
+                                    const std::string& address) const;
 
  private:
   SimulatedCluster() = default;

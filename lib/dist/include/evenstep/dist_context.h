@@ -197,6 +197,11 @@ class DistContext {
   // The Gloo transport device: GLOO_SOCKET_IFNAME, loopback, or the address
   // that reaches MASTER_ADDR (internal::ChooseGlooAddress).
   absl::StatusOr<std::string> GlooDevice() const;
+  // In a job across hosts, before Gloo connects: every rank connects to a
+  // listener on every other rank's Gloo address (bounded by the collective
+  // timeout) and every rank stops with the same error naming the pairs that
+  // failed, why, and the interfaces of the host to fix.
+  absl::Status CheckGlooReachable();
   std::string gloo_device_;          // GlooDevice()'s choice, for the subgroups too
   std::optional<NodeLayout> nodes_;  // Nodes(), once exchanged
   template <typename Launch>

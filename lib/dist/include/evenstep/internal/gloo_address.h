@@ -5,10 +5,12 @@
 // connect timeout, without a word of the cause.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace evenstep::internal {
 
@@ -54,5 +56,49 @@ absl::StatusOr<std::string> LocalAddressTowards(const std::string& host, int por
 std::vector<std::string> UpInterfaceAddresses();
 // True when `ifname` is a loopback interface of this host.
 bool IsLoopbackInterface(const std::string& ifname);
+
+// The address Gloo binds to for a device spec of ChooseGlooAddress:
+// "if:NAME" -> that interface's address (IPv4 first), "" -> what the host
+// name resolves to (c10d's default device), else the spec itself.
+absl::StatusOr<std::string> GlooBindAddress(const std::string& device_spec);
+
+// The reachability check that runs before Gloo connects in a job across
+// hosts. Gloo's own pair connect waits (Gloo's clock, not the flags: 25 s
+// and more past a 5 s --evenstep_timeout) and then names one address
+// without a cause; this check connects from every rank to a listener on
+// every other rank's Gloo address, bounded by the timeout, and says which
+// pair failed and why.
+class ReachListener {
+ public:
+  // A TCP listener on `address`, port from the OS.
+  static absl::StatusOr<std::unique_ptr<ReachListener>> Open(const std::string& address);
+  ~ReachListener();
+  ReachListener(const ReachListener&) = delete;
+  ReachListener& operator=(const ReachListener&) = delete;
+  int port() const { return port_; }
+  int fd() const { return fd_; }
+
+ private:
+  ReachListener(int fd, int port) : fd_(fd), port_(port) {}
+  int fd_;
+  int port_;
+};
+
+struct ReachTarget {
+  int rank = 0;
+  std::string address;
+  int port = 0;
+};
+struct ReachFailure {
+  int rank = 0;        // the target
+  std::string reason;  // "Connection refused", "no answer within 5s", ...
+  std::string cause;   // the likely cause, in words
+};
+
+// Connects to every target at once (non-blocking), accepting and closing
+// what arrives on `listener` meanwhile, until each connect is done or
+// `timeout` has passed; the targets it could not reach.
+std::vector<ReachFailure> ConnectToEach(const std::vector<ReachTarget>& targets,
+                                        const ReachListener& listener, absl::Duration timeout);
 
 }  // namespace evenstep::internal
