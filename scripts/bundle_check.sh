@@ -6,7 +6,8 @@
 # cmake) that holds only the source (git archive HEAD), the bundle
 # (.gpu_bundle, made by scripts/gpu_bundle.sh when missing), cmake and ninja
 # from PyPI (as the device machine has them), a venv with the torch wheel
-# (.torch2/venv of scripts/build_torch2.sh: torch 2.8 with CUDA) and this
+# (.torch2/venv-<version> of scripts/build_torch2.sh: the pinned torch with
+# CUDA) and this
 # machine's CUDA toolkit (/usr/local/cuda), both mounted read-only. There it
 # configures, builds, runs the `cuda` tests (skipped: no GPU, but every
 # binary loads), multi-rank CPU tests that write and read HDF5 checkpoints
@@ -34,7 +35,8 @@ if [ "${1:-}" = "--clean" ]; then
   shift
 fi
 root=${1:-/var/tmp/evenstep-clean-root}
-venv=${EVENSTEP_TORCH_VENV:-$PWD/.torch2/venv}
+. scripts/torch_pin.sh
+venv=${EVENSTEP_TORCH_VENV:-$PWD/.torch2/venv-$EVENSTEP_TORCH_NEWEST}
 if [ ! -x "$venv/bin/python" ]; then
   echo "bundle_check: no $venv: run scripts/build_torch2.sh first" >&2
   exit 2
