@@ -5,6 +5,19 @@
 # the places where the API moved between releases, so a libtorch that does not
 # match its version's expectations fails at configure time with a clear message
 # instead of deep inside a compile.
+
+# The language standard: evenstep's sources are C++17; a libtorch that
+# requires C++20 of its users (the newest torch wheels, 2.15: TorchConfig puts
+# cxx_std_20 on the torch target and ATen.h stops on an older standard)
+# builds the whole project, probes included, as C++20.
+set(EVENSTEP_CXX_STANDARD 17)
+get_target_property(_torch_features torch INTERFACE_COMPILE_FEATURES)
+if(_torch_features AND "cxx_std_20" IN_LIST _torch_features)
+  set(EVENSTEP_CXX_STANDARD 20)
+endif()
+set(CMAKE_CXX_STANDARD ${EVENSTEP_CXX_STANDARD})
+message(STATUS "evenstep: C++${EVENSTEP_CXX_STANDARD} (libtorch ${Torch_VERSION})")
+
 set(_checks "${CMAKE_CURRENT_LIST_DIR}/compat_checks")
 separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
 foreach(_dir IN LISTS TORCH_INCLUDE_DIRS)
@@ -23,12 +36,15 @@ function(evenstep_torch_probe var source)
   try_compile(_ok "${CMAKE_BINARY_DIR}/compat_probe/${var}"
     SOURCES "${_checks}/${source}"
     COMPILE_DEFINITIONS ${_torch_flags} -DUSE_C10D_GLOO ${ARGN}
-    CXX_STANDARD 17
+    CXX_STANDARD ${EVENSTEP_CXX_STANDARD}
     OUTPUT_VARIABLE _out)
   if(_ok)
     set(${var} 1 CACHE INTERNAL "evenstep libtorch probe")
   else()
-    set(${var} 0 CACHE INTERNAL "evenstep libtorch probe")
+    # Not cached: a fixed environment (a package installed, a flag changed)
+    # is probed again on the next configure.
+    set(${var} 0)
+    set(${var} 0 PARENT_SCOPE)
     file(WRITE "${CMAKE_BINARY_DIR}/compat_probe/${var}.log" "${_out}")
   endif()
   message(STATUS "evenstep: probing libtorch: ${var} = ${${var}}")

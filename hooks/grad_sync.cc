@@ -62,7 +62,8 @@ struct ParamSlot {
   int64_t written_version = -1;
   bool touched = false;  // the kept-gradient check ran since the last write
   at::Tensor base;       // the kept reduced gradient, when it was kept
-  std::shared_ptr<torch::autograd::Node> accumulator;
+  // std::shared_ptr<Node> in libtorch 1.13 to 2.11, c10::intrusive_ptr<Node> by 2.15.
+  decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>())) accumulator;
   uintptr_t hook_key = 0;
   const torch::autograd::FunctionPreHook* pre_hook = nullptr;
 };

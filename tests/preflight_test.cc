@@ -73,13 +73,17 @@ std::string Describe(const ToolRun& run) {
   return absl::StrCat("exit ", run.exit_code, "\n", run.output);
 }
 
-TEST(PreflightTest, ASymmetricRunNamesNoOneAndReportsEveryFigure) {
+// Real measurements on a shared machine: plumbing only (every figure, for
+// every rank, in the table and the JSON). Whether a real run names an
+// outlier depends on the machine's load (a build's writes slow one rank's
+// fsync 10x), so the verdicts are tested on injected slowdowns below.
+TEST(PreflightTest, ARunReportsEveryFigureOfEveryRank) {
   for (int ranks : {2, 4}) {
     TempDir ckpt("evenstep_preflight_ckpt");
     const ToolRun run = Preflight(ranks, absl::StrCat("--evenstep_ckpt_dir=", ckpt.path()));
-    EXPECT_EQ(run.exit_code, 0) << Describe(run);
-    EXPECT_TRUE(run.outliers.empty()) << Describe(run);
-    EXPECT_THAT(run.output, HasSubstr("no outliers"));
+    EXPECT_TRUE(run.exit_code == 0 || run.exit_code == 3) << Describe(run);  // 3: an outlier
+    EXPECT_EQ(run.exit_code == 0, run.outliers.empty()) << Describe(run);
+    if (run.exit_code == 0) EXPECT_THAT(run.output, HasSubstr("no outliers"));
     ASSERT_TRUE(run.json.is_object()) << Describe(run);
     for (const char* figure : {"matmul_fp32_gflops", "memcpy_gbps", "ckpt_write_gbps",
                                "ckpt_read_gbps", "free_memory_gb", "clock_offset_ms"}) {

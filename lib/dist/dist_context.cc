@@ -42,6 +42,7 @@
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/gloo_address.h"
+#include "evenstep/internal/launch_generation.h"
 #include "evenstep/internal/store_server.h"
 #include "evenstep/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -56,6 +57,7 @@ namespace compat = internal::c10d_compat;
 struct DistContext::Groups {
   compat::StorePtr raw_store;  // the job's store (TCPStore, or HashStore for world 1)
   compat::StorePtr store;      // this launch's namespace of it (LaunchEnv::run_namespace)
+  std::string launch_prefix;   // that namespace's key prefix ("" for none)
   compat::StorePtr ctx_store;  // "evenstep/ctx/" view of it
   compat::ProcessGroupPtr control;
   compat::ProcessGroupPtr data;
@@ -195,12 +197,30 @@ absl::Status CheckResolves(const LaunchEnv& env) {
       ") does not resolve: ", gai_strerror(rc), " (", LauncherName(env.launcher), " launch)"));
 }
 
-// The job's keys live under this launch's namespace (a torchrun restart
-// meets in fresh keys).
-compat::StorePtr Namespaced(const LaunchEnv& env, compat::StorePtr store) {
-  if (env.run_namespace.empty()) return store;
-  return compat::MakePrefixStore(absl::StrCat("evenstep/run/", env.run_namespace),
-                                 std::move(store));
+// The store prefix of this launch's keys ("" for none): under torchrun, the
+// run id's launch generation (each restart meets in fresh keys).
+absl::StatusOr<std::string> LaunchPrefix(const LaunchEnv& env, absl::Duration timeout,
+                                         const compat::StorePtr& store) {
+  if (env.run_namespace.empty()) return std::string();
+  const std::string run = absl::StrCat("evenstep/run/", env.run_namespace);
+  absl::StatusOr<int64_t> generation = absl::InternalError("not run");
+  try {
+    generation = internal::JoinLaunchGeneration(*compat::MakePrefixStore(run, store), env.rank,
+                                                env.world_size, timeout);
+  } catch (const std::exception& e) {
+    generation = absl::UnavailableError(internal::ErrorText(e));
+  }
+  if (!generation.ok()) {
+    return absl::Status(generation.status().code(),
+                        absl::StrCat("rank ", env.rank, ": rendezvous at ", env.master_addr, ":",
+                                     env.master_port, " (torchrun run ", env.run_namespace,
+                                     ") failed: ", generation.status().message()));
+  }
+  return absl::StrCat(run, "/gen-", *generation);
+}
+
+compat::StorePtr Namespaced(const std::string& prefix, compat::StorePtr store) {
+  return prefix.empty() ? store : compat::MakePrefixStore(prefix, std::move(store));
 }
 
 }  // namespace
@@ -228,7 +248,9 @@ absl::Status DistContext::Connect() {
     groups_->store->setTimeout(internal::ToChronoMillis(options_.rendezvous_timeout));
   }
   groups_->raw_store = groups_->store;
-  groups_->store = Namespaced(env_, groups_->store);
+  EVENSTEP_ASSIGN_OR_RETURN(groups_->launch_prefix,
+                            LaunchPrefix(env_, options_.rendezvous_timeout, groups_->store));
+  groups_->store = Namespaced(groups_->launch_prefix, groups_->store);
   groups_->ctx_store = compat::MakePrefixStore("evenstep/ctx", groups_->store);
   return absl::OkStatus();
 }
@@ -546,7 +568,7 @@ absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
       base = compat::MakeTcpStore(env_.master_addr, env_.master_port, /*is_server=*/false,
                                   internal::ToChronoMillis(options_.rendezvous_timeout));
       base->setTimeout(internal::ToChronoMillis(options_.collective_timeout));
-      base = Namespaced(env_, std::move(base));
+      base = Namespaced(groups_->launch_prefix, std::move(base));
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat(
           "rank ", env_.rank, ": second store connection for I/O: ", internal::ErrorText(e)));

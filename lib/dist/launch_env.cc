@@ -152,8 +152,7 @@ absl::StatusOr<LaunchEnv> FromTorchrun(const EnvLookup& lookup) {
   const std::string run_id = ReadString(lookup, "TORCHELASTIC_RUN_ID");
   const std::string restart = ReadString(lookup, "TORCHELASTIC_RESTART_COUNT");
   if (!run_id.empty() || !restart.empty()) {
-    env.run_namespace = absl::StrCat(run_id.empty() ? "none" : run_id, "/restart-",
-                                     restart.empty() ? "0" : restart);
+    env.run_namespace = run_id.empty() ? "none" : run_id;
   }
   EVENSTEP_RETURN_IF_ERROR(Validate(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"));
   return env;

@@ -58,9 +58,12 @@ struct LaunchEnv {
   // Where master_addr came from, for errors ("MASTER_ADDR", "the first host
   // of SLURM_JOB_NODELIST").
   std::string master_addr_source = "MASTER_ADDR";
-  // This launch's namespace in the store: torchrun's
-  // TORCHELASTIC_RUN_ID/TORCHELASTIC_RESTART_COUNT (a restarted group meets
-  // in fresh keys of the agent's long-lived store), empty otherwise.
+  // The job's namespace in the store under torchrun: TORCHELASTIC_RUN_ID
+  // ("none" when only TORCHELASTIC_RESTART_COUNT is set), empty otherwise.
+  // Each launch of the group (the first, each restart) meets in fresh keys
+  // of the agent's long-lived store under it, in the launch generation the
+  // ranks agree on (internal/launch_generation.h): the restart count is not
+  // the same on every host.
   std::string run_namespace;
 
   // One line for logs: "rank 1/4 (local 1/2) via torchrun, store 10.0.0.1:29500".
