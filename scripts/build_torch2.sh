@@ -44,6 +44,12 @@ if [ ! -d "$nvlib" ]; then
   find "$site/nvidia" -name '*.so*' -exec ln -sf {} "$nvlib/" \;
 fi
 export LD_LIBRARY_PATH="$nvlib:${LD_LIBRARY_PATH:-}"
+# .torch2/venv: the venv last built against, where the benchmarks' PyTorch
+# peers look for torch by default (a directory of the old one-venv layout
+# is left alone).
+if [ -L "$root/venv" ] || [ ! -e "$root/venv" ]; then
+  ln -sfn "venv-$version" "$root/venv"
+fi
 # torch.utils.cmake_prefix_path (TorchConfig.cmake) and the package root
 # before it: TorchConfig's find_library would otherwise take Debian's
 # /usr/lib/x86_64-linux-gnu/libtorch.so from the system paths.
@@ -62,7 +68,7 @@ echo "$version" > "$build/torch_version"
 # The benchmarks and the manifest fuzzer (built from ATen-free io/ sources)
 # do not depend on the libtorch version: the first configuration runs them.
 cmake -S . -B "$build" -G Ninja -DEVENSTEP_BUILD_BENCH=OFF -DEVENSTEP_BUILD_FUZZ=OFF \
-  -DCMAKE_PREFIX_PATH="$prefix" -DEVENSTEP_TORCH_PYTHON="$py" \
+  -DCMAKE_PREFIX_PATH="$prefix" -DEVENSTEP_TORCH_PYTHON="$py" -DEVENSTEP_PEER_PYTHON="$py" \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$nvlib" \
   -DCMAKE_SHARED_LINKER_FLAGS="-Wl,-rpath-link,$nvlib"
 start=$(date +%s)
