@@ -283,6 +283,22 @@ TEST(MultiHostTest, PreflightNamesTheSlowLinkAndTheSlowPathBetweenNodes) {
   }
 }
 
+// The `collectives` scenario on each host with 5 s timeouts, GLOO_SOCKET_IFNAME
+// set to ifnames[r] on rank r's host ("" = unset).
+std::vector<ProcessSpec> CollectivesWithIfnames(const SimulatedCluster& cluster, int port,
+                                                const std::vector<std::string>& ifnames) {
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < cluster.hosts(); ++r) {
+    auto env = RankEnv(cluster, r, port);
+    if (!ifnames[r].empty()) env.emplace_back("GLOO_SOCKET_IFNAME", ifnames[r]);
+    specs.push_back(cluster.On(r,
+                               {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=5s",
+                                "--evenstep_timeout=5s", "collectives"},
+                               env));
+  }
+  return specs;
+}
+
 // Loopback asked for (GLOO_SOCKET_IFNAME=lo) in a job across hosts: what
 // the old default did silently (one rank refused, the other waiting for
 // Gloo's connect timeout). Every rank stops at once, naming the variable,
@@ -292,16 +308,9 @@ TEST(MultiHostTest, GlooOnLoopbackAcrossHostsIsRefusedNamingTheFix) {
   if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
   std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
   ASSERT_NE(store, nullptr);
-  std::vector<ProcessSpec> specs;
-  for (int r = 0; r < 2; ++r) {
-    auto env = RankEnv(**cluster, r, store->port());
-    env.emplace_back("GLOO_SOCKET_IFNAME", "lo");
-    specs.push_back((*cluster)->On(r,
-                                   {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=5s",
-                                    "--evenstep_timeout=5s", "collectives"},
-                                   env));
-  }
-  const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2));
+  const auto results =
+      evenstep::testing::RunAll(CollectivesWithIfnames(**cluster, store->port(), {"lo", "lo"}),
+                                evenstep::testing::HangBound(2));
   for (int r = 0; r < 2; ++r) {
     EXPECT_FALSE(results[r].timed_out) << results[r].output;
     EXPECT_NE(results[r].exit_code, 0) << results[r].output;
@@ -328,16 +337,9 @@ TEST(MultiHostTest, AGlooAddressTheOtherHostCannotReachEndsEveryRankWithinTheTim
   ASSERT_TRUE((*cluster)->AddIsolatedInterface(0, "private0", "10.76.0.1").ok());
   std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
   ASSERT_NE(store, nullptr);
-  std::vector<ProcessSpec> specs;
-  for (int r = 0; r < 2; ++r) {
-    auto env = RankEnv(**cluster, r, store->port());
-    if (r == 0) env.emplace_back("GLOO_SOCKET_IFNAME", "private0");
-    specs.push_back((*cluster)->On(r,
-                                   {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=5s",
-                                    "--evenstep_timeout=5s", "collectives"},
-                                   env));
-  }
-  const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2));
+  const auto results =
+      evenstep::testing::RunAll(CollectivesWithIfnames(**cluster, store->port(), {"private0", ""}),
+                                evenstep::testing::HangBound(2));
   for (int r = 0; r < 2; ++r) {
     EXPECT_FALSE(results[r].timed_out) << evenstep::testing::Describe(results);
     EXPECT_EQ(results[r].exit_code, 3) << evenstep::testing::Describe(results);  // init failed
