@@ -86,6 +86,8 @@ ABSL_FLAG(bool, owned_loader, false,
           "step's loads by default) instead of a function passed to each Step.");
 ABSL_FLAG(int, fail_load_rank, -1, "Rank whose load function throws on step 2's last micro-batch.");
 ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
+ABSL_FLAG(int, extra_buffer_rank, -1, "Rank that holds an extra buffer through the run.");
+ABSL_FLAG(int, extra_buffer_mb, 0, "With --extra_buffer_rank: its size (MiB, touched).");
 ABSL_FLAG(std::string, duty, "none",
           "Extra duty after every step: none; rank0 (rank 0 alone blocks for --duty_ms, like a "
           "synchronous torch::save or evaluation on rank 0); evenstep (every rank saves its share "
@@ -280,6 +282,12 @@ int main(int argc, char** argv) {
       return 3;
     }
     timeline = *std::move(opened);
+  }
+  // A planted memory asymmetry: this rank holds (and has touched) a buffer
+  // the others do not.
+  std::vector<char> extra_buffer;
+  if (rank == absl::GetFlag(FLAGS_extra_buffer_rank)) {
+    extra_buffer.assign(static_cast<size_t>(absl::GetFlag(FLAGS_extra_buffer_mb)) << 20, 1);
   }
   const std::string duty = absl::GetFlag(FLAGS_duty);
   std::unique_ptr<evenstep::TrainCheckpointer> checkpointer;
@@ -500,6 +508,9 @@ int main(int argc, char** argv) {
     for (double h : report->rank_health) std::cout << absl::StrFormat(" %.3f", h);
     std::cout << std::endl;
     for (const std::string& alert : report->health_alerts) std::cout << "HEALTH " << alert << "\n";
+    if (rank == 0) {
+      for (const std::string& line : report->oom_recoveries) std::cout << "OOM " << line << "\n";
+    }
     // What a checkpoint taken now would hold (a step planned ahead for
     // prefetching must not show in it).
     const evenstep::BalanceState state = (*step)->state();

@@ -389,6 +389,18 @@ TEST_P(OutOfMemoryTest, TheMicroBatchIsSplitAndRetriedWithTheExactGradient) {
   const std::vector<int> injected = InjectedSteps(oom_rank);
   ASSERT_FALSE(injected.empty()) << Describe(results);
   for (int step : injected) EXPECT_EQ(step, injected.front()) << Describe(results);
+  // Rank 0 says every rank's recovery, once: one line, for rank 1's step.
+  std::vector<std::string> said;
+  for (absl::string_view line : absl::StrSplit(results[0].output, '\n')) {
+    if (absl::StartsWith(line, "OOM ")) said.emplace_back(line);
+  }
+  ASSERT_EQ(said.size(), 1u) << Describe(results);
+  EXPECT_THAT(said[0], ::testing::ContainsRegex(absl::StrCat(
+                           "^OOM rank 1, step ", injected.front(),
+                           ": [0-9]+ micro-batch\\(es\\) ran out of memory \\(the largest [0-9]+ "
+                           "padded tokens\\) and were split and retried within the step; rank 1's "
+                           "micro-batches are now capped at (1[0-9]|2[0-4]) padded tokens$")))
+      << Describe(results);
 }
 
 INSTANTIATE_TEST_SUITE_P(

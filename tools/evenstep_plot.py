@@ -108,22 +108,49 @@ ax.legend(fontsize="small")
 fig.tight_layout()
 fig.savefig(os.path.join(run, "arrival_skew.png"), dpi=90)
 
+# Peak memory per step and rank (the "memory" counter of each step).
+memory = {}  # rank -> [(step, peak MB)]
+for e in events:
+    if e.get("name") == "memory" and e.get("ph") == "C":
+        args = e.get("args", {})
+        memory.setdefault(e["pid"], []).append((args.get("step", 0), args.get("peak_mb", 0.0)))
+flagged = {m["rank"] for m in report.get("memory", [])}
+fig, ax = plt.subplots(figsize=(8, 3.5))
+for rank in sorted(memory):
+    points = sorted(memory[rank])
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".",
+            linewidth=2.5 if rank in flagged else 1.0,
+            label="rank %d%s" % (rank, " (memory imbalance)" if rank in flagged else ""))
+ax.set_xlabel("step")
+ax.set_ylabel("peak memory in the step (MB)")
+ax.set_ylim(bottom=0)
+if memory:
+    ax.legend(fontsize="small")
+fig.tight_layout()
+fig.savefig(os.path.join(run, "memory.png"), dpi=90)
+
 rows = "".join(
     "<tr>" + "".join("<td>%s</td>" % html.escape("%.2f" % v if isinstance(v, float) else str(v))
                      for v in (r["rank"], r["steps"], r["step_ms_mean"], r["step_ms_p50"], r["step_ms_p95"],
                                r["data_ms"], r["compute_ms"], r["sync_wait_ms"], r["optimizer_ms"], r["io_ms"],
-                               r.get("peak_rss_mb", 0.0)))
+                               r.get("peak_memory_mb", r.get("peak_rss_mb", 0.0))))
     + "</tr>" for r in report["ranks"])
 straggler = report.get("straggler")
 verdict = ("rank %d is the straggler; it loses the time in %s" % (straggler["rank"], straggler["phase"])
            if straggler else "no straggler")
+memory_verdict = "; ".join(
+    "rank %d peaks at %.2fx the median rank's memory (its largest micro-batch %.2fx the median's)"
+    % (m["rank"], m["ratio_to_median"], m["micro_batch_ratio"]) for m in report.get("memory", [])) \
+    or "memory even across ranks"
 with open(os.path.join(run, "report.html"), "w") as out:
     out.write("<!doctype html><title>evenstep report</title><h1>evenstep report</h1>"
-              "<p>%s; balance efficiency %.3f%s</p>"
+              "<p>%s; balance efficiency %.3f%s</p><p>Memory: %s</p>"
               "<table border=1 cellpadding=4><tr><th>rank</th><th>steps</th><th>mean ms</th><th>p50</th>"
               "<th>p95</th><th>data</th><th>compute</th><th>sync wait</th><th>optimizer</th><th>io</th>"
               "<th>peak MB</th></tr>%s</table>"
               "<h2>Phases per step</h2><img src=phases.png><h2>Arrival at the sync</h2><img src=arrival_skew.png>"
+              "<h2>Peak memory per step</h2><img src=memory.png>"
               % (html.escape(verdict), report["balance_efficiency"],
-                 ("; " + html.escape(report["periodic"])) if report.get("periodic") else "", rows))
-print("wrote %s/phases.png, %s/arrival_skew.png, %s/report.html" % (run, run, run))
+                 ("; " + html.escape(report["periodic"])) if report.get("periodic") else "",
+                 html.escape(memory_verdict), rows))
+print("wrote %s/phases.png, %s/arrival_skew.png, %s/memory.png, %s/report.html" % (run, run, run, run))

@@ -8,10 +8,13 @@
 //     how often, by how much, in which phase it lost the time (its phase
 //     times since the previous step against the other ranks' median), and
 //     whether it is periodic (late every N steps)
+//   - memory imbalance, apart from compute: a rank whose peak memory (the
+//     device allocator's, or the resident set on the CPU) is 1.2x the
+//     median rank's or more, beyond what its largest micro-batch explains
 // and writes RUN_DIR/trace.json (all ranks merged, for Perfetto or
 // chrome://tracing), RUN_DIR/report.json, and with Debian's
-// python3-matplotlib RUN_DIR/phases.png, RUN_DIR/arrival_skew.png and
-// RUN_DIR/report.html.
+// python3-matplotlib RUN_DIR/phases.png, RUN_DIR/arrival_skew.png,
+// RUN_DIR/memory.png and RUN_DIR/report.html.
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -64,7 +67,12 @@ struct RankTrace {
   // step -> the latest segment that ran it: a step run again after a resume
   // counts as the later run only.
   std::map<int64_t, int> segment_of;
-  double peak_rss_mb = 0;
+  // Peak memory over its steps (MB: the device allocator's allocated bytes
+  // or the resident set), and the largest micro-batch it ran (padded
+  // tokens): the work that memory held.
+  double peak_memory_mb = 0;
+  int64_t largest_micro_batch = 0;
+  bool memory_on_device = false;
   // Online health: its lowest individual score (speed vs its own best) and
   // the step it was seen.
   double min_health = 1;
@@ -101,6 +109,51 @@ bool ReadTrace(const std::string& path, json* events) {
     *events = json::parse(text + "\n]", nullptr, false);
   }
   return !events->is_discarded() && events->is_array();
+}
+
+// Memory imbalance, apart from compute: a rank whose peak memory is at
+// least kMemoryRatio x the median rank's, more than its work explains (its
+// largest micro-batch against the median's, with 10 % room). Prints one
+// line per such rank (or that memory is even) and returns them as JSON.
+json MemoryVerdict(const std::map<int, RankTrace>& ranks) {
+  constexpr double kMemoryRatio = 1.2;
+  json out = json::array();
+  std::vector<double> peaks, micro;
+  for (const auto& [r, t] : ranks) {
+    if (t.peak_memory_mb > 0) peaks.push_back(t.peak_memory_mb);
+    if (t.largest_micro_batch > 0) micro.push_back(static_cast<double>(t.largest_micro_batch));
+  }
+  if (ranks.size() < 2 || peaks.size() != ranks.size()) return out;
+  const double median = Median(peaks);
+  const double median_micro = Median(micro);
+  double highest = 0;
+  for (const auto& [r, t] : ranks) {
+    const double ratio = t.peak_memory_mb / median;
+    highest = std::max(highest, ratio);
+    const double work = median_micro > 0 && t.largest_micro_batch > 0
+                            ? static_cast<double>(t.largest_micro_batch) / median_micro
+                            : 1.0;
+    if (ratio < kMemoryRatio || ratio < 1.1 * work) continue;
+    const std::string work_text =
+        std::abs(work - 1) < 0.05
+            ? std::string("at the same work")
+            : absl::StrFormat("with %.2fx the median's largest micro-batch", work);
+    std::cout << absl::StrFormat(
+        "  memory: rank %d peaks at %.2fx the median rank's memory (%.0f MB against %.0f MB, %s), "
+        "%s: another buffer, process or fragmentation there; its room for micro-batches is "
+        "smaller (a memory imbalance, not a compute straggler)\n",
+        r, ratio, t.peak_memory_mb, median, t.memory_on_device ? "device" : "resident set",
+        work_text);
+    out.push_back({{"rank", r},
+                   {"peak_memory_mb", t.peak_memory_mb},
+                   {"ratio_to_median", ratio},
+                   {"micro_batch_ratio", work}});
+  }
+  if (out.empty()) {
+    std::cout << absl::StrFormat(
+        "  memory: even (the highest rank peaks at %.2fx the median rank's memory)\n", highest);
+  }
+  return out;
 }
 
 }  // namespace
@@ -171,9 +224,15 @@ int main(int argc, char** argv) {
           ranks[rank].min_health = h;
           ranks[rank].min_health_step = step;
         }
-      } else if (name == "peak_rss_mb" && e.contains("args")) {
-        ranks[rank].peak_rss_mb =
-            std::max(ranks[rank].peak_rss_mb, e["args"].value("peak_rss_mb", 0.0));
+      } else if (name == "memory" && e.contains("args")) {
+        RankTrace& t = ranks[rank];
+        t.peak_memory_mb = std::max(t.peak_memory_mb, e["args"].value("peak_mb", 0.0));
+        t.largest_micro_batch =
+            std::max(t.largest_micro_batch, e["args"].value("largest_micro_batch", int64_t{0}));
+        t.memory_on_device = e["args"].value("device", 0) != 0;
+      } else if (name == "peak_rss_mb" && e.contains("args")) {  // traces before the memory event
+        ranks[rank].peak_memory_mb =
+            std::max(ranks[rank].peak_memory_mb, e["args"].value("peak_rss_mb", 0.0));
       }
     }
   }
@@ -258,7 +317,7 @@ int main(int argc, char** argv) {
         "  %4d %6d %9.2f %9.2f %9.2f | %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f           | %8.0f\n", r,
         steps.size(), mean_ms, Median(step_ms), Percentile(step_ms, 0.95), sums["data"] / n,
         sums["compute"] / n, sums["sync_wait"] / n, sums["optimizer"] / n, sums["io"] / n,
-        (sums["other"] + sums["other_window"]) / n, t.peak_rss_mb);
+        (sums["other"] + sums["other_window"]) / n, t.peak_memory_mb);
     report["ranks"].push_back({{"rank", r},
                                {"steps", steps.size()},
                                {"step_ms_mean", mean_ms},
@@ -269,7 +328,9 @@ int main(int argc, char** argv) {
                                {"sync_wait_ms", sums["sync_wait"] / n},
                                {"optimizer_ms", sums["optimizer"] / n},
                                {"io_ms", sums["io"] / n},
-                               {"peak_rss_mb", t.peak_rss_mb}});
+                               {"peak_memory_mb", t.peak_memory_mb},
+                               {"memory_source", t.memory_on_device ? "device" : "resident set"},
+                               {"largest_micro_batch", t.largest_micro_batch}});
   }
   // Per step: efficiency, last arriver and skew.
   std::map<int, int> late_count;
@@ -392,6 +453,7 @@ int main(int argc, char** argv) {
     report["health"].push_back(
         {{"rank", r}, {"min_health", t.min_health}, {"step", t.min_health_step}});
   }
+  report["memory"] = MemoryVerdict(ranks);
   std::ofstream(dir + "/report.json") << report.dump(1);
   std::cout << "  wrote " << dir
             << "/trace.json (open in https://ui.perfetto.dev or chrome://tracing), " << dir

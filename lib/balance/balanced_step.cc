@@ -47,9 +47,18 @@ enum ExchangeField {
   kMicroBatches,
   kOomSplits,
   kMemoryCap,
+  kOomFailed,
+  kPeakMemory,
+  kLargestMicro,
   kAgreed,                                  // kAgreementSlots values follow
   kPartLosses = kAgreed + kAgreementSlots,  // one loss sum per part follows
 };
+
+// A micro-batch's padded tokens (samples x longest length): what its
+// activations hold at once, the unit of memory caps.
+int64_t PaddedTokens(const MicroBatch& mb) {
+  return static_cast<int64_t>(mb.samples.size()) * mb.max_length;
+}
 
 // The device the model trains on (its first parameter's; CPU without any).
 c10::Device ModelDevice(torch::nn::Module& model) {
@@ -178,6 +187,7 @@ BalancedStep::BalancedStep(DistContext& ctx, std::vector<Part> parts, Sampler sa
       sampler_(std::move(sampler)),
       config_(std::move(config)),
       clock_(std::move(clock)),
+      memory_probe_(ModelDevice(*parts_[0].spec.module)),
       cost_model_(config_.cost_model),
       planner_(ctx.world_size(), config_.planner) {}
 
@@ -309,6 +319,8 @@ absl::Status BalancedStep::BeginStep() {
   }
   report_ = StepReport{};
   report_.begin = absl::Now();
+  step_failed_max_ = 0;
+  memory_probe_.Begin();
   began_ = true;
   cost_model_.BeginStep();
   if (!planned_) PlanNextStep(steps_);
@@ -366,7 +378,7 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
                        config_.loss_reduction == LossReduction::kMean ? "mean" : "sum",
                        " of the micro-batch's losses); got shape ", c10::str(loss_sum.sizes())));
     }
-    MicroStep(loss_sum, micro_[index].count, last);
+    MicroStep(loss_sum, micro_[index], last);
     clock_->End();
   } catch (const c10::OutOfMemoryError& e) {
     const bool started = backward_started_;
@@ -397,7 +409,8 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
   return absl::OkStatus();
 }
 
-void BalancedStep::MicroStep(const at::Tensor& loss_sum, double count, bool sync_now) {
+void BalancedStep::MicroStep(const at::Tensor& loss_sum, const MicroBatch& mb, bool sync_now) {
+  const double count = mb.count;
   GradSync& sync = *parts_[part_].sync;
   sync.set_sync_enabled(sync_now);
   // The factor that makes this micro-batch's loss its share of the global
@@ -420,6 +433,7 @@ void BalancedStep::MicroStep(const at::Tensor& loss_sum, double count, bool sync
   backward_started_ = true;
   scaled_loss.backward();
   backward_started_ = false;
+  report_.largest_micro_batch = std::max(report_.largest_micro_batch, PaddedTokens(mb));
 }
 
 bool BalancedStep::SyncedDespiteFailure() const {
@@ -427,11 +441,14 @@ bool BalancedStep::SyncedDespiteFailure() const {
   return sync.syncs_completed() > syncs_before_micro_ && sync.status().ok();
 }
 
+bool BalancedStep::Recovers() const {
+  return config_.oom == BalanceConfig::OomPolicy::kSplit && recompute_ != nullptr;
+}
+
 bool BalancedStep::Bystander(const std::exception& e) const {
   const GradSync& sync = *parts_[part_].sync;
   const absl::Status status = sync.status();
-  return config_.oom == BalanceConfig::OomPolicy::kSplit && recompute_ != nullptr &&
-         status.code() == absl::StatusCode::kAborted && sync.fatal_status().ok() &&
+  return Recovers() && status.code() == absl::StatusCode::kAborted && sync.fatal_status().ok() &&
          status.ToString() == e.what();
 }
 
@@ -466,7 +483,7 @@ absl::Status BalancedStep::OutOfMemory(size_t slot, bool backward_started,
                                        const std::string& what) {
   const std::string why = absl::StrCat("out of memory: ", what);
   NoteFailedSize(micro_[slot]);
-  if (config_.oom != BalanceConfig::OomPolicy::kSplit || recompute_ == nullptr) {
+  if (!Recovers()) {
     return Abandon(slot, absl::StrCat(why, config_.oom == BalanceConfig::OomPolicy::kFail
                                                ? " (--evenstep_oom=fail)"
                                                : " (not retried: the loop calls Backward itself)"));
@@ -513,10 +530,9 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
       for (size_t q = 0; q < run.size() && !again; ++q) {
         const bool sync_now = j + 1 == n && q + 1 == run.size();
         try {
-          MicroStep(recompute_(run[q]), run[q].count, sync_now);
+          MicroStep(recompute_(run[q]), run[q], sync_now);
           if (slot_pieces_[j] > 1) {
-            largest = std::max<int64_t>(
-                largest, static_cast<int64_t>(run[q].samples.size()) * run[q].max_length);
+            largest = std::max(largest, PaddedTokens(run[q]));
           }
         } catch (const c10::OutOfMemoryError& e) {
           const bool started = backward_started_;
@@ -558,8 +574,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
                          "[evenstep] rank %d, step %d: out of memory in micro-batch %d of %d (%d "
                          "samples, %d padded tokens): split in %d and retried; this rank's "
                          "micro-batches are now capped at %d padded tokens",
-                         ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(),
-                         static_cast<int64_t>(mb.samples.size()) * mb.max_length,
+                         ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(), PaddedTokens(mb),
                          std::min<size_t>(slot_pieces_[j], mb.samples.size()), memory_cap_)
                   << std::endl;
       }
@@ -579,8 +594,8 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
 }
 
 void BalancedStep::NoteFailedSize(const MicroBatch& mb) {
-  const int64_t padded = static_cast<int64_t>(mb.samples.size()) * mb.max_length;
-  memory_failed_min_ = std::min(memory_failed_min_, padded);
+  memory_failed_min_ = std::min(memory_failed_min_, PaddedTokens(mb));
+  step_failed_max_ = std::max(step_failed_max_, PaddedTokens(mb));
 }
 
 void BalancedStep::RepackPlanned() {
@@ -685,8 +700,7 @@ absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) 
   }
   // Every rank whose synchronisation was abandoned agrees on a retry
   // (Backward, Replay, ApplyPart): this rank failed otherwise, so none.
-  if (config_.oom == BalanceConfig::OomPolicy::kSplit && recompute_ != nullptr &&
-      sync.fatal_status().ok() && sync.syncs_completed() != syncs_at_begin_ &&
+  if (Recovers() && sync.fatal_status().ok() && sync.syncs_completed() != syncs_at_begin_ &&
       voted_at_ != sync.syncs_completed()) {
     VoteToRetry(false, true).IgnoreError();  // the status above says what failed
   }
@@ -713,8 +727,7 @@ absl::Status BalancedStep::ApplyPart() {
     absl::Status synced = part.sync->SyncNow();
     // A peer that ran out of memory in the synchronised backward: join the
     // vote, and the repeated synchronisation.
-    while (synced.code() == absl::StatusCode::kAborted &&
-           config_.oom == BalanceConfig::OomPolicy::kSplit && recompute_ != nullptr &&
+    while (synced.code() == absl::StatusCode::kAborted && Recovers() &&
            part.sync->fatal_status().ok()) {
       absl::StatusOr<bool> retry = VoteToRetry(false, false);
       if (!retry.ok()) {
@@ -777,6 +790,7 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
   EVENSTEP_RETURN_IF_ERROR(Account(), "BalancedStep: step ", steps_ + 1, ", accounting costs");
   ++steps_;
   report_.step = steps_;
+  report_.memory = memory_probe_.End();
   EVENSTEP_RETURN_IF_ERROR(Exchange(), "BalancedStep: step ", steps_,
                            ", exchanging cost fits for the next plan");
   // Dynamic plans need the exchanged fits: with prefetching across steps the
@@ -801,6 +815,9 @@ absl::Status BalancedStep::Exchange() {
   m[kMicroBatches] = static_cast<double>(micro_.size());
   m[kOomSplits] = report_.oom_splits;
   m[kMemoryCap] = static_cast<double>(memory_cap_);
+  m[kOomFailed] = static_cast<double>(step_failed_max_);
+  m[kPeakMemory] = static_cast<double>(report_.memory.peak_bytes);
+  m[kLargestMicro] = static_cast<double>(report_.largest_micro_batch);
   for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
   std::vector<at::Tensor> all;
   EVENSTEP_RETURN_IF_ERROR(ctx_.AllGather(mine, &all), "BalancedStep: step ", steps_,
@@ -811,6 +828,9 @@ absl::Status BalancedStep::Exchange() {
   report_.rank_micro_batches.assign(world, 0);
   report_.rank_oom_splits.assign(world, 0);
   report_.rank_memory_caps.assign(world, 0);
+  report_.rank_oom_failed.assign(world, 0);
+  report_.rank_peak_memory.assign(world, 0);
+  report_.rank_largest_micro_batch.assign(world, 0);
   report_.part_losses.assign(parts_.size(), 0.0);
   for (const std::string& name : sum_names_) report_.sums[name] = 0;
   double busy_sum = 0, busy_max = 0;
@@ -827,6 +847,17 @@ absl::Status BalancedStep::Exchange() {
     report_.rank_micro_batches[r] = static_cast<int>(v[kMicroBatches]);
     report_.rank_oom_splits[r] = static_cast<int>(v[kOomSplits]);
     report_.rank_memory_caps[r] = static_cast<int64_t>(v[kMemoryCap]);
+    report_.rank_oom_failed[r] = static_cast<int64_t>(v[kOomFailed]);
+    report_.rank_peak_memory[r] = static_cast<int64_t>(v[kPeakMemory]);
+    report_.rank_largest_micro_batch[r] = static_cast<int64_t>(v[kLargestMicro]);
+    if (report_.rank_oom_splits[r] > 0) {
+      report_.oom_recoveries.push_back(absl::StrFormat(
+          "rank %d, step %d: %d micro-batch(es) ran out of memory (the largest %d padded tokens) "
+          "and were split and retried within the step; rank %d's micro-batches are now capped at "
+          "%d padded tokens",
+          r, steps_, report_.rank_oom_splits[r], report_.rank_oom_failed[r], r,
+          report_.rank_memory_caps[r]));
+    }
     for (size_t k = 0; k < parts_.size(); ++k) report_.part_losses[k] += v[kPartLosses + k];
     for (size_t k = 0; k < sum_names_.size(); ++k) report_.sums[sum_names_[k]] += v[sums_at + k];
     busy_sum += v[kBusy];

@@ -571,6 +571,9 @@ absl::Status Session::AfterStep(StepReport* report) {
     for (const std::string& alert : report->health_alerts) {
       std::cout << "[evenstep] health: " << alert << std::endl;
     }
+    for (const std::string& line : report->oom_recoveries) {
+      std::cout << "[evenstep] out of memory: " << line << std::endl;
+    }
   }
   metrics_->Log(report->step, "loss", report->loss);
   for (size_t k = 1; k < parts_.size(); ++k) {
@@ -579,6 +582,14 @@ absl::Status Session::AfterStep(StepReport* report) {
   // The same on every rank: the cross-rank mean the logger writes is the sum.
   for (const auto& [name, sum] : report->sums) metrics_->Log(report->step, name, sum);
   metrics_->Log(report->step, "balance_efficiency", report->balance_efficiency);
+  // This rank's peak memory (its own metrics file) and the largest rank's.
+  constexpr double kMiB = 1 << 20;
+  metrics_->Log(report->step, "peak_memory_mb", report->memory.peak_bytes / kMiB);
+  if (!report->rank_peak_memory.empty()) {
+    metrics_->Log(
+        report->step, "peak_memory_max_mb",
+        *std::max_element(report->rank_peak_memory.begin(), report->rank_peak_memory.end()) / kMiB);
+  }
   EVENSTEP_RETURN_IF_ERROR(metrics_->EndStep(report->step), "rank ", ctx_.rank(), ", step ",
                            report->step, ": metrics");
   // Saves that finished since the last step are reported now; whether to

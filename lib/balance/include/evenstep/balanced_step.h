@@ -80,6 +80,7 @@
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
 #include "evenstep/loader.h"
+#include "evenstep/memory_probe.h"
 #include "evenstep/planner.h"
 #include "evenstep/prefetch.h"
 #include "evenstep/sampler.h"
@@ -263,6 +264,24 @@ struct StepReport {
   int oom_splits = 0;
   std::vector<int> rank_oom_splits;
   std::vector<int64_t> rank_memory_caps;
+  // Peak memory during this step (MemoryProbe: the device allocator's peak
+  // allocated bytes on an accelerator, the resident set on the CPU), this
+  // rank's and every rank's; and the largest micro-batch (padded tokens:
+  // samples x longest length) each rank ran whole, the work its memory held
+  // at once.
+  MemoryPeak memory;
+  int64_t largest_micro_batch = 0;
+  std::vector<int64_t> rank_peak_memory;
+  std::vector<int64_t> rank_largest_micro_batch;
+  // Recoveries per rank this step: the largest micro-batch (padded tokens)
+  // that ran out of memory there (0: none).
+  std::vector<int64_t> rank_oom_failed;
+  // One line per rank that recovered this step (the same on every rank;
+  // Session prints them on rank 0): "rank 1, step 3: 1 micro-batch(es) ran
+  // out of memory (the largest 96 padded tokens) and were split and retried
+  // within the step; rank 1's micro-batches are now capped at 48 padded
+  // tokens".
+  std::vector<std::string> oom_recoveries;
   // The maximum over ranks of each AgreementSlot, from this step's exchange.
   std::array<double, kAgreementSlots> agreed{};
   // Every rank's health, two views of its cost fit's time for a typical
@@ -583,6 +602,9 @@ class BalancedStep {
   // accumulated). Recovers (OK: the loop goes on with slot + 1) or returns
   // the step's failure.
   absl::Status OutOfMemory(size_t slot, bool backward_started, const std::string& what);
+  // An out-of-memory error is split and retried: --evenstep_oom=split and a
+  // Step form that can load a micro-batch again (recompute_).
+  bool Recovers() const;
   // Runs the running part's micro-batches `from`..`until` again through
   // recompute_, each in its slot_pieces_ pieces, after doubling those of
   // `failed` (none when out of range); the part's gradients are zeroed
@@ -599,10 +621,10 @@ class BalancedStep {
   // `e` is the running part's GradSync reporting a synchronisation another
   // rank abandoned (this rank's own code did not fail).
   bool Bystander(const std::exception& e) const;
-  // The backward of one micro-step: `loss_sum` scaled to its share of the
-  // global mean (`count`: the micro-batch's count, for mean losses),
+  // The backward of one micro-step: `loss_sum` (of `mb`, or a piece of it)
+  // scaled to its share of the global mean (mb.count, for mean losses),
   // synchronised when `sync`. Throws what backward throws.
-  void MicroStep(const at::Tensor& loss_sum, double count, bool sync);
+  void MicroStep(const at::Tensor& loss_sum, const MicroBatch& mb, bool sync);
   // `mb` dealt into `pieces` pieces (alternately, so they hold similar
   // lengths).
   std::vector<MicroBatch> SplitMicroBatch(const MicroBatch& mb, int pieces) const;
@@ -616,6 +638,7 @@ class BalancedStep {
   // The smallest micro-batch (padded tokens) that ran out of memory here.
   int64_t memory_failed_min_ = std::numeric_limits<int64_t>::max();
   void NoteFailedSize(const MicroBatch& mb);
+  int64_t step_failed_max_ = 0;       // the largest that did in this step
   std::vector<int64_t> memory_caps_;  // every rank's, from the exchange
   // The step's sums as the running part began (restored before a replay).
   struct Sums {
@@ -659,6 +682,7 @@ class BalancedStep {
   Sampler sampler_;
   BalanceConfig config_;
   std::unique_ptr<internal::MicroStepClock> clock_;
+  MemoryProbe memory_probe_;             // the step's peak memory (StepReport::memory)
   std::unique_ptr<WorkerPool> workers_;  // data workers; null = load on this thread
   // Moves loaded data to the model's device on the workers; null = leave it.
   std::unique_ptr<DeviceFeeder> feeder_;
