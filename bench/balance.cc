@@ -53,6 +53,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/byte_mlp.h"
 #include "bench/relaunch.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
@@ -75,11 +76,8 @@ ABSL_FLAG(std::string, batches, "",
 namespace {
 
 using evenstep::BalanceMode;
-
-struct Texts {
-  std::vector<std::string> texts;
-  std::vector<int64_t> lengths;
-};
+using evenstep::bench::ByteModel;
+using evenstep::bench::Texts;
 
 struct RunResult {
   // ideal_ratio: step time / ideal; busy_ratio: slowest rank's busy time
@@ -91,38 +89,6 @@ struct RunResult {
   int settle_steps = -1;        // startup: steps from the start until efficiency >= 0.95
   double first_efficiency = 0;  // the first step's
 };
-
-// Byte-level next-byte model for the `model` scenario.
-struct ByteModelImpl : torch::nn::Module {
-  ByteModelImpl()
-      : embed(register_module("embed", torch::nn::Embedding(256, 64))),
-        hidden(register_module("hidden", torch::nn::Linear(64, 128))),
-        out(register_module("out", torch::nn::Linear(128, 256))) {}
-  // Sum over real bytes of the next-byte cross-entropy.
-  torch::Tensor LossSum(const Texts& data, const std::vector<int64_t>& samples) {
-    int64_t longest = 0;
-    for (int64_t i : samples) longest = std::max(longest, data.lengths[i]);
-    const int64_t n = static_cast<int64_t>(samples.size());
-    torch::Tensor bytes = torch::zeros({n, longest + 1}, torch::kLong);
-    torch::Tensor mask = torch::zeros({n, longest}, torch::kFloat);
-    for (int64_t k = 0; k < n; ++k) {
-      const std::string& t = data.texts[samples[k]];
-      for (size_t j = 0; j < t.size(); ++j) {
-        bytes[k][j + 1] = static_cast<int64_t>(static_cast<unsigned char>(t[j]));
-      }
-      mask[k].narrow(0, 0, static_cast<int64_t>(t.size())).fill_(1);
-    }
-    torch::Tensor x = bytes.narrow(1, 0, longest), y = bytes.narrow(1, 1, longest);
-    torch::Tensor logits = out(torch::tanh(hidden(embed(x))));
-    torch::Tensor nll = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, 256}), y.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-    return (nll * mask.reshape({-1})).sum();
-  }
-  torch::nn::Embedding embed;
-  torch::nn::Linear hidden, out;
-};
-TORCH_MODULE(ByteModel);
 
 double Mean(const std::vector<double>& v) {
   double s = 0;

@@ -1074,6 +1074,11 @@ void GradSync::ForgetUse() {
   for (internal::ParamSlot& p : state_->params) p.used = false;
 }
 
+void GradSync::ForgetFailure() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->failed_in_backward = false;
+}
+
 bool GradSync::sync_enabled() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->sync_enabled;

@@ -59,6 +59,9 @@ ABSL_FLAG(bool, load_tensors, false,
           "(with data workers and a model on a GPU: BalancedStep's pinned-buffer copies).");
 ABSL_FLAG(int, split_seed, 0, "Seed of random initial shares (0 = equal).");
 ABSL_FLAG(int, fail_rank, -1, "Rank whose loss callback throws on step 2.");
+ABSL_FLAG(std::vector<std::string>, fail_at, {},
+          "RANK:STEP,...: each RANK's loss callback throws on its STEP (1-based, failed steps "
+          "counted), at --fail_micro_batch, besides --fail_rank's step 2.");
 ABSL_FLAG(int, fail_micro_batch, 1,
           "With --fail_rank: the micro-batch of step 2 (1-based) whose callback throws (the "
           "last one when it has fewer).");
@@ -417,7 +420,12 @@ int main(int argc, char** argv) {
       }
       const int fail_at = std::min<int>(absl::GetFlag(FLAGS_fail_micro_batch),
                                         static_cast<int>((*step)->micro_batches().size()));
-      if (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank) && calls >= fail_at) {
+      const std::string here = absl::StrCat(rank, ":", s);
+      const std::vector<std::string> fail_steps = absl::GetFlag(FLAGS_fail_at);
+      const bool failing_step =
+          (s == 2 && rank == absl::GetFlag(FLAGS_fail_rank)) ||
+          std::find(fail_steps.begin(), fail_steps.end(), here) != fail_steps.end();
+      if (failing_step && calls >= fail_at) {
         if (absl::GetFlag(FLAGS_fail_by_exit)) std::_Exit(5);
         throw std::runtime_error("injected failure in the loss callback");
       }

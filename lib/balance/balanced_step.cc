@@ -229,6 +229,9 @@ void BalancedStep::StartPart(size_t k) {
   data_marked_ = false;
   Reseed(0);
   Part& part = parts_[k];
+  // An earlier step's failed synchronisation is settled: a failure in this
+  // one joins this step's synchronisation.
+  part.sync->ForgetFailure();
   syncs_at_begin_ = part.sync->syncs_completed();
   part_sums_ = {step_sums_, step_sum_tensors_, loss_on_device_[k]};
   slot_pieces_.assign(micro_.size(), 1);

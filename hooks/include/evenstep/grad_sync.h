@@ -195,6 +195,15 @@ class GradSync {
   // that only its own backward counts as use in its next synchronisation.
   // No effect while a synchronisation is open.
   void ForgetUse();
+  // A new step begins: a synchronisation that failed inside a backward and
+  // was never followed by AbandonStep is settled, so an AbandonStep from now
+  // on joins the next synchronisation (with a failure mark) instead of
+  // referring to that one. For a caller that settles a failed step without
+  // AbandonStep (BalancedStep, at the start of each step's part); without it
+  // a rank that witnessed a peer's failure in its synchronised backward and
+  // then fails before its next synchronisation would start nothing, and its
+  // peers would reduce that step with its following one.
+  void ForgetFailure();
 
   // Reduces the current local gradients now (zeros where a parameter has
   // none): for a rank with no micro-batch in a step, or after a backward run
