@@ -39,9 +39,16 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/internal/build_config.h"
 #include "evenstep/metrics.h"
 #include "evenstep/timeline.h"
 #include "evenstep/train_checkpointer.h"
+#if EVENSTEP_HAVE_NCCL  // a CUDA libtorch
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+#endif
 
 ABSL_FLAG(int, steps, 3, "Optimizer steps.");
 ABSL_FLAG(bool, sparse_embedding, false,
@@ -77,6 +84,11 @@ ABSL_FLAG(int, oom_rank, -1,
 ABSL_FLAG(bool, resume, false,
           "With --duty=evenstep: load the newest checkpoint of --evenstep_ckpt_dir first.");
 ABSL_FLAG(int64_t, oom_tokens, 0, "With --oom_rank: the rank's memory budget in padded tokens.");
+ABSL_FLAG(int64_t, cuda_oom_mb_per_token, 0,
+          "With --oom_rank and --device=cuda: instead of injecting the error, the rank's loss "
+          "allocates this many MiB per padded token on the GPU, under a per-process memory limit "
+          "of --oom_tokens x that + 160 MiB (the caching allocator's memory fraction): the real "
+          "allocator runs out of memory.");
 ABSL_FLAG(std::string, oom_where, "forward",
           "With --oom_rank: forward (the loss throws), backward (backward throws, after the "
           "last layers' gradients accumulated) or synced (backward throws, only in the step's "
@@ -286,6 +298,23 @@ int main(int argc, char** argv) {
     }
     timeline = *std::move(opened);
   }
+  // A real out-of-memory limit on the GPU for --cuda_oom_mb_per_token.
+  const int64_t real_oom_mb = absl::GetFlag(FLAGS_cuda_oom_mb_per_token);
+  if (real_oom_mb > 0 && rank == absl::GetFlag(FLAGS_oom_rank)) {
+#if EVENSTEP_HAVE_NCCL
+    const c10::DeviceIndex index = c10::cuda::current_device();
+    size_t free_bytes = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    const double limit =
+        static_cast<double>((absl::GetFlag(FLAGS_oom_tokens) * real_oom_mb + 160) << 20);
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(limit / static_cast<double>(total), index);
+    std::cout << "cuda memory limit " << static_cast<int64_t>(limit) / (1 << 20) << " MiB of "
+              << total / (1 << 20) << std::endl;
+#else
+    std::cerr << "--cuda_oom_mb_per_token needs a CUDA libtorch\n";
+    return 3;
+#endif
+  }
   // A planted memory asymmetry: this rank holds (and has touched) a buffer
   // the others do not.
   std::vector<char> extra_buffer;
@@ -393,7 +422,16 @@ int main(int argc, char** argv) {
       --counters->ahead;
       ++calls;
       bool oom_in_backward = false;
-      if (rank == absl::GetFlag(FLAGS_oom_rank)) {
+      if (rank == absl::GetFlag(FLAGS_oom_rank) && real_oom_mb > 0) {
+        // The real allocator's error, under the memory limit set at start.
+        int64_t longest = 0;
+        for (int64_t i : samples) longest = std::max(longest, data.lengths[i]);
+        const int64_t padded = static_cast<int64_t>(samples.size()) * longest;
+        const torch::Tensor block =
+            torch::empty({static_cast<int64_t>(padded * real_oom_mb) << 20},
+                         torch::TensorOptions(torch::kByte).device(torch::kCUDA));
+        (void)block;
+      } else if (rank == absl::GetFlag(FLAGS_oom_rank)) {
         int64_t longest = 0;
         for (int64_t i : samples) longest = std::max(longest, data.lengths[i]);
         const int64_t padded = static_cast<int64_t>(samples.size()) * longest;
@@ -516,6 +554,9 @@ int main(int argc, char** argv) {
     for (double h : report->rank_health) std::cout << absl::StrFormat(" %.3f", h);
     std::cout << std::endl;
     for (const std::string& alert : report->health_alerts) std::cout << "HEALTH " << alert << "\n";
+    std::cout << absl::StrFormat("memory step %d peak_mb %.1f device %d largest %d\n", s,
+                                 report->memory.peak_bytes / double{1 << 20},
+                                 report->memory.device ? 1 : 0, report->largest_micro_batch);
     if (rank == 0) {
       for (const std::string& line : report->oom_recoveries) std::cout << "OOM " << line << "\n";
     }

@@ -14,7 +14,8 @@
 //     the save step's values while later optimizer steps keep writing them;
 //     it loads into a CUDA model at another world size (ckpt_helper).
 //   - BalancedStep end to end on CUDA, its gradient checked against one
-//     process's every step (balance_helper), and the sample trainer with
+//     process's every step (balance_helper), also when the real allocator
+//     runs out of memory under a memory limit, and the sample trainer with
 //     --device=cuda: it learns, resumes after a SIGKILL and follows the CPU
 //     run's losses.
 #include <c10/core/Event.h>
@@ -308,6 +309,32 @@ TEST(CudaBalancedStepTest, TwoRanksOnTheGpuGetTheSingleProcessGradientEveryStep)
        "--evenstep_balance=dynamic", "--evenstep_data_workers=2", "--load_tensors"});
   ExpectAllPassed(results, "balance ok");
   EXPECT_THAT(results[0].output, HasSubstr("step 6 rank 0")) << Describe(results);
+}
+
+// The real allocator runs out of memory: rank 1's loss allocates 32 MiB per
+// padded token under a per-process memory limit (the caching allocator's
+// memory fraction) of 24 tokens' worth + 160 MiB. Its larger micro-batches
+// throw CUDA's own c10::OutOfMemoryError; each is split and retried within
+// its step, every step's gradient equals one process's (the helper checks),
+// rank 1 learns a cap, and the step's peak memory comes from the device
+// allocator.
+TEST(CudaBalancedStepTest, TheRealAllocatorsOutOfMemoryIsSplitAndRetriedWithTheExactGradient) {
+  EVENSTEP_SKIP_WITHOUT_CUDA();
+  auto results =
+      RunProgramOnRanks(2, EVENSTEP_BALANCE_HELPER,
+                        {"--evenstep_backend=gloo", "--device=cuda", "--steps=5",
+                         "--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
+                         "--oom_rank=1", "--oom_tokens=24", "--cuda_oom_mb_per_token=32"});
+  ExpectAllPassed(results, "balance ok");
+  EXPECT_THAT(results[1].output, HasSubstr("cuda memory limit 928 MiB")) << Describe(results);
+  EXPECT_THAT(results[1].output,
+              ::testing::ContainsRegex("\\[evenstep\\] rank 1, step [0-9]+: out of memory in "
+                                       "micro-batch [0-9]+ of [0-9]+ .*: split in "))
+      << Describe(results);
+  EXPECT_THAT(results[0].output, ::testing::ContainsRegex("OOM rank 1, step [0-9]+: "))
+      << Describe(results);
+  EXPECT_THAT(results[1].output, ::testing::ContainsRegex("memory step 5 peak_mb [0-9.]+ device 1"))
+      << Describe(results);
 }
 
 #if EVENSTEP_TEST_SAMPLE
