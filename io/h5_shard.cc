@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -323,7 +324,18 @@ std::vector<std::string> CheckShardFile(const std::string& path,
     const int null = ::open("/dev/null", O_WRONLY);
     if (null >= 0) ::dup2(null, STDERR_FILENO);  // HDF5's own diagnostics
 #if !defined(__SANITIZE_ADDRESS__)
-    struct rlimit limit = {size_t{4} << 30, size_t{4} << 30};  // address space
+    // 4 GiB of address space beyond what the process already maps (a
+    // trainer on a GPU maps tens of GiB before HDF5 allocates anything).
+    rlim_t mapped = 0;
+    if (const int statm = ::open("/proc/self/statm", O_RDONLY | O_CLOEXEC); statm >= 0) {
+      char pages[64] = {};
+      if (::read(statm, pages, sizeof(pages) - 1) > 0) {
+        mapped = static_cast<rlim_t>(std::strtoull(pages, nullptr, 10)) *
+                 static_cast<rlim_t>(::sysconf(_SC_PAGESIZE));
+      }
+      ::close(statm);
+    }
+    struct rlimit limit = {mapped + (rlim_t{4} << 30), mapped + (rlim_t{4} << 30)};
     ::setrlimit(RLIMIT_AS, &limit);
 #endif
     std::string out;

@@ -431,7 +431,9 @@ absl::Status CheckpointReader::ReadInto(const std::string& name, void* dst, int6
   return absl::OkStatus();
 }
 
-std::vector<std::string> CheckpointReader::CheckStructure() const {
+std::vector<std::string> CheckpointReader::CheckStructure() const { return CheckStructure(0, 1); }
+
+std::vector<std::string> CheckpointReader::CheckStructure(int rank, int world) const {
   std::vector<std::vector<internal::ShardDataset>> expected(manifest_.shards.size());
   for (const TensorInfo& t : manifest_.tensors) {
     for (const SliceInfo& s : t.slices) {
@@ -449,6 +451,7 @@ std::vector<std::string> CheckpointReader::CheckStructure() const {
   }
   std::vector<std::string> problems;
   for (size_t i = 0; i < expected.size(); ++i) {
+    if (world > 1 && static_cast<int>(i % world) != rank) continue;
     for (std::string& p :
          internal::CheckShardFile(path_ + "/" + manifest_.shards[i], expected[i])) {
       problems.push_back(std::move(p));

@@ -28,14 +28,6 @@ absl::Status ValidateTensorName(const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateFileName(const std::string& name) {
-  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
-      name.find('\0') != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("file name \"", name, "\" is not a plain name"));
-  }
-  return absl::OkStatus();
-}
-
 std::string StepDirName(int64_t step) { return absl::StrFormat("step-%010d", step); }
 
 std::optional<int64_t> StepOfDirName(const std::string& name) {

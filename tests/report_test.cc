@@ -55,7 +55,8 @@ struct MemoryFigure {
 template <typename Duty>
 void ScriptedRun(const std::string& dir, Duty duty, bool background = false,
                  std::function<double(int, int)> health = nullptr,
-                 std::function<MemoryFigure(int, int)> memory = nullptr) {
+                 std::function<MemoryFigure(int, int)> memory = nullptr,
+                 const std::string& duty_span = "checkpoint") {
   constexpr int kRanks = 3, kSteps = 12;
   std::vector<std::unique_ptr<Timeline>> timelines;
   for (int r = 0; r < kRanks; ++r) {
@@ -102,7 +103,7 @@ void ScriptedRun(const std::string& dir, Duty duty, bool background = false,
       timelines[r]->AddStep(rep);
       begin[r] = end;
       if (const int ms = duty(r, step); ms > 0) {
-        timelines[r]->Span("checkpoint", end, end + absl::Milliseconds(ms), step);
+        timelines[r]->Span(duty_span, end, end + absl::Milliseconds(ms), step);
         if (!background) begin[r] = end + absl::Milliseconds(ms);
       }
     }
@@ -156,6 +157,24 @@ TEST(ReportTest, RealRanksWriteTracesThatMergeIntoOneChromeTraceWithPictures) {
   for (const char* phase :
        {"data", "compute", "sync_wait", "optimizer", "arrive", "checkpoint", "process_name"}) {
     EXPECT_TRUE(names.count(phase)) << phase;
+  }
+}
+
+// An evaluation is its own phase, not io: rank 1 evaluates for 80 ms after
+// every step and loses its time in "eval"; nobody's io has any.
+TEST(ReportTest, AnEvaluationIsItsOwnPhaseNotIo) {
+  const TempDir temp("evenstep_report");
+  const std::string& dir = temp.path();
+  ScriptedRun(
+      dir, [](int rank, int) { return rank == 1 ? 80 : 0; }, false, nullptr, nullptr, "eval");
+  const std::string out = RunReport(dir);
+  EXPECT_THAT(out, HasSubstr("straggler: rank 1 arrives last")) << out;
+  EXPECT_THAT(out, HasSubstr("loses the time in eval")) << out;
+  std::ifstream in(dir + "/report.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  for (const nlohmann::json& rank : j["ranks"]) {
+    EXPECT_EQ(rank["io_ms"].get<double>(), 0.0) << j.dump();
+    EXPECT_EQ(rank["eval_ms"].get<double>() > 0, rank["rank"] == 1) << j.dump();
   }
 }
 

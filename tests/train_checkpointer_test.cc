@@ -2,6 +2,7 @@
 // another (reshard 2->3, 3->2, 4->1) with model, optimizer state (SGD, Adam,
 // AdamW, RMSprop, Adagrad), sampler position and user extras bit-identical.
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,44 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ReshardTest,
                                                info.param.load_world, "_", info.param.optimizer,
                                                info.param.width > 300 ? "_wide" : "");
                          });
+
+// A shard whose HDF5 superblock is damaged while its data checksums hold
+// (evenstep-ckpt verify refuses it): the resume reads the right bytes by
+// offset and says, on the rank that checked that shard, that h5py cannot
+// read it.
+TEST(ResumeTest, AShardWithADamagedHdf5StructureResumesAndIsNamed) {
+  evenstep::testing::TempDir temp("evenstep_h5damage");
+  const std::string dir = temp.path();
+  const std::vector<std::string> common = evenstep::testing::RankArgv(
+      EVENSTEP_CKPT_HELPER, {"--evenstep_ckpt_dir=" + dir, "--evenstep_global_batch=24",
+                             "--evenstep_micro_batch_samples=5"});
+  std::vector<std::string> save = common, load = common;
+  save.push_back("--mode=save");
+  load.push_back("--mode=load");
+  auto saved = evenstep::testing::RunRanks(2, save);
+  for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
+  const std::string shard = dir + "/step-0000000003/shard-00001-of-00002.h5";
+  ASSERT_TRUE(std::filesystem::exists(shard)) << Describe(saved);
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1);
+    f.write("XYZ", 3);
+  }
+  auto loaded = evenstep::testing::RunRanks(2, load);
+  for (const ProcessResult& r : loaded) {
+    ASSERT_EQ(r.exit_code, 0) << Describe(loaded);
+    EXPECT_EQ(DigestLine(r.output), DigestLine(saved[0].output)) << Describe(loaded);
+  }
+  // Shard 1 is rank 1's to check (i % world).
+  EXPECT_THAT(loaded[1].output,
+              HasSubstr("[evenstep] rank 1: resumed from " + dir +
+                        "/step-0000000003, whose data checksums hold, but a shard's HDF5 "
+                        "structure is damaged: " +
+                        shard))
+      << Describe(loaded);
+  EXPECT_THAT(loaded[0].output, ::testing::Not(HasSubstr("HDF5 structure is damaged")))
+      << Describe(loaded);
+}
 
 // tools/evenstep_ckpt_reader.py loads the checkpoint into a torch.nn.Module
 // and a torch.optim optimizer (EVENSTEP_TORCH_PYTHON: Debian's python3-torch

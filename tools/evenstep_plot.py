@@ -64,8 +64,8 @@ if len(sys.argv) > 1 and sys.argv[1] == "preflight":
 run = sys.argv[1]
 report = json.load(open(os.path.join(run, "report.json")))
 events = json.load(open(os.path.join(run, "trace.json")))
-phases = ["data", "compute", "sync_wait", "optimizer", "io", "other"]
-io_names = {"checkpoint", "eval", "log"}
+phases = ["data", "compute", "sync_wait", "optimizer", "io", "eval", "other"]
+io_names = {"checkpoint", "log"}
 per = {}  # rank -> step -> phase -> ms
 for e in events:
     if e.get("ph") != "X":
@@ -81,7 +81,7 @@ for e in events:
 ranks = sorted(per)
 fig, axes = plt.subplots(len(ranks), 1, figsize=(10, 1.8 * len(ranks) + 1), sharex=True, squeeze=False)
 colors = {"data": "#4e79a7", "compute": "#59a14f", "sync_wait": "#e15759",
-          "optimizer": "#f28e2b", "io": "#b07aa1", "other": "#bab0ac"}
+          "optimizer": "#f28e2b", "io": "#b07aa1", "eval": "#76b7b2", "other": "#bab0ac"}
 for ax, rank in zip(axes[:, 0], ranks):
     steps = sorted(per[rank])
     bottom = [0.0] * len(steps)
@@ -133,6 +133,7 @@ rows = "".join(
     "<tr>" + "".join("<td>%s</td>" % html.escape("%.2f" % v if isinstance(v, float) else str(v))
                      for v in (r["rank"], r["steps"], r["step_ms_mean"], r["step_ms_p50"], r["step_ms_p95"],
                                r["data_ms"], r["compute_ms"], r["sync_wait_ms"], r["optimizer_ms"], r["io_ms"],
+                               r.get("eval_ms", 0.0),
                                r.get("peak_memory_mb", r.get("peak_rss_mb", 0.0))))
     + "</tr>" for r in report["ranks"])
 straggler = report.get("straggler")
@@ -146,7 +147,7 @@ with open(os.path.join(run, "report.html"), "w") as out:
     out.write("<!doctype html><title>evenstep report</title><h1>evenstep report</h1>"
               "<p>%s; balance efficiency %.3f%s</p><p>Memory: %s</p>"
               "<table border=1 cellpadding=4><tr><th>rank</th><th>steps</th><th>mean ms</th><th>p50</th>"
-              "<th>p95</th><th>data</th><th>compute</th><th>sync wait</th><th>optimizer</th><th>io</th>"
+              "<th>p95</th><th>data</th><th>compute</th><th>sync wait</th><th>optimizer</th><th>io</th><th>eval</th>"
               "<th>peak MB</th></tr>%s</table>"
               "<h2>Phases per step</h2><img src=phases.png><h2>Arrival at the sync</h2><img src=arrival_skew.png>"
               "<h2>Peak memory per step</h2><img src=memory.png>"

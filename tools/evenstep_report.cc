@@ -1,7 +1,7 @@
 // evenstep-report RUN_DIR: reads the ranks' timelines (RUN_DIR/trace-*.json,
 // see lib/observe/include/evenstep/timeline.h) and reports
 //   - per rank: steps, mean/p50/p95 step time, and its split into data /
-//     compute / sync wait / optimizer / io (checkpoint, eval, log) / other
+//     compute / sync wait / optimizer / io (checkpoint, log) / eval / other
 //   - balance efficiency per step: mean/max over ranks of data + compute
 //   - stragglers by arrival at the gradient sync: which rank arrives last
 //     (in at least 60 % of the steps, by more than 10 % of a step),
@@ -38,16 +38,19 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "evenstep/internal/median.h"
 
 namespace {
 
 using nlohmann::json;
 
 const std::vector<std::string> kPhases = {"data",     "compute", "sync_wait", "optimizer",
-                                          "exchange", "io",      "other"};
+                                          "exchange", "io",      "eval",      "other"};
 
+// A span's phase: checkpoint writes and logs are io; an evaluation is its
+// own phase (it computes, it does not wait for a disk).
 std::string PhaseOf(const std::string& name) {
-  if (name == "checkpoint" || name == "eval" || name == "log") return "io";
+  if (name == "checkpoint" || name == "log") return "io";
   for (const std::string& p : kPhases) {
     if (p == name) return p;
   }
@@ -85,15 +88,7 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
 }
 
-// The middle value; the mean of the two middle ones for an even count (so
-// with 2 ranks the later arrival is late against their midpoint).
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  const size_t mid = v.size() / 2;
-  std::nth_element(v.begin(), v.begin() + mid, v.end());
-  if (v.size() % 2 == 1) return v[mid];
-  return 0.5 * (v[mid] + *std::max_element(v.begin(), v.begin() + mid));
-}
+using evenstep::internal::Median;  // the mean of the two middle values for an even count
 
 // A trace file; tolerates a missing closing bracket (a rank that died).
 bool ReadTrace(const std::string& path, json* events) {
@@ -296,9 +291,10 @@ int main(int argc, char** argv) {
   json report = {{"ranks", json::array()}, {"steps", json::array()}};
   std::cout << absl::StrFormat("evenstep-report %s: %d ranks, %d steps\n", dir, world,
                                steps.size());
-  std::cout << absl::StrFormat("  %4s %6s %9s %9s %9s | %8s %8s %8s %8s %8s %8s (mean ms) | %8s\n",
-                               "rank", "steps", "mean ms", "p50 ms", "p95 ms", "data", "compute",
-                               "sync", "optim", "io", "other", "peak MB");
+  std::cout << absl::StrFormat(
+      "  %4s %6s %9s %9s %9s | %8s %8s %8s %8s %8s %8s %8s (mean ms) | %8s\n", "rank", "steps",
+      "mean ms", "p50 ms", "p95 ms", "data", "compute", "sync", "optim", "io", "eval", "other",
+      "peak MB");
   for (const auto& [r, t] : ranks) {
     std::vector<double> step_ms;
     std::map<std::string, double> sums;
@@ -314,10 +310,11 @@ int main(int argc, char** argv) {
     const double mean_ms =
         step_ms.empty() ? 0 : std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / step_ms.size();
     std::cout << absl::StrFormat(
-        "  %4d %6d %9.2f %9.2f %9.2f | %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f           | %8.0f\n", r,
-        steps.size(), mean_ms, Median(step_ms), Percentile(step_ms, 0.95), sums["data"] / n,
+        "  %4d %6d %9.2f %9.2f %9.2f | %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f           | "
+        "%8.0f\n",
+        r, steps.size(), mean_ms, Median(step_ms), Percentile(step_ms, 0.95), sums["data"] / n,
         sums["compute"] / n, sums["sync_wait"] / n, sums["optimizer"] / n, sums["io"] / n,
-        (sums["other"] + sums["other_window"]) / n, t.peak_memory_mb);
+        sums["eval"] / n, (sums["other"] + sums["other_window"]) / n, t.peak_memory_mb);
     report["ranks"].push_back({{"rank", r},
                                {"steps", steps.size()},
                                {"step_ms_mean", mean_ms},
@@ -328,6 +325,7 @@ int main(int argc, char** argv) {
                                {"sync_wait_ms", sums["sync_wait"] / n},
                                {"optimizer_ms", sums["optimizer"] / n},
                                {"io_ms", sums["io"] / n},
+                               {"eval_ms", sums["eval"] / n},
                                {"peak_memory_mb", t.peak_memory_mb},
                                {"memory_source", t.memory_on_device ? "device" : "resident set"},
                                {"largest_micro_batch", t.largest_micro_batch}});
@@ -369,7 +367,7 @@ int main(int argc, char** argv) {
       ++late_count[last];
       late_steps[last].push_back(s);
       late_skew[{last, s}] = skew;
-      for (const std::string& phase : {"data", "compute", "io", "other"}) {
+      for (const std::string& phase : {"data", "compute", "io", "eval", "other"}) {
         std::vector<double> others;
         for (const auto& [r, t] : ranks) {
           if (r != last) others.push_back(views[r][s].window[phase]);

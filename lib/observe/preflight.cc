@@ -28,6 +28,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "evenstep/internal/build_config.h"
+#include "evenstep/internal/median.h"
 #include "evenstep/status_macros.h"
 
 #if EVENSTEP_HAVE_NCCL  // a CUDA libtorch
@@ -277,10 +278,7 @@ std::vector<double> Measured(const std::vector<double>& values) {
 // count); NaN when none was measured.
 double Median(const std::vector<double>& values) {
   std::vector<double> v = Measured(values);
-  if (v.empty()) return kNaN;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return v.empty() ? kNaN : internal::Median(std::move(v));
 }
 
 // The rank a figure is judged against: the median of the measured values,

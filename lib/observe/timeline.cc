@@ -2,6 +2,7 @@
 #include "evenstep/timeline.h"
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_format.h"
 #include "evenstep/async_appender.h"
@@ -10,7 +11,22 @@
 namespace evenstep {
 namespace {
 
+using nlohmann::json;
+
 int64_t Micros(absl::Time t) { return absl::ToUnixMicros(t); }
+
+// A Chrome trace event of this rank (pid) on its one thread.
+json Event(const std::string& name, const char* phase, int rank) {
+  return {{"name", name}, {"ph", phase}, {"pid", rank}, {"tid", 0}};
+}
+
+// A counter track's sample ("ph": "C"): `args` are its series.
+json Counter(const std::string& name, int rank, absl::Time at, json args) {
+  json e = Event(name, "C", rank);
+  e["ts"] = Micros(at);
+  e["args"] = std::move(args);
+  return e;
+}
 
 }  // namespace
 
@@ -21,12 +37,12 @@ absl::StatusOr<std::unique_ptr<Timeline>> Timeline::Open(const std::string& dir,
   if (!out.ok()) return out.status();
   std::unique_ptr<Timeline> t(new Timeline(rank, *std::move(out)));
   t->out_->Append("[\n");
-  t->Append(absl::StrFormat(
-      R"({"name": "process_name", "ph": "M", "pid": %d, "tid": 0, "args": {"name": "rank %d"}})",
-      rank, rank));
-  t->Append(absl::StrFormat(
-      R"({"name": "process_sort_index", "ph": "M", "pid": %d, "tid": 0, "args": {"sort_index": %d}})",
-      rank, rank));
+  json name = Event("process_name", "M", rank);
+  name["args"] = {{"name", absl::StrFormat("rank %d", rank)}};
+  t->Append(name.dump());
+  json order = Event("process_sort_index", "M", rank);
+  order["args"] = {{"sort_index", rank}};
+  t->Append(order.dump());
   return t;
 }
 
@@ -42,15 +58,21 @@ void Timeline::Append(const std::string& event) {
 }
 
 void Timeline::Span(const std::string& phase, absl::Time begin, absl::Time end, int64_t step) {
-  Append(absl::StrFormat(
-      R"({"name": "%s", "cat": "evenstep", "ph": "X", "pid": %d, "tid": 0, "ts": %d, "dur": %d, "args": {"step": %d}})",
-      phase, rank_, Micros(begin), std::max<int64_t>(0, Micros(end) - Micros(begin)), step));
+  json e = Event(phase, "X", rank_);
+  e["cat"] = "evenstep";
+  e["ts"] = Micros(begin);
+  e["dur"] = std::max<int64_t>(0, Micros(end) - Micros(begin));
+  e["args"] = {{"step", step}};
+  Append(e.dump());
 }
 
 void Timeline::Instant(const std::string& name, absl::Time at, int64_t step) {
-  Append(absl::StrFormat(
-      R"({"name": "%s", "cat": "evenstep", "ph": "i", "s": "p", "pid": %d, "tid": 0, "ts": %d, "args": {"step": %d}})",
-      name, rank_, Micros(at), step));
+  json e = Event(name, "i", rank_);
+  e["cat"] = "evenstep";
+  e["s"] = "p";
+  e["ts"] = Micros(at);
+  e["args"] = {{"step", step}};
+  Append(e.dump());
 }
 
 void Timeline::AddStep(const StepReport& r) {
@@ -68,17 +90,20 @@ void Timeline::AddStep(const StepReport& r) {
   Span("exchange", r.optimizer_begin + r.optimizer, r.end, r.step);
   // This rank's online health (its micro-step speed against its own best).
   if (static_cast<size_t>(rank_) < r.rank_health.size()) {
-    Append(absl::StrFormat(
-        R"({"name": "health", "ph": "C", "pid": %d, "tid": 0, "ts": %d, "args": {"health": %.4f, "step": %d}})",
-        rank_, Micros(r.end), r.rank_health[rank_], r.step));
+    Append(Counter("health", rank_, r.end, {{"health", r.rank_health[rank_]}, {"step", r.step}})
+               .dump());
   }
   // The step's peak memory (a Chrome counter track; its other figures are
   // args that evenstep-report reads).
   constexpr double kMiB = 1 << 20;
-  Append(absl::StrFormat(
-      R"({"name": "memory", "ph": "C", "pid": %d, "tid": 0, "ts": %d, "args": {"peak_mb": %.1f, "step": %d, "reserved_mb": %.1f, "growth_mb": %.1f, "largest_micro_batch": %d, "device": %d}})",
-      rank_, Micros(r.end), r.memory.peak_bytes / kMiB, r.step, r.memory.reserved_bytes / kMiB,
-      r.memory.growth_bytes / kMiB, r.largest_micro_batch, r.memory.device ? 1 : 0));
+  Append(Counter("memory", rank_, r.end,
+                 {{"peak_mb", r.memory.peak_bytes / kMiB},
+                  {"step", r.step},
+                  {"reserved_mb", r.memory.reserved_bytes / kMiB},
+                  {"growth_mb", r.memory.growth_bytes / kMiB},
+                  {"largest_micro_batch", r.largest_micro_batch},
+                  {"device", r.memory.device ? 1 : 0}})
+             .dump());
 }
 
 absl::Status Timeline::Flush() { return out_->Flush(); }

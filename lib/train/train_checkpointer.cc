@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -483,6 +484,7 @@ absl::StatusOr<LoadResult> TrainCheckpointer::Load(const TrainState& state,
     absl::StatusOr<LoadResult> loaded = LoadFrom(env, path, state, options, &mismatch, &agreed);
     if (loaded.ok()) {
       loaded->skipped = failures;
+      loaded->structure_problems = StructureProblems(env, path);
       return loaded;
     }
     const std::string why(loaded.status().message());
@@ -513,6 +515,22 @@ absl::StatusOr<LoadResult> TrainCheckpointer::Load(const TrainState& state,
     // The directory's name (step-SSSSSSSSSS); the root is in the message.
     failures.push_back(absl::StrCat(path.substr(path.find_last_of('/') + 1), ": ", why, moved));
   }
+}
+
+std::vector<std::string> TrainCheckpointer::StructureProblems(Env& env,
+                                                              const std::string& path) const {
+  auto reader = CheckpointReader::Open(env, path);
+  if (!reader.ok()) return {};  // it just loaded; nothing more to say
+  std::vector<std::string> problems = (*reader)->CheckStructure(ctx_.rank(), ctx_.world_size());
+  for (const std::string& p : problems) {
+    std::cerr << "[evenstep] rank " << ctx_.rank() << ": resumed from " << path
+              << ", whose data checksums hold, but a shard's HDF5 structure is damaged: " << p
+              << ". The training state is right (read by offset); h5py and evenstep-ckpt "
+                 "consolidate/export cannot read that shard (evenstep-ckpt verify lists it); "
+                 "the next save writes whole shards"
+              << std::endl;
+  }
+  return problems;
 }
 
 absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::string& path,

@@ -211,6 +211,9 @@ class CheckpointReader {
   // by dataset (h5py) and by offset (evenstep) read the same bytes; the
   // list of problems (empty when they agree).
   std::vector<std::string> CheckStructure() const;
+  // The same for shards i with i % world == rank (each rank of a resume
+  // checks its share).
+  std::vector<std::string> CheckStructure(int rank, int world) const;
   // CheckStructure() and every checksum (read in bounded chunks); the list
   // of problems (empty when intact).
   std::vector<std::string> Verify() const;

@@ -13,8 +13,6 @@ namespace evenstep::internal {
 // '/'-separated segments of [A-Za-z0-9_.:-] and other printable characters
 // except '@' and '\\'; no empty, "." or ".." segment, no leading '/'.
 absl::Status ValidateTensorName(const std::string& name);
-// A plain file name: no '/', not "." or "..", not empty, printable.
-absl::Status ValidateFileName(const std::string& name);
 
 // "step-SSSSSSSSSS": a checkpoint's directory name (zero-padded to 10 digits).
 std::string StepDirName(int64_t step);

@@ -72,6 +72,11 @@ struct LoadResult {
   std::vector<std::string> unexpected;  // checkpoint tensors the model lacks
   int64_t bytes_read = 0;               // by this rank
   std::vector<std::string> skipped;     // with fallback: each unusable checkpoint and why
+  // Shards (this rank's share: i % world == rank) whose HDF5 structure is
+  // damaged although their data's checksums hold: the load read the right
+  // bytes by offset, but h5py and evenstep-ckpt cannot read those files.
+  // Each was said in one line on this rank.
+  std::vector<std::string> structure_problems;
 };
 
 // --evenstep_ckpt_* flags: dir, keep, in_flight, when_busy, slice_mb.
@@ -108,6 +113,9 @@ class TrainCheckpointer {
   // another candidate together).
   absl::StatusOr<LoadResult> LoadFrom(Env& env, const std::string& path, const TrainState& state,
                                       const LoadOptions& options, bool* mismatch, bool* agreed);
+  // After a load from `path`: this rank's share of its shards checked with
+  // HDF5 (LoadResult::structure_problems), each problem said in one line.
+  std::vector<std::string> StructureProblems(Env& env, const std::string& path) const;
 
   DistContext& ctx_;
   CheckpointOptions options_;
