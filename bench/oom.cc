@@ -125,7 +125,7 @@ absl::StatusOr<Row> Run(evenstep::DistContext& ctx, const Texts& train, const Te
     auto report = step->Step(
         [](const evenstep::MicroBatch& mb) { return mb; },
         [&](const evenstep::MicroBatch& mb) -> torch::Tensor {
-          const int64_t padded = static_cast<int64_t>(mb.samples.size()) * mb.max_length;
+          const int64_t padded = mb.padded_tokens();
           if (budget > 0 && padded > budget) {
             ++ooms;
             C10_THROW_ERROR(OutOfMemoryError,

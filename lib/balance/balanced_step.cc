@@ -54,12 +54,6 @@ enum ExchangeField {
   kPartLosses = kAgreed + kAgreementSlots,  // one loss sum per part follows
 };
 
-// A micro-batch's padded tokens (samples x longest length): what its
-// activations hold at once, the unit of memory caps.
-int64_t PaddedTokens(const MicroBatch& mb) {
-  return static_cast<int64_t>(mb.samples.size()) * mb.max_length;
-}
-
 // The device the model trains on (its first parameter's; CPU without any).
 c10::Device ModelDevice(torch::nn::Module& model) {
   for (const at::Tensor& p : model.parameters()) return p.device();
@@ -436,7 +430,7 @@ void BalancedStep::MicroStep(const at::Tensor& loss_sum, const MicroBatch& mb, b
   backward_started_ = true;
   scaled_loss.backward();
   backward_started_ = false;
-  report_.largest_micro_batch = std::max(report_.largest_micro_batch, PaddedTokens(mb));
+  report_.largest_micro_batch = std::max(report_.largest_micro_batch, mb.padded_tokens());
 }
 
 bool BalancedStep::SyncedDespiteFailure() const {
@@ -535,7 +529,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
         try {
           MicroStep(recompute_(run[q]), run[q], sync_now);
           if (slot_pieces_[j] > 1) {
-            largest = std::max(largest, PaddedTokens(run[q]));
+            largest = std::max(largest, run[q].padded_tokens());
           }
         } catch (const c10::OutOfMemoryError& e) {
           const bool started = backward_started_;
@@ -577,7 +571,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
                          "[evenstep] rank %d, step %d: out of memory in micro-batch %d of %d (%d "
                          "samples, %d padded tokens): split in %d and retried; this rank's "
                          "micro-batches are now capped at %d padded tokens",
-                         ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(), PaddedTokens(mb),
+                         ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(), mb.padded_tokens(),
                          std::min<size_t>(slot_pieces_[j], mb.samples.size()), memory_cap_)
                   << std::endl;
       }
@@ -597,8 +591,8 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
 }
 
 void BalancedStep::NoteFailedSize(const MicroBatch& mb) {
-  memory_failed_min_ = std::min(memory_failed_min_, PaddedTokens(mb));
-  step_failed_max_ = std::max(step_failed_max_, PaddedTokens(mb));
+  memory_failed_min_ = std::min(memory_failed_min_, mb.padded_tokens());
+  step_failed_max_ = std::max(step_failed_max_, mb.padded_tokens());
 }
 
 void BalancedStep::RepackPlanned() {

@@ -484,7 +484,6 @@ absl::StatusOr<LoadResult> TrainCheckpointer::Load(const TrainState& state,
     absl::StatusOr<LoadResult> loaded = LoadFrom(env, path, state, options, &mismatch, &agreed);
     if (loaded.ok()) {
       loaded->skipped = failures;
-      loaded->structure_problems = StructureProblems(env, path);
       return loaded;
     }
     const std::string why(loaded.status().message());
@@ -517,11 +516,9 @@ absl::StatusOr<LoadResult> TrainCheckpointer::Load(const TrainState& state,
   }
 }
 
-std::vector<std::string> TrainCheckpointer::StructureProblems(Env& env,
+std::vector<std::string> TrainCheckpointer::StructureProblems(const CheckpointReader& reader,
                                                               const std::string& path) const {
-  auto reader = CheckpointReader::Open(env, path);
-  if (!reader.ok()) return {};  // it just loaded; nothing more to say
-  std::vector<std::string> problems = (*reader)->CheckStructure(ctx_.rank(), ctx_.world_size());
+  std::vector<std::string> problems = reader.CheckStructure(ctx_.rank(), ctx_.world_size());
   for (const std::string& p : problems) {
     std::cerr << "[evenstep] rank " << ctx_.rank() << ": resumed from " << path
               << ", whose data checksums hold, but a shard's HDF5 structure is damaged: " << p
@@ -738,6 +735,7 @@ absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::stri
   if (balance) {
     EVENSTEP_RETURN_IF_ERROR(state.balance->Restore(*balance), "restoring the balancing state");
   }
+  result.structure_problems = StructureProblems(*reader, path);
   return result;
 }
 

@@ -92,6 +92,9 @@ struct MicroBatch {
   // micro-batches of the step (0-based).
   int64_t epoch = 0;
   int index = 0;
+  // Samples x longest length: what its padded activations hold at once, the
+  // unit of memory caps (BalanceConfig::oom).
+  int64_t padded_tokens() const { return static_cast<int64_t>(samples.size()) * max_length; }
 };
 
 struct GlobalBatch {

@@ -113,9 +113,11 @@ class TrainCheckpointer {
   // another candidate together).
   absl::StatusOr<LoadResult> LoadFrom(Env& env, const std::string& path, const TrainState& state,
                                       const LoadOptions& options, bool* mismatch, bool* agreed);
-  // After a load from `path`: this rank's share of its shards checked with
-  // HDF5 (LoadResult::structure_problems), each problem said in one line.
-  std::vector<std::string> StructureProblems(Env& env, const std::string& path) const;
+  // After a load from `path` (through `reader`): this rank's share of its
+  // shards checked with HDF5 (LoadResult::structure_problems), each problem
+  // said in one line.
+  std::vector<std::string> StructureProblems(const CheckpointReader& reader,
+                                             const std::string& path) const;
 
   DistContext& ctx_;
   CheckpointOptions options_;
