@@ -23,6 +23,13 @@
 //              recomputed forward passes and the smaller micro-batches), its
 //              parameters against the reference's (max relative difference)
 //              and its held-out loss
+//   predict    split, and caps predicted from each micro-step's peak memory
+//              (--evenstep_memory_limit_mb): the peaks are scripted as a
+//              device allocator would report them (this CPU has none): the
+//              model's state (parameters, gradients, Adam's two moments) +
+//              64 KiB per padded token, under a limit that a micro-batch of
+//              the rank's budget just reaches; the recoveries left (0 when
+//              the cap is predicted before the first long micro-batch)
 // The held-out loss is per byte over fortunes kept out of training.
 // Last line: SUMMARY {json}.
 //
@@ -57,7 +64,7 @@ ABSL_FLAG(int64_t, budget_tokens, 0,
           "Rank 0's memory budget in padded tokens (samples x longest length of a micro-batch); "
           "rank 1 has half. Default 8192 (rank 1 fails on micro-batches holding one of the 1.4 %% "
           "of fortunes over 1,024 bytes), quick 4096 (so that 6 steps see a recovery).");
-ABSL_FLAG(std::string, rows, "reference,die,skip,split", "Rows to run (reference first).");
+ABSL_FLAG(std::string, rows, "reference,die,skip,split,predict", "Rows to run (reference first).");
 ABSL_FLAG(int, held_out, 300, "Fortunes kept out of training for the held-out loss.");
 
 namespace {
@@ -107,10 +114,20 @@ absl::StatusOr<Row> Run(evenstep::DistContext& ctx, const Texts& train, const Te
                         const std::string& name, int steps, int64_t budget,
                         const torch::Tensor& reference) {
   EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig config, evenstep::BalanceConfig::FromFlags());
-  config.oom = name == "split" || name == "reference" ? evenstep::BalanceConfig::OomPolicy::kSplit
-                                                      : evenstep::BalanceConfig::OomPolicy::kFail;
+  const bool splits = name == "split" || name == "predict" || name == "reference";
+  config.oom = splits ? evenstep::BalanceConfig::OomPolicy::kSplit
+                      : evenstep::BalanceConfig::OomPolicy::kFail;
   torch::manual_seed(0);
   ByteModel model;
+  if (name == "predict" && budget > 0) {
+    int64_t state = 0;  // bytes: parameters, gradients and Adam's two moments
+    for (const auto& p : model->parameters()) state += 4 * p.numel() * p.element_size();
+    constexpr int64_t kPerToken = 64 << 10;
+    config.memory_limit_bytes = state + kPerToken * budget;
+    config.micro_peak_bytes = [state](const evenstep::MicroBatch& mb) {
+      return state + kPerToken * mb.padded_tokens();
+    };
+  }
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(3e-3));
   EVENSTEP_ASSIGN_OR_RETURN(
       std::unique_ptr<evenstep::BalancedStep> step,
@@ -247,10 +264,18 @@ int main(int argc, char** argv) {
                               : absl::StrFormat(", params vs reference %.2g", row->param_diff));
     }
   }
+  auto row_named = [&rows](const std::string& name) -> const Row& {
+    for (const Row& r : rows) {
+      if (r.name == name) return r;
+    }
+    static const Row none;
+    return none;
+  };
   const Row& ref = rows[0];
-  const Row& die = rows[1];
-  const Row& skip = rows[2];
-  const Row& split = rows[3];
+  const Row& die = row_named("die");
+  const Row& skip = row_named("skip");
+  const Row& split = row_named("split");
+  const Row& predict = row_named("predict");
   const double split_time = split.seconds / ref.seconds;
   // The recoveries' own cost: the steps that recovered against the same
   // steps of the reference, over the reference's whole run (the run's time
@@ -279,15 +304,24 @@ int main(int argc, char** argv) {
         split.recoveries, split.late_ooms, split.param_diff, 100 * recovery_cost,
         100 * (split_time - 1));
     std::cout << absl::StrFormat(
+        "predict: %d recoveries, %d out-of-memory errors after the last step that learned a cap, "
+        "parameters within %.2g of the reference's, samples lost %d; the whole run %+.1f %%\n",
+        predict.recoveries, predict.late_ooms, predict.param_diff, predict.samples_lost,
+        100 * (predict.seconds / ref.seconds - 1));
+    std::cout << absl::StrFormat(
         "SUMMARY {\"bench\": \"oom\", \"steps\": %d, \"die_step\": %d, \"skip_steps_lost\": "
         "%d, \"skip_samples_lost\": %d, \"skip_held_out_vs_reference\": %.4f, "
         "\"split_samples_lost\": %d, \"split_recoveries\": %d, \"split_late_ooms\": %d, "
         "\"split_param_rel_diff\": %.3g, \"split_held_out_vs_reference\": %.5f, "
         "\"split_time_vs_reference\": %.3f, \"split_recovery_cost\": %.4f, "
+        "\"predict_recoveries\": %d, \"predict_late_ooms\": %d, \"predict_samples_lost\": %d, "
+        "\"predict_param_rel_diff\": %.3g, \"predict_time_vs_reference\": %.3f, "
         "\"reference_held_out\": %.4f}\n",
         steps, die.died_at, skip.steps_lost, skip.samples_lost, skip.held_out / ref.held_out,
         split.samples_lost, split.recoveries, split.late_ooms, split.param_diff,
-        split.held_out / ref.held_out, split_time, recovery_cost, ref.held_out);
+        split.held_out / ref.held_out, split_time, recovery_cost, predict.recoveries,
+        predict.late_ooms, predict.samples_lost, predict.param_diff, predict.seconds / ref.seconds,
+        ref.held_out);
   }
   return 0;
 }

@@ -101,6 +101,10 @@ ABSL_FLAG(bool, owned_loader, false,
           "step's loads by default) instead of a function passed to each Step.");
 ABSL_FLAG(int, fail_load_rank, -1, "Rank whose load function throws on step 2's last micro-batch.");
 ABSL_FLAG(std::string, trace_dir, "", "Write this rank's timeline there.");
+ABSL_FLAG(int, scripted_memory_rank, -1,
+          "Rank whose micro-steps report scripted peak memory (BalanceConfig::micro_peak_bytes).");
+ABSL_FLAG(std::vector<std::string>, scripted_memory, {},
+          "With --scripted_memory_rank: BASE_MIB,MIB_PER_PADDED_TOKEN: a micro-step's peak.");
 ABSL_FLAG(int, extra_buffer_rank, -1, "Rank that holds an extra buffer through the run.");
 ABSL_FLAG(int, extra_buffer_mb, 0, "With --extra_buffer_rank: its size (MiB, touched).");
 ABSL_FLAG(std::string, duty, "none",
@@ -254,6 +258,18 @@ int main(int argc, char** argv) {
     config->initial_shares.resize(world);
     for (double& s : config->initial_shares) s = u(rng);
     config->initial_shares[seed % world] = 0;
+  }
+  if (rank == absl::GetFlag(FLAGS_scripted_memory_rank)) {
+    const std::vector<std::string> figures = absl::GetFlag(FLAGS_scripted_memory);
+    double base_mb = 0, per_token_mb = 0;
+    if (figures.size() != 2 || !absl::SimpleAtod(figures[0], &base_mb) ||
+        !absl::SimpleAtod(figures[1], &per_token_mb)) {
+      std::cerr << "--scripted_memory: expected BASE_MIB,MIB_PER_PADDED_TOKEN\n";
+      return 3;
+    }
+    config->micro_peak_bytes = [base_mb, per_token_mb](const evenstep::MicroBatch& mb) {
+      return static_cast<int64_t>((base_mb + per_token_mb * mb.padded_tokens()) * (1 << 20));
+    };
   }
   evenstep::BalancedStep* step_ptr = nullptr;
   const bool virtual_time = absl::GetFlag(FLAGS_virtual_time);

@@ -340,6 +340,10 @@ TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
       {"--evenstep_batch_unit=bytes", "--evenstep_batch_unit=bytes: expected samples or tokens"},
       {"--evenstep_plan_damping=0", "--evenstep_plan_damping=0: must be in (0, 1]"},
       {"--evenstep_comm_hook=zip", "zip"},
+      {"--evenstep_memory_headroom=0", "--evenstep_memory_headroom=0: must be in (0, 1]"},
+      {"--evenstep_memory_limit_mb=-2", "--evenstep_memory_limit_mb=-2: must be in [-1, "},
+      {"--evenstep_memory_limit_mb=-0.5",
+       "--evenstep_memory_limit_mb=-0.5: expected MiB > 0, 0 (the device's) or -1 (off)"},
   };
   for (const auto& [flag, message] : cases) {
     auto results = RunHelper(1, {flag});
@@ -487,6 +491,121 @@ TEST(OutOfMemoryTest, TheLearnedCapSurvivesAResume) {
         << Describe(after);
   }
   EXPECT_TRUE(InjectedSteps(after[1].output).empty()) << Describe(after);
+}
+
+// Caps predicted from measured peaks (BalanceConfig::memory_limit_bytes).
+// Rank 1's micro-steps report 100 MiB + 2 MiB per padded token, as a device
+// allocator would (scripted: the CPU has no such figure), under a limit of
+// 200 MiB: 90 % of it holds 40 padded tokens.
+
+// The step at which `rank` said its predicted cap, and the cap (0, 0: never).
+std::pair<int, int64_t> PredictedCap(const std::string& output, int rank) {
+  const std::string prefix = absl::StrCat("[evenstep] rank ", rank, ", step ");
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    int step = 0;
+    long long cap = 0;
+    if (absl::StartsWith(line, prefix) &&
+        std::sscanf(std::string(line.substr(prefix.size())).c_str(),
+                    "%d: micro-batches capped at %lld padded tokens, predicted", &step,
+                    &cap) == 2) {
+      return {step, cap};
+    }
+  }
+  return {0, 0};
+}
+
+// Each step's largest micro-batch (padded tokens) from the "memory step S
+// ... largest N" lines, by step.
+std::map<int, int64_t> LargestMicroBatches(const std::string& output) {
+  std::map<int, int64_t> largest;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    int step = 0, device = 0;
+    double peak = 0;
+    long long n = 0;
+    if (std::sscanf(std::string(line).c_str(), "memory step %d peak_mb %lf device %d largest %lld",
+                    &step, &peak, &device, &n) == 4) {
+      largest[step] = n;
+    }
+  }
+  return largest;
+}
+
+const std::vector<std::string> kScriptedMemory = {
+    "--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4", "--scripted_memory_rank=1",
+    "--scripted_memory=100,2", "--evenstep_memory_limit_mb=200"};
+
+// Once rank 1's fit is identified (step 2: six micro-steps) it says its cap;
+// every later micro-batch there holds at most that many padded tokens, every
+// step's gradient stays exact (the helper checks it), and every rank knows
+// the cap. Rank 0, without figures, gets none. Static and dynamic balance.
+TEST(PredictedMemoryCapTest, ARankIsCappedWhereItsMeasuredPeaksPredictItsLimit) {
+  for (const char* mode : {"static", "dynamic"}) {
+    std::vector<std::string> args = kScriptedMemory;
+    args.push_back(absl::StrCat("--evenstep_balance=", mode));
+    args.push_back("--steps=6");
+    auto results = RunHelper(mode == std::string("static") ? 2 : 3, args);
+    for (const ProcessResult& r : results) {
+      ASSERT_EQ(r.exit_code, 0) << mode << Describe(results);
+      EXPECT_THAT(r.output, HasSubstr("balance ok"));
+      EXPECT_THAT(r.output, ::testing::ContainsRegex("memory caps after step 6: 0 40( 0)?\n"))
+          << mode << Describe(results);
+    }
+    const auto [at, cap] = PredictedCap(results[1].output, 1);
+    EXPECT_EQ(cap, 40) << mode << Describe(results);
+    ASSERT_GE(at, 1) << mode << Describe(results);
+    EXPECT_LE(at, 3) << mode << Describe(results);
+    EXPECT_THAT(results[1].output,
+                HasSubstr("predicted from this rank's peak memory (100.0 MiB + 2.000 MiB per "
+                          "padded token, within 90 % of a 200.0 MiB limit)"));
+    const std::map<int, int64_t> largest = LargestMicroBatches(results[1].output);
+    ASSERT_EQ(largest.size(), 6u) << mode << Describe(results);
+    EXPECT_GT(largest.at(1), 40) << "the cap binds: micro-batches of 4 samples exceed it";
+    for (const auto& [step, tokens] : largest) {
+      if (step > at) EXPECT_LE(tokens, 40) << mode << " step " << step << Describe(results);
+    }
+    EXPECT_EQ(PredictedCap(results[0].output, 0).second, 0) << mode << Describe(results);
+  }
+}
+
+// The predicted cap is in the checkpoint: a resumed rank 1 keeps its
+// micro-batches under it from the first step.
+TEST(PredictedMemoryCapTest, TheCapSurvivesAResume) {
+  evenstep::testing::TempDir dir("evenstep_predicted_cap");
+  std::vector<std::string> first = kScriptedMemory;
+  first.insert(first.end(), {"--duty=evenstep", "--evenstep_ckpt_dir=" + dir.path(), "--steps=3"});
+  auto before = RunHelper(2, first);
+  for (const ProcessResult& r : before) ASSERT_EQ(r.exit_code, 0) << Describe(before);
+  ASSERT_EQ(PredictedCap(before[1].output, 1).second, 40) << Describe(before);
+  std::vector<std::string> second = first;
+  second.back() = "--steps=4";
+  second.push_back("--resume");
+  auto after = RunHelper(2, second);
+  for (const ProcessResult& r : after) {
+    ASSERT_EQ(r.exit_code, 0) << Describe(after);
+    EXPECT_THAT(r.output, HasSubstr("resumed from step 3 memory caps: 0 40")) << Describe(after);
+  }
+  const std::map<int, int64_t> largest = LargestMicroBatches(after[1].output);
+  ASSERT_EQ(largest.count(4), 1u) << Describe(after);
+  EXPECT_LE(largest.at(4), 40) << Describe(after);
+}
+
+// Nothing is predicted with --evenstep_memory_limit_mb=-1, nor from the
+// CPU's own figures (no per-micro-step peak) under a limit.
+TEST(PredictedMemoryCapTest, NothingIsPredictedWhenOffOrWithoutDeviceFigures) {
+  std::vector<std::string> off = kScriptedMemory;
+  off.back() = "--evenstep_memory_limit_mb=-1";
+  off.push_back("--steps=4");
+  std::vector<std::string> cpu = {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
+                                  "--evenstep_memory_limit_mb=1", "--steps=4"};
+  for (const auto& args : {off, cpu}) {
+    auto results = RunHelper(2, args);
+    for (const ProcessResult& r : results) {
+      ASSERT_EQ(r.exit_code, 0) << Describe(results);
+      EXPECT_THAT(r.output, ::testing::Not(HasSubstr("predicted from this rank's peak memory")))
+          << Describe(results);
+      EXPECT_THAT(r.output, ::testing::Not(HasSubstr("memory caps after"))) << Describe(results);
+    }
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // MemoryProbe on the CPU: the resident set's peak within a step, reset at
-// each Begin, and the /proc/self/status parsing it rests on.
+// each Begin, and the /proc/self/status parsing it rests on; MemoryFit's
+// caps from micro-steps' peaks.
 #include "evenstep/memory_probe.h"
 
 #include <cstring>
@@ -46,6 +47,61 @@ TEST(MemoryProbeTest, TheCpuPeakIsTheStepsOwnAndResetsAtEachBegin) {
   EXPECT_TRUE(quiet.since_begin);
   EXPECT_LT(quiet.growth_bytes, 64 * kMiB);
   EXPECT_LT(quiet.peak_bytes, big.peak_bytes - 128 * kMiB);
+}
+
+// The CPU has no per-micro-step figure (freed memory stays resident) and no
+// device limit: nothing for a predicted cap.
+TEST(MemoryProbeTest, TheCpuHasNoMicroStepPeakAndNoDeviceLimit) {
+  MemoryProbe probe(c10::Device(c10::kCPU));
+  probe.Begin();
+  EXPECT_EQ(probe.Lap(), -1);
+  EXPECT_EQ(probe.DeviceLimit(), 0);
+}
+
+// Peaks of 100 MiB + 2 MiB per padded token (with +-1 MiB of noise and one
+// wild figure) put a budget of 180 MiB at 40 padded tokens.
+TEST(MemoryFitTest, PredictsTheLargestMicroBatchWithinABudget) {
+  MemoryFit fit;
+  const int64_t sizes[] = {12, 48, 20, 64, 36, 80, 28, 56, 16, 72};
+  int i = 0;
+  for (int64_t tokens : sizes) {
+    const double noise = (i++ % 3 - 1) * 1.0;
+    fit.Record(tokens, static_cast<int64_t>((100 + 2.0 * tokens + noise) * kMiB));
+  }
+  fit.Record(40, 900 * kMiB);  // one wild figure (another job's spike)
+  const MemoryFit::Line line = fit.line();
+  ASSERT_TRUE(line.valid);
+  EXPECT_NEAR(line.fixed_bytes / kMiB, 100, 2);
+  EXPECT_NEAR(line.per_token_bytes / kMiB, 2, 0.05);
+  EXPECT_NEAR(fit.Cap(180.0 * kMiB), 40, 1);
+  // A budget below the fixed part: nothing fits by the line, so the cap is
+  // the largest size that did peak within it (none: one token).
+  EXPECT_EQ(fit.Cap(50.0 * kMiB), 1);
+}
+
+// The cap never falls below a size that peaked within the budget, whatever
+// the line says of it.
+TEST(MemoryFitTest, NeverCapsBelowASizeThatFitted) {
+  MemoryFit fit;
+  const int64_t sizes[] = {10, 20, 30, 40, 50, 60};
+  for (int64_t tokens : sizes) fit.Record(tokens, (100 + 2 * tokens) * kMiB);
+  fit.Record(90, 150 * kMiB);  // a large one that happened to peak low
+  ASSERT_TRUE(fit.line().valid);
+  EXPECT_GE(fit.Cap(170.0 * kMiB), 90);
+}
+
+// No prediction from points that cannot identify the fixed part (fewer than
+// six, or all of one size) or from memory that does not grow with the size.
+TEST(MemoryFitTest, PredictsNothingItCannotIdentify) {
+  MemoryFit few;
+  for (int64_t tokens : {10, 20, 30, 40, 50}) few.Record(tokens, (100 + 2 * tokens) * kMiB);
+  EXPECT_EQ(few.Cap(180.0 * kMiB), 0);
+  MemoryFit same;
+  for (int k = 0; k < 20; ++k) same.Record(32, (164 + k % 2) * kMiB);
+  EXPECT_EQ(same.Cap(180.0 * kMiB), 0);
+  MemoryFit flat;
+  for (int64_t tokens : {10, 20, 30, 40, 50, 60, 70}) flat.Record(tokens, 100 * kMiB);
+  EXPECT_EQ(flat.Cap(180.0 * kMiB), 0);
 }
 
 }  // namespace

@@ -122,6 +122,10 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
         absl::StrCat("BalancedStep: data_workers=", config.data_workers,
                      " (>= 0, or -1 = auto), prefetch=", config.prefetch, " (>= 1)"));
   }
+  if (!(config.memory_headroom > 0 && config.memory_headroom <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BalancedStep: memory_headroom=", config.memory_headroom, ": must be in (0, 1]"));
+  }
   EVENSTEP_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(std::move(lengths), config.sampler,
                                                              config.cost, std::move(counts)));
   EVENSTEP_ASSIGN_OR_RETURN(const TopologyChoice topology,
@@ -183,7 +187,12 @@ BalancedStep::BalancedStep(DistContext& ctx, std::vector<Part> parts, Sampler sa
       clock_(std::move(clock)),
       memory_probe_(ModelDevice(*parts_[0].spec.module)),
       cost_model_(config_.cost_model),
-      planner_(ctx.world_size(), config_.planner) {}
+      planner_(ctx.world_size(), config_.planner) {
+  const int64_t limit =
+      config_.memory_limit_bytes == 0 ? memory_probe_.DeviceLimit() : config_.memory_limit_bytes;
+  if (limit > 0) memory_budget_ = static_cast<double>(limit) * config_.memory_headroom;
+  memory_fits_.resize(parts_.size());
+}
 
 absl::Status BalancedStep::OnePart() const {
   if (parts_.size() == 1) return absl::OkStatus();
@@ -221,6 +230,7 @@ void BalancedStep::StartPart(size_t k) {
   part_ = k;
   next_micro_ = 0;
   data_marked_ = false;
+  memory_probe_.Lap();  // a part's first micro-step from here
   Reseed(0);
   Part& part = parts_[k];
   // An earlier step's failed synchronisation is settled: a failure in this
@@ -285,7 +295,7 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
   } else {
     parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
   }
-  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), memory_cap_);
+  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), MemoryCap());
   for (size_t i = 0; i < next.micro.size(); ++i) {
     next.micro[i].epoch = next.batch.epoch;
     next.micro[i].index = static_cast<int>(i);
@@ -431,6 +441,9 @@ void BalancedStep::MicroStep(const at::Tensor& loss_sum, const MicroBatch& mb, b
   scaled_loss.backward();
   backward_started_ = false;
   report_.largest_micro_batch = std::max(report_.largest_micro_batch, mb.padded_tokens());
+  const int64_t peak =
+      config_.micro_peak_bytes ? config_.micro_peak_bytes(mb) : memory_probe_.Lap();
+  if (memory_budget_ > 0 && peak > 0) memory_fits_[part_].Record(mb.padded_tokens(), peak);
 }
 
 bool BalancedStep::SyncedDespiteFailure() const {
@@ -526,6 +539,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
                                               : std::vector<MicroBatch>{micro_[j]};
       for (size_t q = 0; q < run.size() && !again; ++q) {
         const bool sync_now = j + 1 == n && q + 1 == run.size();
+        memory_probe_.Lap();  // the piece's peak from here (not the failed attempt's)
         try {
           MicroStep(recompute_(run[q]), run[q], sync_now);
           if (slot_pieces_[j] > 1) {
@@ -572,7 +586,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
                          "samples, %d padded tokens): split in %d and retried; this rank's "
                          "micro-batches are now capped at %d padded tokens",
                          ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(), mb.padded_tokens(),
-                         std::min<size_t>(slot_pieces_[j], mb.samples.size()), memory_cap_)
+                         std::min<size_t>(slot_pieces_[j], mb.samples.size()), MemoryCap())
                   << std::endl;
       }
       RepackPlanned();
@@ -595,13 +609,53 @@ void BalancedStep::NoteFailedSize(const MicroBatch& mb) {
   step_failed_max_ = std::max(step_failed_max_, mb.padded_tokens());
 }
 
+int64_t BalancedStep::MemoryCap() const {
+  if (memory_cap_ <= 0) return predicted_cap_;
+  return predicted_cap_ <= 0 ? memory_cap_ : std::min(memory_cap_, predicted_cap_);
+}
+
+void BalancedStep::PredictMemoryCap() {
+  if (!(memory_budget_ > 0)) return;
+  int64_t cap = 0;
+  size_t bound = 0;  // the part whose fit gives the cap
+  for (size_t k = 0; k < memory_fits_.size(); ++k) {
+    const int64_t c = memory_fits_[k].Cap(memory_budget_);
+    if (c <= 0) return;  // a part without a prediction yet
+    if (cap == 0 || c < cap) {
+      cap = c;
+      bound = k;
+    }
+  }
+  if (memory_failed_min_ != std::numeric_limits<int64_t>::max()) {
+    cap = std::max<int64_t>(1, std::min(cap, memory_failed_min_ - 1));
+  }
+  // The fit moves a little with every micro-step; the cap only with a
+  // change of more than 5 % (each change repacks a step planned ahead).
+  if (predicted_cap_ > 0 && std::abs(cap - predicted_cap_) * 20 <= predicted_cap_) return;
+  const int64_t before = MemoryCap();
+  predicted_cap_ = cap;
+  const MemoryFit::Line line = memory_fits_[bound].line();
+  constexpr double kMiB = 1 << 20;
+  std::cerr << absl::StrFormat(
+                   "[evenstep] rank %d, step %d: micro-batches capped at %d padded tokens, "
+                   "predicted from this rank's peak memory%s (%.1f MiB + %.3f MiB per padded "
+                   "token, within %.0f %% of a %.1f MiB limit)",
+                   ctx_.rank(), steps_, cap,
+                   parts_.size() > 1 ? absl::StrCat(" in part '", parts_[bound].spec.name, "'")
+                                     : std::string(),
+                   line.fixed_bytes / kMiB, line.per_token_bytes / kMiB,
+                   config_.memory_headroom * 100, memory_budget_ / config_.memory_headroom / kMiB)
+            << std::endl;
+  if (before <= 0 || MemoryCap() < before) RepackPlanned();
+}
+
 void BalancedStep::RepackPlanned() {
-  if (!planned_ || memory_cap_ <= 0) return;
+  if (!planned_ || MemoryCap() <= 0) return;
   std::vector<int64_t> samples;
   for (const MicroBatch& mb : planned_->micro) {
     samples.insert(samples.end(), mb.samples.begin(), mb.samples.end());
   }
-  std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), memory_cap_);
+  std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), MemoryCap());
   if (micro.size() == planned_->micro.size()) return;  // already within the cap
   CancelPrefetch();                                    // its loads were for the old micro-batches
   for (size_t i = 0; i < micro.size(); ++i) {
@@ -788,6 +842,7 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
   ++steps_;
   report_.step = steps_;
   report_.memory = memory_probe_.End();
+  PredictMemoryCap();
   EVENSTEP_RETURN_IF_ERROR(Exchange(), "BalancedStep: step ", steps_,
                            ", exchanging cost fits for the next plan");
   // Dynamic plans need the exchanged fits: with prefetching across steps the
@@ -811,7 +866,7 @@ absl::Status BalancedStep::Exchange() {
   for (size_t k = 0; k < sum_names_.size(); ++k) m[sums_at + k] = step_sums_[k];
   m[kMicroBatches] = static_cast<double>(micro_.size());
   m[kOomSplits] = report_.oom_splits;
-  m[kMemoryCap] = static_cast<double>(memory_cap_);
+  m[kMemoryCap] = static_cast<double>(MemoryCap());
   m[kOomFailed] = static_cast<double>(step_failed_max_);
   m[kPeakMemory] = static_cast<double>(report_.memory.peak_bytes);
   m[kLargestMicro] = static_cast<double>(report_.largest_micro_batch);

@@ -7,14 +7,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
+#include "evenstep/cost_model.h"
 #include "evenstep/internal/build_config.h"
 
 #if EVENSTEP_HAVE_NCCL  // a CUDA libtorch
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace evenstep {
@@ -90,6 +95,7 @@ void MemoryProbe::Begin() {
     const c10::DeviceIndex index = CudaIndex(device_);
     alloc::resetPeakStats(index);
     begin_bytes_ = alloc::getDeviceStats(index).allocated_bytes[kAggregate].current;
+    step_peak_ = begin_bytes_;
     return;
   }
 #endif
@@ -105,7 +111,7 @@ MemoryPeak MemoryProbe::End() {
     namespace alloc = c10::cuda::CUDACachingAllocator;
     const auto stats = alloc::getDeviceStats(CudaIndex(device_));
     out.device = true;
-    out.peak_bytes = stats.allocated_bytes[kAggregate].peak;
+    out.peak_bytes = std::max(step_peak_, stats.allocated_bytes[kAggregate].peak);
     out.reserved_bytes = stats.reserved_bytes[kAggregate].peak;
     out.growth_bytes = std::max<int64_t>(0, out.peak_bytes - begin_bytes_);
     return out;
@@ -116,6 +122,75 @@ MemoryPeak MemoryProbe::End() {
   out.peak_bytes = out.since_begin ? rss.peak : ProcessPeakRss();
   out.growth_bytes = std::max<int64_t>(0, out.peak_bytes - begin_bytes_);
   return out;
+}
+
+int64_t MemoryProbe::Lap() {
+#if EVENSTEP_HAVE_NCCL
+  if (device_stats_) {
+    namespace alloc = c10::cuda::CUDACachingAllocator;
+    const c10::DeviceIndex index = CudaIndex(device_);
+    const int64_t peak = alloc::getDeviceStats(index).allocated_bytes[kAggregate].peak;
+    alloc::resetPeakStats(index);
+    step_peak_ = std::max(step_peak_, peak);
+    return peak;
+  }
+#endif
+  return -1;
+}
+
+int64_t MemoryProbe::DeviceLimit() const {
+#if EVENSTEP_HAVE_NCCL
+  if (device_stats_) {
+    const c10::DeviceIndex index = CudaIndex(device_);
+    c10::cuda::CUDAGuard guard(index);
+    size_t free_bytes = 0, total = 0;
+    if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: clear it
+      return 0;
+    }
+    double fraction = 1.0;
+#if EVENSTEP_HAVE_CUDA_MEMORY_FRACTION
+    fraction = c10::cuda::CUDACachingAllocator::getMemoryFraction(index);
+#endif
+    return static_cast<int64_t>(static_cast<double>(total) * fraction);
+  }
+#endif
+  return 0;
+}
+
+void MemoryFit::Record(int64_t padded_tokens, int64_t peak_bytes) {
+  if (padded_tokens <= 0 || peak_bytes <= 0) return;
+  points_.emplace_back(padded_tokens, peak_bytes);
+  while (static_cast<int>(points_.size()) > window_) points_.pop_front();
+}
+
+MemoryFit::Line MemoryFit::line() const {
+  std::vector<double> x, y;
+  for (const auto& [tokens, bytes] : points_) {
+    x.push_back(static_cast<double>(tokens));
+    y.push_back(static_cast<double>(bytes));
+  }
+  bool identified = false;
+  const CostFit fit =
+      RobustLinearFit(x.data(), y.data(), static_cast<int>(x.size()), -1, &identified);
+  Line out;
+  out.fixed_bytes = fit.fixed_s;
+  out.per_token_bytes = fit.per_unit_s;
+  out.valid = identified && fit.per_unit_s > 0;
+  return out;
+}
+
+int64_t MemoryFit::Cap(double budget_bytes) const {
+  const Line fit = line();
+  if (!fit.valid || !(budget_bytes > 0)) return 0;
+  int64_t fitted = 0;  // the largest recorded size that peaked within the budget
+  for (const auto& [tokens, bytes] : points_) {
+    if (static_cast<double>(bytes) <= budget_bytes) fitted = std::max(fitted, tokens);
+  }
+  // (The epsilon keeps an exact fit's whole number from rounding down.)
+  const double predicted = (budget_bytes - fit.fixed_bytes) / fit.per_token_bytes + 1e-6;
+  const int64_t cap = predicted >= 1 ? static_cast<int64_t>(std::min(predicted, 1e15)) : 1;
+  return std::max(cap, fitted);
 }
 
 }  // namespace evenstep

@@ -134,6 +134,15 @@ ABSL_FLAG(std::string, evenstep_oom, "split",
           "(split it in halves, quarters, ... down to one sample and retry it within the step, "
           "with the exact gradient; the rank then keeps its micro-batches under the largest "
           "piece that fitted) or fail (abandon the step, as any other error).");
+ABSL_FLAG(double, evenstep_memory_limit_mb, 0,
+          "The device memory (MiB) each rank's micro-batches may peak at: its micro-batches are "
+          "capped at the size its measured peaks predict within --evenstep_memory_headroom of "
+          "it, before anything runs out of memory. 0 = the device's capacity (CUDA: times the "
+          "allocator's memory fraction); -1 = no predicted caps. Needs the device allocator's "
+          "figures: nothing is predicted on the CPU.");
+ABSL_FLAG(double, evenstep_memory_headroom, 0.9,
+          "The fraction of --evenstep_memory_limit_mb a predicted micro-batch may peak at (the "
+          "rest for fragmentation and what the fit does not see).");
 ABSL_FLAG(double, evenstep_clip_grad_norm, 0,
           "Clip the global gradient's norm (after the sync) to this value; 0 = off.");
 
@@ -354,6 +363,16 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--evenstep_oom=", oom, ": expected split or fail"));
   }
+  const double limit_mb = absl::GetFlag(FLAGS_evenstep_memory_limit_mb);
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_memory_limit_mb", limit_mb, -1, 1 << 30));
+  if (limit_mb < 0 && limit_mb != -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_memory_limit_mb=", limit_mb,
+                     ": expected MiB > 0, 0 (the device's) or -1 (off)"));
+  }
+  config.memory_limit_bytes = static_cast<int64_t>(limit_mb * (1 << 20));
+  config.memory_headroom = absl::GetFlag(FLAGS_evenstep_memory_headroom);
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_memory_headroom", config.memory_headroom, 0, 1, true));
   config.data_workers = absl::GetFlag(FLAGS_evenstep_data_workers);
   config.prefetch = absl::GetFlag(FLAGS_evenstep_prefetch);
   config.prefetch_next_step = absl::GetFlag(FLAGS_evenstep_prefetch_next_step);

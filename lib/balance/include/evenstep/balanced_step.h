@@ -127,6 +127,22 @@ struct BalanceConfig {
   // as any other error does.
   enum class OomPolicy { kSplit, kFail };
   OomPolicy oom = OomPolicy::kSplit;
+  // Memory caps predicted before anything runs out of memory: each
+  // micro-step's peak memory (micro_peak_bytes) is fitted against its padded
+  // tokens (MemoryFit, per part); once a fit is identified the rank's
+  // micro-batches are capped at the size predicted to peak within
+  // memory_headroom x the limit (never below the largest that did, never at
+  // a size that ran out of memory), beside the caps its recoveries learned.
+  // The limit: > 0 = these bytes; 0 = the device's (MemoryProbe::
+  // DeviceLimit: CUDA's capacity times the allocator's memory fraction);
+  // < 0 = no predicted caps. On the CPU there are no per-micro-step figures
+  // (the resident set keeps freed memory), so nothing is predicted there.
+  int64_t memory_limit_bytes = 0;
+  double memory_headroom = 0.9;
+  // A micro-step's peak bytes, asked as it ends (after its backward, with the
+  // micro-batch or piece that ran); -1 = not known. Null = the device
+  // allocator's (MemoryProbe::Lap). A test or a simulation may script it.
+  std::function<int64_t(const MicroBatch&)> micro_peak_bytes;
   // dynamic: the shares used until every rank has measurements (e.g. known
   // device speeds); empty = equal.
   std::vector<double> initial_shares;
@@ -635,6 +651,16 @@ class BalancedStep {
   bool SyncedDespiteFailure() const;
   int64_t voted_at_ = -1;   // the part sync number already voted on
   int64_t memory_cap_ = 0;  // this rank's learned cap, padded tokens (0 = none)
+  // Caps predicted from measured peaks (BalanceConfig::memory_limit_bytes).
+  int64_t predicted_cap_ = 0;           // padded tokens (0 = none)
+  double memory_budget_ = 0;            // bytes: limit x headroom (0 = no prediction)
+  std::vector<MemoryFit> memory_fits_;  // per part
+  // The cap the planner respects: the smaller of the learned and the
+  // predicted (0 = none).
+  int64_t MemoryCap() const;
+  // After a step: the fits' cap, taken when it moved by more than 5 % (each
+  // change said in one line on this rank).
+  void PredictMemoryCap();
   // The smallest micro-batch (padded tokens) that ran out of memory here.
   int64_t memory_failed_min_ = std::numeric_limits<int64_t>::max();
   void NoteFailedSize(const MicroBatch& mb);

@@ -8,10 +8,14 @@
 // /proc/self/clear_refs; where that is refused, the process's peak so far)
 // and its growth over the resident set at Begin.
 //
-// Thread-safety: one probe per training thread; Begin and End on it.
+// MemoryFit: a micro-step's peak memory against its size, for the caps
+// BalancedStep predicts (BalanceConfig::memory_limit_bytes).
+//
+// Thread-safety: one probe (and fit) per training thread.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 
 #include "c10/core/Device.h"
 
@@ -33,12 +37,52 @@ class MemoryProbe {
   void Begin();
   // The peak since Begin.
   MemoryPeak End();
+  // From the device allocator only: the peak since Begin or the previous
+  // Lap (a micro-step's, when called as each one ends), and the peak reset
+  // for the next; End still reports the step's. -1 where the figures are the
+  // resident set (too coarse for one micro-step: freed memory stays
+  // resident).
+  int64_t Lap();
+  // The bytes this rank's allocator may hold: on CUDA the device's capacity
+  // times the caching allocator's memory fraction (where this libtorch has
+  // one); 0 where unknown (the CPU).
+  int64_t DeviceLimit() const;
 
  private:
   c10::Device device_;
   bool device_stats_ = false;
   int64_t begin_bytes_ = 0;
+  int64_t step_peak_ = 0;  // device: the laps' peaks so far in the step
   bool reset_ok_ = true;
+};
+
+// Peak bytes of a micro-step against its padded tokens (samples x longest
+// length), fitted as bytes = fixed + per_token x tokens over the last
+// `window` micro-steps (RobustLinearFit). The fixed part (the model, its
+// gradients and the optimizer's state) must be identified by the points
+// themselves: at least 6 whose sizes vary.
+class MemoryFit {
+ public:
+  explicit MemoryFit(int window = 256) : window_(window) {}
+  void Record(int64_t padded_tokens, int64_t peak_bytes);
+  // The largest micro-batch (padded tokens) whose peak the fit puts within
+  // `budget_bytes`, and never below the largest one recorded that peaked
+  // within it; 0 = no prediction (the fit is not identified, or memory does
+  // not grow with the size).
+  int64_t Cap(double budget_bytes) const;
+  // The fit: bytes = fixed_bytes + per_token_bytes x tokens; valid false
+  // while Cap predicts nothing.
+  struct Line {
+    double fixed_bytes = 0;
+    double per_token_bytes = 0;
+    bool valid = false;
+  };
+  Line line() const;
+  void Reset() { points_.clear(); }
+
+ private:
+  int window_;
+  std::deque<std::pair<int64_t, int64_t>> points_;  // (padded tokens, peak bytes)
 };
 
 namespace internal {

@@ -40,6 +40,8 @@ ABSL_DECLARE_FLAG(bool, evenstep_reseed);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
 ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);
 ABSL_DECLARE_FLAG(std::string, evenstep_oom);
+ABSL_DECLARE_FLAG(double, evenstep_memory_limit_mb);
+ABSL_DECLARE_FLAG(double, evenstep_memory_headroom);
 ABSL_DECLARE_FLAG(double, evenstep_clip_grad_norm);
 ABSL_DECLARE_FLAG(std::string, evenstep_run_dir);
 ABSL_DECLARE_FLAG(std::string, evenstep_ckpt_dir);
