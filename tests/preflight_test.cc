@@ -39,15 +39,14 @@ struct ToolRun {
 };
 
 // Runs the tool on `ranks` ranks under evenstep-run (`launcher_args`
-// before --), with `env` in front and `args` after the tool.
-ToolRun Preflight(int ranks, const std::string& args, const std::string& env = "",
-                  const std::string& launcher_args = "", const std::string& wrap = "") {
+// before --), with `args` after the tool.
+ToolRun Preflight(int ranks, const std::string& args, const std::string& launcher_args = "",
+                  const std::string& wrap = "") {
   TempDir dir("evenstep_preflight");
   const std::string json = dir / "report.json";
   const std::string tool = wrap.empty() ? std::string(EVENSTEP_PREFLIGHT) : wrap;
-  auto [code, output] =
-      RunShell(absl::StrCat(env, " ", EVENSTEP_RUN, " -n ", ranks, " ", launcher_args, " -- ", tool,
-                            " --json=", json, " ", args, " 2>&1"));
+  auto [code, output] = RunShell(absl::StrCat(EVENSTEP_RUN, " -n ", ranks, " ", launcher_args,
+                                              " -- ", tool, " --json=", json, " ", args, " 2>&1"));
   ToolRun run;
   run.exit_code = code;
   run.output = output;
@@ -76,7 +75,9 @@ std::string Describe(const ToolRun& run) {
 // Real measurements on a shared machine: plumbing only (every figure, for
 // every rank, in the table and the JSON). Whether a real run names an
 // outlier depends on the machine's load (a build's writes slow one rank's
-// fsync 10x), so the verdicts are tested on injected slowdowns below.
+// fsync 10x), so the verdicts are tested on injected figures below
+// (--evenstep_preflight_inject: the ranks report known figures through the
+// same gather, verdict, table and JSON).
 TEST(PreflightTest, ARunReportsEveryFigureOfEveryRank) {
   for (int ranks : {2, 4}) {
     TempDir ckpt("evenstep_preflight_ckpt");
@@ -107,24 +108,36 @@ TEST(PreflightTest, ARunReportsEveryFigureOfEveryRank) {
   }
 }
 
+// The compute figures the ranks report (GFLOP/s), "RANKS=VALUE;...".
+std::string Inject(const std::vector<std::string>& ranks_values) {
+  std::vector<std::string> entries;
+  for (const std::string& rv : ranks_values) entries.push_back("matmul_fp32_gflops:" + rv);
+  return absl::StrCat("'--evenstep_preflight_inject=", absl::StrJoin(entries, ";"), "'");
+}
+
 TEST(PreflightTest, ASlowRanksComputeIsNamedOnTwoAndFourRanks) {
-  // 2 ranks: rank 1 does 3x the work per product; 4 ranks: rank 2.
-  const ToolRun two = Preflight(2, "--quick", "EVENSTEP_PREFLIGHT_TEST_SLOWDOWN=1:3");
+  // 2 ranks: rank 1 reports a third of rank 0's compute; 4 ranks: rank 2.
+  const ToolRun two = Preflight(2, "--quick " + Inject({"0=9", "1=3"}));
   EXPECT_EQ(two.exit_code, 3) << Describe(two);
   const std::vector<std::string> two_compute = About(two, "matmul");
   ASSERT_EQ(two_compute.size(), 1u) << Describe(two);
-  EXPECT_THAT(two_compute[0], HasSubstr("rank 1: matmul fp32 0."));
-  EXPECT_THAT(two_compute[0], HasSubstr("the other rank"));
-  const ToolRun four = Preflight(4, "--quick", "EVENSTEP_PREFLIGHT_TEST_SLOWDOWN=2:3");
+  EXPECT_THAT(two_compute[0], HasSubstr("rank 1: matmul fp32 0.33x the other rank"));
+  const ToolRun four = Preflight(4, "--quick " + Inject({"0,1,3=10", "2=3"}));
   EXPECT_EQ(four.exit_code, 3) << Describe(four);
   const std::vector<std::string> four_compute = About(four, "matmul");
   ASSERT_EQ(four_compute.size(), 1u) << Describe(four);
-  EXPECT_THAT(four_compute[0], HasSubstr("rank 2: matmul fp32 0."));
-  EXPECT_THAT(four_compute[0], HasSubstr("the median"));
-  const auto& f = four.json["findings"];
-  ASSERT_FALSE(f.empty());
-  EXPECT_EQ(f[0]["ranks"], nlohmann::json::array({2}));
-  EXPECT_LT(f[0]["ratio"].get<double>(), 0.7);
+  EXPECT_THAT(four_compute[0], HasSubstr("rank 2: matmul fp32 0.30x the median"));
+  ASSERT_TRUE(four.json.is_object()) << Describe(four);
+  EXPECT_EQ(four.json["per_rank"]["matmul_fp32_gflops"],
+            nlohmann::json::array({10.0, 10.0, 3.0, 10.0}));
+  bool found = false;
+  for (const auto& f : four.json["findings"]) {
+    if (f["metric"] != "matmul_fp32_gflops") continue;
+    found = true;
+    EXPECT_EQ(f["ranks"], nlohmann::json::array({2}));
+    EXPECT_NEAR(f["ratio"].get<double>(), 0.3, 1e-9);
+  }
+  EXPECT_TRUE(found) << Describe(four);
 }
 
 TEST(PreflightTest, ASlowCheckpointFilesystemIsNamed) {
@@ -140,7 +153,7 @@ TEST(PreflightTest, ASlowCheckpointFilesystemIsNamed) {
        << "/$RANK; fi\nexec " << EVENSTEP_PREFLIGHT << " --evenstep_ckpt_dir=$d \"$@\"\n";
   }
   std::filesystem::permissions(wrap, std::filesystem::perms::owner_all);
-  const ToolRun run = Preflight(4, "--quick", "", "", wrap);
+  const ToolRun run = Preflight(4, "--quick", "", wrap);
   EXPECT_EQ(run.exit_code, 3) << Describe(run);
   // The cold read always shows the contrast (page cache dropped on the disk,
   // memory on tmpfs); a small write + fsync may land in the disk's cache.
@@ -175,7 +188,7 @@ TEST(PreflightTest, ARankWithLittleFreeMemoryIsNamed) {
        << "; fi\nexec " << EVENSTEP_PREFLIGHT << " \"$@\"\n";
   }
   std::filesystem::permissions(wrap, std::filesystem::perms::owner_all);
-  const ToolRun run = Preflight(4, "--quick", "", "", wrap);
+  const ToolRun run = Preflight(4, "--quick", "", wrap);
   EXPECT_EQ(run.exit_code, 3) << Describe(run);
   const std::vector<std::string> memory = About(run, "free memory");
   ASSERT_EQ(memory.size(), 1u) << Describe(run);
@@ -183,27 +196,31 @@ TEST(PreflightTest, ARankWithLittleFreeMemoryIsNamed) {
 }
 
 TEST(PreflightTest, ASimulatedTwoNodeLayoutMeasuresWithinAndAcrossNodesAndNamesASlowNode) {
-  const ToolRun even = Preflight(4, "", "", "--nodes 2");
-  EXPECT_EQ(even.exit_code, 0) << Describe(even);
+  // Real figures: plumbing only (an outlier of the machine's load is fine).
+  const ToolRun even = Preflight(4, "", "--nodes 2");
+  EXPECT_TRUE(even.exit_code == 0 || even.exit_code == 3) << Describe(even);
   EXPECT_THAT(even.output, HasSubstr("4 ranks on 2 nodes"));
   ASSERT_TRUE(even.json.is_object()) << Describe(even);
   EXPECT_EQ(even.json["nodes"], nlohmann::json::array({"node0", "node0", "node1", "node1"}));
   EXPECT_GT(even.json["group"]["local_busbw_gbps"].get<double>(), 0);
   EXPECT_GT(even.json["group"]["cross_node_busbw_gbps"].get<double>(), 0);
   // Both ranks of node1 slow: the node is named, not its ranks one by one.
-  const ToolRun slow =
-      Preflight(4, "--quick", "EVENSTEP_PREFLIGHT_TEST_SLOWDOWN=2,3:3", "--nodes 2");
+  const ToolRun slow = Preflight(4, "--quick " + Inject({"0,1=10", "2,3=3"}), "--nodes 2");
   EXPECT_EQ(slow.exit_code, 3) << Describe(slow);
   const std::vector<std::string> compute = About(slow, "matmul");
   ASSERT_EQ(compute.size(), 1u) << Describe(slow);
-  EXPECT_THAT(compute[0], HasSubstr("node node1: matmul fp32 0."));
+  EXPECT_THAT(compute[0], HasSubstr("node node1: matmul fp32 0.46x the median"));  // 3 / 6.5
   EXPECT_THAT(compute[0], HasSubstr("(ranks 2,3)"));
 }
 
 TEST(PreflightTest, BadInputIsRefusedByName) {
-  const ToolRun bad_env = Preflight(2, "--quick", "EVENSTEP_PREFLIGHT_TEST_SLOWDOWN=one:x");
-  EXPECT_EQ(bad_env.exit_code, 1) << Describe(bad_env);
-  EXPECT_THAT(bad_env.output, HasSubstr("EVENSTEP_PREFLIGHT_TEST_SLOWDOWN='one:x'"));
+  const ToolRun bad_inject = Preflight(2, "--quick --evenstep_preflight_inject=one:x");
+  EXPECT_EQ(bad_inject.exit_code, 1) << Describe(bad_inject);
+  EXPECT_THAT(bad_inject.output, HasSubstr("--evenstep_preflight_inject=one:x: 'one:x' is not "
+                                           "METRIC:RANK[,RANK...]=VALUE"));
+  const ToolRun unknown = Preflight(2, "--quick --evenstep_preflight_inject=speed:0=1");
+  EXPECT_EQ(unknown.exit_code, 1) << Describe(unknown);
+  EXPECT_THAT(unknown.output, HasSubstr("injected figure 'speed': no such per-rank figure ("));
   const ToolRun bad_device = Preflight(2, "--quick --evenstep_device=tpu:9");
   EXPECT_EQ(bad_device.exit_code, 1) << Describe(bad_device);
   EXPECT_THAT(bad_device.output, HasSubstr("--evenstep_device=tpu:9"));
@@ -313,16 +330,16 @@ TEST(PreflightSessionTest, FailStopsNamingTheOutlierWarnGoesOnAndOffRunsNothing)
   for (const char* mode : {"fail", "warn", "off"}) {
     TempDir dir("evenstep_preflight_session");
     auto [code, output] = RunShell(absl::StrCat(
-        "EVENSTEP_PREFLIGHT_TEST_SLOWDOWN=1:4 ", EVENSTEP_RUN, " -n 2 -- ", EVENSTEP_CKPT_HELPER,
-        " --mode=session --steps=2 --run_dir=", dir.path(), " --evenstep_preflight=", mode,
-        " --evenstep_preflight_quick --evenstep_balance=dynamic 2>&1"));
+        EVENSTEP_RUN, " -n 2 -- ", EVENSTEP_CKPT_HELPER,
+        " --mode=session --steps=2 --run_dir=", dir.path(), " --evenstep_preflight=", mode, " ",
+        Inject({"0=8", "1=2"}), " --evenstep_preflight_quick --evenstep_balance=dynamic 2>&1"));
     if (std::string(mode) == "fail") {
       EXPECT_NE(code, 0) << output;
       EXPECT_THAT(output, HasSubstr("preflight (--evenstep_preflight=fail) named "));
-      EXPECT_THAT(output, HasSubstr("rank 1: matmul fp32 0."));
+      EXPECT_THAT(output, HasSubstr("rank 1: matmul fp32 0.25x"));
     } else if (std::string(mode) == "warn") {
       EXPECT_EQ(code, 0) << output;
-      EXPECT_THAT(output, HasSubstr("[evenstep] preflight: rank 1: matmul fp32 0."));
+      EXPECT_THAT(output, HasSubstr("[evenstep] preflight: rank 1: matmul fp32 0.25x"));
     } else {
       EXPECT_EQ(code, 0) << output;
       // (The run directory's name has "preflight" in it.)

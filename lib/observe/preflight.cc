@@ -331,25 +331,20 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
     return absl::InvalidArgumentError(
         absl::StrCat("preflight: device '", options.device, "' is not a device"));
   }
-  double slowdown = options.compute_slowdown;
-  if (slowdown <= 0) {
-    slowdown = 1;
-    if (const char* v = std::getenv("EVENSTEP_PREFLIGHT_TEST_SLOWDOWN"); v != nullptr) {
-      std::pair<std::string, std::string> rf = absl::StrSplit(v, absl::MaxSplits(':', 1));
-      double f = 1;
-      bool ok = absl::SimpleAtod(rf.second, &f) && f >= 1;
-      bool mine = false;
-      for (absl::string_view part : absl::StrSplit(rf.first, ',')) {
-        int r = -1;
-        ok = ok && absl::SimpleAtoi(part, &r);
-        mine = mine || r == rank;
-      }
-      if (!ok) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("EVENSTEP_PREFLIGHT_TEST_SLOWDOWN='", v,
-                         "': expected RANK[,RANK...]:FACTOR with FACTOR >= 1"));
-      }
-      if (mine) slowdown = f;
+  const double slowdown = std::max(1.0, options.compute_slowdown);
+  std::map<std::string, double> injected;  // this rank's
+  for (const PreflightOptions::Injected& f : options.injected) {
+    const bool known = std::any_of(Metrics().begin(), Metrics().end(),
+                                   [&f](const Metric& m) { return f.metric == m.name; });
+    if (!known) {
+      std::vector<std::string> names;
+      for (const Metric& m : Metrics()) names.push_back(m.name);
+      return absl::InvalidArgumentError(absl::StrCat("preflight: injected figure '", f.metric,
+                                                     "': no such per-rank figure (",
+                                                     absl::StrJoin(names, ", "), ")"));
+    }
+    if (std::find(f.ranks.begin(), f.ranks.end(), rank) != f.ranks.end()) {
+      injected[f.metric] = f.value;
     }
   }
   PreflightReport report;
@@ -485,6 +480,7 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
   };
   // Everyone's figures into the report, judged.
   auto gather = [&]() -> absl::Status {
+    for (const auto& [name, value] : injected) mine[name] = value;
     std::vector<double> values;
     for (const Metric& m : Metrics()) values.push_back(mine[m.name]);
     values.insert(values.end(), pair_bw.begin(), pair_bw.end());

@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
@@ -204,6 +205,10 @@ ABSL_FLAG(bool, evenstep_preflight_quick, false,
 ABSL_FLAG(std::string, evenstep_preflight_data_dir, "",
           "Preflight: also measure the cold read bandwidth of this directory (where the "
           "training data lives); empty = not measured.");
+ABSL_FLAG(std::string, evenstep_preflight_inject, "",
+          "Preflight, for tests and rehearsals: figures these ranks report instead of measuring "
+          "them, METRIC:RANK[,RANK...]=VALUE[;...] (e.g. matmul_fp32_gflops:0,1=10;"
+          "matmul_fp32_gflops:2=3): the verdict on known figures; empty = all measured.");
 ABSL_FLAG(std::string, evenstep_device, "",
           "Preflight: the training device (cpu, cuda, cuda:1, ...); empty = CUDA when present, "
           "else CPU.");
@@ -295,6 +300,24 @@ using internal::NotBelow;
 
 absl::StatusOr<PreflightOptions> PreflightOptions::FromFlags() {
   PreflightOptions options;
+  const std::string inject = absl::GetFlag(FLAGS_evenstep_preflight_inject);
+  for (absl::string_view entry : absl::StrSplit(inject, ';', absl::SkipWhitespace())) {
+    const std::vector<absl::string_view> parts = absl::StrSplit(entry, absl::ByAnyChar(":="));
+    Injected figure;
+    bool ok = parts.size() == 3 && !parts[0].empty() && absl::SimpleAtod(parts[2], &figure.value);
+    for (absl::string_view r : absl::StrSplit(ok ? parts[1] : "", ',')) {
+      int rank = -1;
+      ok = ok && absl::SimpleAtoi(r, &rank) && rank >= 0;
+      figure.ranks.push_back(rank);
+    }
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat("--evenstep_preflight_inject=", inject, ": '",
+                                                     entry,
+                                                     "' is not METRIC:RANK[,RANK...]=VALUE"));
+    }
+    figure.metric = std::string(parts[0]);
+    options.injected.push_back(std::move(figure));
+  }
   options.quick = absl::GetFlag(FLAGS_evenstep_preflight_quick);
   options.ckpt_dir = absl::GetFlag(FLAGS_evenstep_ckpt_dir);
   options.data_dir = absl::GetFlag(FLAGS_evenstep_preflight_data_dir);

@@ -58,14 +58,24 @@ struct PreflightOptions {
   std::string data_dir;
   // "cpu", "cuda", "cuda:1", ...; empty = CUDA when present, else CPU.
   std::string device;
-  // A test switch, documented for planting a slow rank: this rank does
-  // `compute_slowdown` times the work for every product it counts (from
-  // EVENSTEP_PREFLIGHT_TEST_SLOWDOWN="RANK[,RANK...]:FACTOR" when not set
-  // here).
-  double compute_slowdown = 0;
+  // Planting a really slower rank (a benchmark's simulation): this rank
+  // does `compute_slowdown` times the work for every matrix product it
+  // counts.
+  double compute_slowdown = 1;
+  // Figures some ranks report instead of their measurements: the verdict,
+  // the table and the JSON on known figures (the tests' way to plant an
+  // outlier whatever the machine's load; rehearsing a verdict). Applied in
+  // order, a later one for the same rank and figure winning.
+  struct Injected {
+    std::string metric;  // a per-rank figure's name: matmul_fp32_gflops, memcpy_gbps, ...
+    std::vector<int> ranks;
+    double value = 0;
+  };
+  std::vector<Injected> injected;
 
   // From --evenstep_preflight_quick, --evenstep_ckpt_dir,
-  // --evenstep_preflight_data_dir and --evenstep_device.
+  // --evenstep_preflight_data_dir, --evenstep_device and
+  // --evenstep_preflight_inject.
   static absl::StatusOr<PreflightOptions> FromFlags();
 };
 

@@ -59,6 +59,7 @@ ABSL_DECLARE_FLAG(int, evenstep_log_every);
 ABSL_DECLARE_FLAG(std::string, evenstep_preflight);
 ABSL_DECLARE_FLAG(bool, evenstep_preflight_quick);
 ABSL_DECLARE_FLAG(std::string, evenstep_preflight_data_dir);
+ABSL_DECLARE_FLAG(std::string, evenstep_preflight_inject);
 ABSL_DECLARE_FLAG(std::string, evenstep_device);
 ABSL_DECLARE_FLAG(std::string, evenstep_preempt_signals);
 
