@@ -15,8 +15,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/internal/choice.h"
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep {
 
@@ -432,13 +434,15 @@ bool IsElementwiseHook(const CommHook& hook) { return hook.target<BuiltinHook>()
 }  // namespace internal
 
 absl::StatusOr<CommHook> CommHookByName(absl::string_view name) {
-  if (name == "sum") return SumHook();
-  if (name == "avg") return AvgHook();
-  if (name == "fp16") return Fp16CompressHook();
-  if (name == "bf16") return Bf16CompressHook();
-  if (name == "powersgd") return PowerSgdHook();
-  return absl::InvalidArgumentError(
-      absl::StrCat("--evenstep_comm_hook=", name, ": expected sum, avg, bf16, fp16 or powersgd"));
+  using Make = CommHook (*)();
+  EVENSTEP_ASSIGN_OR_RETURN(const Make make,
+                            internal::Choose<Make>("--evenstep_comm_hook", name,
+                                                   {{"sum", &SumHook},
+                                                    {"avg", &AvgHook},
+                                                    {"bf16", &Bf16CompressHook},
+                                                    {"fp16", &Fp16CompressHook},
+                                                    {"powersgd", [] { return PowerSgdHook(); }}}));
+  return make();
 }
 
 }  // namespace evenstep

@@ -135,6 +135,8 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_comm_hook", {"foo", ""}},
       {"evenstep_sync_topology", {"tree", "", "Flat"}},
       {"evenstep_oom", {"skip", "", "Split"}},
+      {"evenstep_memory_limit_mb", {"-2", "-0.5", "nan", "lots"}},
+      {"evenstep_memory_headroom", {"0", "1.5", "-0.1", "nan"}},
       {"evenstep_preempt_signals", {"KILL", "TERM,FOO", "15"}},
       {"evenstep_bucket_cap_mb", {"0", "-1", "nan", "inf", "1e30"}},
       {"evenstep_first_bucket_cap_mb", {"0", "-1", "nan", "1e30"}},
@@ -164,6 +166,8 @@ const std::vector<BadValues>& FlagTable() {
        {},
        "any path is a valid value; an unusable one is a note in the preflight's report "
        "(preflight_test: BadInputIsRefusedByName)"},
+      {"evenstep_preflight_inject",
+       {"one:x", "matmul_fp32_gflops:0", "matmul_fp32_gflops:a=1", ":0=1", "m:0=x"}},
       {"evenstep_device", {"tpu:9", "cuda:x"}},
       {"evenstep_normalize", {"bytes"}},
       {"evenstep_cost_quadratic", {"-1", "nan", "inf", "1e308"}},

@@ -9,16 +9,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/internal/choice.h"
 #include "evenstep/internal/median.h"
 
 namespace evenstep {
 
-absl::StatusOr<BalanceMode> BalanceModeByName(const std::string& name) {
-  if (name == "static") return BalanceMode::kStatic;
-  if (name == "work") return BalanceMode::kWork;
-  if (name == "dynamic") return BalanceMode::kDynamic;
-  return absl::InvalidArgumentError(
-      absl::StrCat("balance mode \"", name, "\": expected static, work or dynamic"));
+absl::StatusOr<BalanceMode> BalanceModeByName(absl::string_view name, absl::string_view what) {
+  return internal::Choose<BalanceMode>(what, name,
+                                       {{"static", BalanceMode::kStatic},
+                                        {"work", BalanceMode::kWork},
+                                        {"dynamic", BalanceMode::kDynamic}});
 }
 
 const char* BalanceModeName(BalanceMode mode) {

@@ -16,16 +16,16 @@
 #include "evenstep/comm_hook.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/internal/choice.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
 
 absl::StatusOr<SyncTopology> SyncTopologyByName(absl::string_view name) {
-  if (name == "auto") return SyncTopology::kAuto;
-  if (name == "flat") return SyncTopology::kFlat;
-  if (name == "hierarchical") return SyncTopology::kHierarchical;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--evenstep_sync_topology=", name, ": expected auto, flat or hierarchical"));
+  return internal::Choose<SyncTopology>("--evenstep_sync_topology", name,
+                                        {{"auto", SyncTopology::kAuto},
+                                         {"flat", SyncTopology::kFlat},
+                                         {"hierarchical", SyncTopology::kHierarchical}});
 }
 
 const char* SyncTopologyName(SyncTopology topology) {

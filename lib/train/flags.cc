@@ -21,6 +21,7 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/internal/choice.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/preflight.h"
 #include "evenstep/status_macros.h"
@@ -217,17 +218,12 @@ namespace evenstep {
 
 absl::StatusOr<DistOptions> DistOptions::FromFlags() {
   DistOptions options;
-  const std::string backend = absl::GetFlag(FLAGS_evenstep_backend);
-  if (backend == "auto") {
-    options.backend = CommBackend::kAuto;
-  } else if (backend == "gloo") {
-    options.backend = CommBackend::kGloo;
-  } else if (backend == "nccl") {
-    options.backend = CommBackend::kNccl;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_backend=", backend, ": expected auto, gloo or nccl"));
-  }
+  EVENSTEP_ASSIGN_OR_RETURN(
+      options.backend,
+      internal::Choose<CommBackend>("--evenstep_backend", absl::GetFlag(FLAGS_evenstep_backend),
+                                    {{"auto", CommBackend::kAuto},
+                                     {"gloo", CommBackend::kGloo},
+                                     {"nccl", CommBackend::kNccl}}));
   options.collective_timeout = absl::GetFlag(FLAGS_evenstep_timeout);
   options.rendezvous_timeout = absl::GetFlag(FLAGS_evenstep_rendezvous_timeout);
   if (options.collective_timeout <= absl::ZeroDuration() ||
@@ -338,32 +334,24 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   EVENSTEP_ASSIGN_OR_RETURN(config.grad_sync, GradSyncOptionsFromFlags());
   EVENSTEP_ASSIGN_OR_RETURN(config.sync_topology,
                             SyncTopologyByName(absl::GetFlag(FLAGS_evenstep_sync_topology)));
-  const std::string mode = absl::GetFlag(FLAGS_evenstep_balance);
-  absl::StatusOr<BalanceMode> balance = BalanceModeByName(mode);
-  if (!balance.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_balance=", mode, ": expected static, work or dynamic"));
-  }
-  config.planner.mode = *balance;
-  const std::string unit = absl::GetFlag(FLAGS_evenstep_batch_unit);
-  if (unit != "samples" && unit != "tokens") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_batch_unit=", unit, ": expected samples or tokens"));
-  }
-  config.sampler.budget_unit = unit == "tokens" ? BatchUnit::kTokens : BatchUnit::kSamples;
-  const std::string normalize = absl::GetFlag(FLAGS_evenstep_normalize);
-  if (normalize != "samples" && normalize != "tokens") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_normalize=", normalize, ": expected samples or tokens"));
-  }
-  config.sampler.normalization =
-      normalize == "tokens" ? Normalization::kTokens : Normalization::kSamples;
-  const std::string reduction = absl::GetFlag(FLAGS_evenstep_loss_reduction);
-  if (reduction != "sum" && reduction != "mean") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_loss_reduction=", reduction, ": expected sum or mean"));
-  }
-  config.loss_reduction = reduction == "mean" ? LossReduction::kMean : LossReduction::kSum;
+  EVENSTEP_ASSIGN_OR_RETURN(
+      config.planner.mode,
+      BalanceModeByName(absl::GetFlag(FLAGS_evenstep_balance), "--evenstep_balance"));
+  EVENSTEP_ASSIGN_OR_RETURN(
+      config.sampler.budget_unit,
+      internal::Choose<BatchUnit>(
+          "--evenstep_batch_unit", absl::GetFlag(FLAGS_evenstep_batch_unit),
+          {{"samples", BatchUnit::kSamples}, {"tokens", BatchUnit::kTokens}}));
+  EVENSTEP_ASSIGN_OR_RETURN(
+      config.sampler.normalization,
+      internal::Choose<Normalization>(
+          "--evenstep_normalize", absl::GetFlag(FLAGS_evenstep_normalize),
+          {{"samples", Normalization::kSamples}, {"tokens", Normalization::kTokens}}));
+  EVENSTEP_ASSIGN_OR_RETURN(
+      config.loss_reduction,
+      internal::Choose<LossReduction>(
+          "--evenstep_loss_reduction", absl::GetFlag(FLAGS_evenstep_loss_reduction),
+          {{"sum", LossReduction::kSum}, {"mean", LossReduction::kMean}}));
   config.sampler.global_batch = absl::GetFlag(FLAGS_evenstep_global_batch);
   config.sampler.micro_batch_samples = absl::GetFlag(FLAGS_evenstep_micro_batch_samples);
   config.sampler.micro_batch_tokens = absl::GetFlag(FLAGS_evenstep_micro_batch_tokens);
@@ -379,13 +367,10 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.plan_interval = absl::GetFlag(FLAGS_evenstep_plan_interval);
   config.cost_model.warmup_steps = absl::GetFlag(FLAGS_evenstep_warmup_steps);
   config.clip_grad_norm = absl::GetFlag(FLAGS_evenstep_clip_grad_norm);
-  if (const std::string oom = absl::GetFlag(FLAGS_evenstep_oom); oom == "split" || oom == "fail") {
-    config.oom =
-        oom == "split" ? BalanceConfig::OomPolicy::kSplit : BalanceConfig::OomPolicy::kFail;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_oom=", oom, ": expected split or fail"));
-  }
+  EVENSTEP_ASSIGN_OR_RETURN(config.oom, internal::Choose<BalanceConfig::OomPolicy>(
+                                            "--evenstep_oom", absl::GetFlag(FLAGS_evenstep_oom),
+                                            {{"split", BalanceConfig::OomPolicy::kSplit},
+                                             {"fail", BalanceConfig::OomPolicy::kFail}}));
   const double limit_mb = absl::GetFlag(FLAGS_evenstep_memory_limit_mb);
   EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_memory_limit_mb", limit_mb, -1, 1 << 30));
   if (limit_mb < 0 && limit_mb != -1) {

@@ -25,6 +25,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "evenstep/flags.h"
+#include "evenstep/internal/choice.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/metrics.h"
 #include "evenstep/preflight.h"
@@ -72,23 +73,25 @@ absl::StatusOr<std::vector<int>> PreemptSignalsFromFlag() {
 enum class ResumeMode { kNewest, kNewestValid, kOff };
 
 absl::StatusOr<ResumeMode> ResumeModeFromFlag() {
-  const std::string mode = absl::GetFlag(FLAGS_evenstep_resume);
-  if (mode == "newest" || mode == "true" || mode == "1") return ResumeMode::kNewest;
-  if (mode == "newest_valid") return ResumeMode::kNewestValid;
-  if (mode == "off" || mode == "false" || mode == "0") return ResumeMode::kOff;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--evenstep_resume=", mode, ": expected newest, newest_valid or off"));
+  return internal::Choose<ResumeMode>("--evenstep_resume", absl::GetFlag(FLAGS_evenstep_resume),
+                                      {{"newest", ResumeMode::kNewest},
+                                       {"newest_valid", ResumeMode::kNewestValid},
+                                       {"off", ResumeMode::kOff},
+                                       {"true", ResumeMode::kNewest},
+                                       {"1", ResumeMode::kNewest},
+                                       {"false", ResumeMode::kOff},
+                                       {"0", ResumeMode::kOff}});
 }
 
 // Consecutive failed saves that stop training (0: never).
 absl::StatusOr<int> StopAfterFailedSaves() {
-  const std::string on_error = absl::GetFlag(FLAGS_evenstep_ckpt_on_error);
   const int max_failures = absl::GetFlag(FLAGS_evenstep_ckpt_max_failures);
   EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_max_failures", max_failures, 0));
-  if (on_error == "fail") return 1;
-  if (on_error == "warn") return max_failures;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--evenstep_ckpt_on_error=", on_error, ": expected warn or fail"));
+  EVENSTEP_ASSIGN_OR_RETURN(const bool fail,
+                            internal::Choose<bool>("--evenstep_ckpt_on_error",
+                                                   absl::GetFlag(FLAGS_evenstep_ckpt_on_error),
+                                                   {{"warn", false}, {"fail", true}}));
+  return fail ? 1 : max_failures;
 }
 
 }  // namespace
@@ -96,13 +99,14 @@ absl::StatusOr<int> StopAfterFailedSaves() {
 enum class PreflightMode { kOff, kReport, kWarn, kFail };
 
 absl::StatusOr<PreflightMode> PreflightModeFromFlag() {
-  const std::string mode = absl::GetFlag(FLAGS_evenstep_preflight);
-  if (mode == "off" || mode == "false" || mode == "0") return PreflightMode::kOff;
-  if (mode == "report") return PreflightMode::kReport;
-  if (mode == "warn") return PreflightMode::kWarn;
-  if (mode == "fail") return PreflightMode::kFail;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--evenstep_preflight=", mode, ": expected off, report, warn or fail"));
+  return internal::Choose<PreflightMode>("--evenstep_preflight",
+                                         absl::GetFlag(FLAGS_evenstep_preflight),
+                                         {{"off", PreflightMode::kOff},
+                                          {"report", PreflightMode::kReport},
+                                          {"warn", PreflightMode::kWarn},
+                                          {"fail", PreflightMode::kFail},
+                                          {"false", PreflightMode::kOff},
+                                          {"0", PreflightMode::kOff}});
 }
 
 // The preflight of --evenstep_preflight (a collective), before training:

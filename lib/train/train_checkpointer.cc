@@ -25,6 +25,7 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/internal/choice.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/internal/optimizer_state.h"
@@ -176,12 +177,11 @@ absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags() {
   options.dir = absl::GetFlag(FLAGS_evenstep_ckpt_dir);
   options.keep = absl::GetFlag(FLAGS_evenstep_ckpt_keep);
   options.max_in_flight = absl::GetFlag(FLAGS_evenstep_ckpt_in_flight);
-  const std::string busy = absl::GetFlag(FLAGS_evenstep_ckpt_when_busy);
-  if (busy != "wait" && busy != "skip") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_ckpt_when_busy=", busy, ": expected wait or skip"));
-  }
-  options.when_busy = busy == "skip" ? WhenBusy::kSkip : WhenBusy::kWait;
+  EVENSTEP_ASSIGN_OR_RETURN(
+      options.when_busy,
+      internal::Choose<WhenBusy>("--evenstep_ckpt_when_busy",
+                                 absl::GetFlag(FLAGS_evenstep_ckpt_when_busy),
+                                 {{"wait", WhenBusy::kWait}, {"skip", WhenBusy::kSkip}}));
   const double slice_mb = absl::GetFlag(FLAGS_evenstep_ckpt_slice_mb);
   EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_keep", options.keep, 1));
   EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_in_flight", options.max_in_flight, 1));

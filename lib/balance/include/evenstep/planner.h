@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "evenstep/cost_model.h"
 #include "evenstep/sampler.h"
 
@@ -31,7 +32,10 @@ namespace evenstep {
 
 enum class BalanceMode { kStatic, kWork, kDynamic };
 
-absl::StatusOr<BalanceMode> BalanceModeByName(const std::string& name);
+// The mode named `name` (static, work, dynamic); InvalidArgument "WHAT=NAME:
+// expected static, work or dynamic".
+absl::StatusOr<BalanceMode> BalanceModeByName(absl::string_view name,
+                                              absl::string_view what = "balance mode");
 const char* BalanceModeName(BalanceMode mode);
 
 struct PlannerOptions {
