@@ -71,6 +71,65 @@ std::string Layout(const NodeLayout& nodes) {
                       nodes.ranks.front().size() == 1 ? "" : "s");
 }
 
+// This rank's place among its node's ranks.
+int PlaceInNode(const DistContext& ctx, const NodeLayout& nodes) {
+  const std::vector<int>& mine = nodes.ranks[nodes.node_of[ctx.rank()]];
+  return static_cast<int>(std::find(mine.begin(), mine.end(), ctx.rank()) - mine.begin());
+}
+
+// The subgroups of the hierarchical sync: within this rank's node
+// (scatter, gather) and across nodes (the ranks of its place). Names unique
+// per process and call (every rank makes the same calls in the same order).
+absl::StatusOr<std::shared_ptr<TopologyGroups>> MakeGroups(DistContext& ctx,
+                                                           const NodeLayout& nodes) {
+  static std::atomic<int> calls{0};
+  const std::string prefix = absl::StrCat("evenstep/sync_topology/", calls++, "/");
+  const int node = nodes.node_of[ctx.rank()];
+  const std::vector<int>& mine = nodes.ranks[node];
+  const int place = PlaceInNode(ctx, nodes);
+  auto groups = std::make_shared<TopologyGroups>();
+  if (mine.size() > 1) {
+    EVENSTEP_ASSIGN_OR_RETURN(
+        groups->scatter, ctx.NewSubgroup(absl::StrCat(prefix, "node", node, "/scatter"), mine));
+    EVENSTEP_ASSIGN_OR_RETURN(groups->gather,
+                              ctx.NewSubgroup(absl::StrCat(prefix, "node", node, "/gather"), mine));
+  }
+  if (nodes.nodes() > 1) {
+    std::vector<int> across;
+    for (const auto& members : nodes.ranks) across.push_back(members[place]);
+    EVENSTEP_ASSIGN_OR_RETURN(groups->across,
+                              ctx.NewSubgroup(absl::StrCat(prefix, "across", place), across));
+  }
+  return groups;
+}
+
+// Bus bandwidths within and across nodes into `choice` (all such groups at
+// once; the slowest of each kind counts, the same figures on every rank; 0
+// for a kind that has no group).
+absl::Status MeasureBandwidths(DistContext& ctx, const TopologyGroups& groups,
+                               TopologyChoice* choice) {
+  constexpr size_t kProbeBytes = size_t{4} << 20;
+  constexpr double kUnmeasured = std::numeric_limits<double>::infinity();
+  at::Tensor measured = at::full({2}, kUnmeasured, at::kDouble);
+  const std::pair<Subgroup*, const char*> probes[2] = {{groups.scatter.get(), "within the node"},
+                                                       {groups.across.get(), "across nodes"}};
+  for (int k = 0; k < 2; ++k) {
+    Subgroup* g = probes[k].first;
+    if (g == nullptr) continue;
+    EVENSTEP_ASSIGN_OR_RETURN(double bw,
+                              MeasureBusBandwidth(g->size(), kProbeBytes, 3,
+                                                  [g](at::Tensor& t) { return g->AllReduce(t); }),
+                              "--evenstep_sync_topology: measuring ", probes[k].second);
+    measured[k] = bw;
+  }
+  EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(measured, ReduceOp::kMin),
+                           "--evenstep_sync_topology: exchanging the measurements");
+  const double within = measured[0].item<double>(), cross = measured[1].item<double>();
+  choice->within_node_gbps = std::isfinite(within) ? within : 0;
+  choice->cross_node_gbps = std::isfinite(cross) ? cross : 0;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<TopologyChoice> ApplySyncTopology(DistContext& ctx, SyncTopology topology,
@@ -101,49 +160,11 @@ absl::StatusOr<TopologyChoice> ApplySyncTopology(DistContext& ctx, SyncTopology 
     return choice;
   }
 
-  // The subgroups: names unique per process and call (every rank makes the
-  // same calls in the same order).
-  static std::atomic<int> calls{0};
-  const std::string prefix = absl::StrCat("evenstep/sync_topology/", calls++, "/");
   const int node = nodes.node_of[ctx.rank()];
-  const std::vector<int>& mine = nodes.ranks[node];
-  const int place =
-      static_cast<int>(std::find(mine.begin(), mine.end(), ctx.rank()) - mine.begin());
-  auto groups = std::make_shared<TopologyGroups>();
-  if (local_size > 1) {
-    EVENSTEP_ASSIGN_OR_RETURN(
-        groups->scatter, ctx.NewSubgroup(absl::StrCat(prefix, "node", node, "/scatter"), mine));
-    EVENSTEP_ASSIGN_OR_RETURN(groups->gather,
-                              ctx.NewSubgroup(absl::StrCat(prefix, "node", node, "/gather"), mine));
-  }
-  if (nodes.nodes() > 1) {
-    std::vector<int> across;
-    for (const auto& members : nodes.ranks) across.push_back(members[place]);
-    EVENSTEP_ASSIGN_OR_RETURN(groups->across,
-                              ctx.NewSubgroup(absl::StrCat(prefix, "across", place), across));
-  }
-
-  // Bus bandwidths within and across nodes (all such groups at once; the
-  // slowest of each kind counts, the same figures on every rank).
-  constexpr size_t kProbeBytes = size_t{4} << 20;
-  constexpr double kUnmeasured = std::numeric_limits<double>::infinity();
-  at::Tensor measured = at::full({2}, kUnmeasured, at::kDouble);
-  const std::pair<Subgroup*, const char*> probes[2] = {{groups->scatter.get(), "within the node"},
-                                                       {groups->across.get(), "across nodes"}};
-  for (int k = 0; k < 2; ++k) {
-    Subgroup* g = probes[k].first;
-    if (g == nullptr) continue;
-    EVENSTEP_ASSIGN_OR_RETURN(double bw,
-                              MeasureBusBandwidth(g->size(), kProbeBytes, 3,
-                                                  [g](at::Tensor& t) { return g->AllReduce(t); }),
-                              "--evenstep_sync_topology: measuring ", probes[k].second);
-    measured[k] = bw;
-  }
-  EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(measured, ReduceOp::kMin),
-                           "--evenstep_sync_topology: exchanging the measurements");
-  const double within = measured[0].item<double>(), cross = measured[1].item<double>();
-  choice.within_node_gbps = std::isfinite(within) ? within : 0;
-  choice.cross_node_gbps = std::isfinite(cross) ? cross : 0;
+  const int place = PlaceInNode(ctx, nodes);
+  EVENSTEP_ASSIGN_OR_RETURN(std::shared_ptr<TopologyGroups> groups, MakeGroups(ctx, nodes));
+  EVENSTEP_RETURN_IF_ERROR(MeasureBandwidths(ctx, *groups, &choice));
+  const double within = choice.within_node_gbps, cross = choice.cross_node_gbps;
   std::string figures = Layout(nodes);
   if (choice.cross_node_gbps > 0) {
     absl::StrAppendFormat(&figures, "; all-reduce bus bandwidth across nodes %.3g GB/s",
@@ -154,7 +175,9 @@ absl::StatusOr<TopologyChoice> ApplySyncTopology(DistContext& ctx, SyncTopology 
                           choice.cross_node_gbps > 0 ? "," : "; all-reduce bus bandwidth",
                           choice.within_node_gbps);
   }
-  choice.hierarchical = topology == SyncTopology::kHierarchical || cross < 0.5 * within;
+  // (A group kind not measured counts as infinitely fast.)
+  choice.hierarchical = topology == SyncTopology::kHierarchical ||
+                        (cross > 0 && (within == 0 || cross < 0.5 * within));
   if (!choice.hierarchical) {
     choice.line = absl::StrCat("gradient sync: flat (", figures,
                                ": the link between nodes is not the bottleneck)");

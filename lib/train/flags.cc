@@ -329,6 +329,67 @@ absl::StatusOr<PreflightOptions> PreflightOptions::FromFlags() {
   return options;
 }
 
+namespace {
+
+// --evenstep_oom, --evenstep_memory_limit_mb and --evenstep_memory_headroom.
+absl::Status MemoryFromFlags(BalanceConfig* config) {
+  EVENSTEP_ASSIGN_OR_RETURN(config->oom, internal::Choose<BalanceConfig::OomPolicy>(
+                                             "--evenstep_oom", absl::GetFlag(FLAGS_evenstep_oom),
+                                             {{"split", BalanceConfig::OomPolicy::kSplit},
+                                              {"fail", BalanceConfig::OomPolicy::kFail}}));
+  const double limit_mb = absl::GetFlag(FLAGS_evenstep_memory_limit_mb);
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_memory_limit_mb", limit_mb, -1, 1 << 30));
+  if (limit_mb < 0 && limit_mb != -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_memory_limit_mb=", limit_mb,
+                     ": expected MiB > 0, 0 (the device's) or -1 (off)"));
+  }
+  config->memory_limit_bytes = static_cast<int64_t>(limit_mb * (1 << 20));
+  config->memory_headroom = absl::GetFlag(FLAGS_evenstep_memory_headroom);
+  EVENSTEP_RETURN_IF_ERROR(
+      InRange("evenstep_memory_headroom", config->memory_headroom, 0, 1, true));
+  return absl::OkStatus();
+}
+
+// The numeric balance flags' bounds, each error naming its flag.
+absl::Status CheckBalanceBounds(const BalanceConfig& config, double quadratic) {
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_micro_batch_samples",
+                                    static_cast<double>(config.sampler.micro_batch_samples), 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_micro_batch_tokens",
+                                    static_cast<double>(config.sampler.micro_batch_tokens), 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_min_micro_batches", config.sampler.min_micro_batches, 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_max_micro_batches", config.planner.max_micro_batches, 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_plan_interval", config.plan_interval, 1));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_warmup_steps", config.cost_model.warmup_steps, 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_sort_window", static_cast<double>(config.sampler.sort_window), 0));
+  EVENSTEP_RETURN_IF_ERROR(
+      NotBelow("evenstep_streams", static_cast<double>(config.sampler.streams), 0));
+  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_clip_grad_norm", config.clip_grad_norm, 0));
+  // Upper bounds: a thread per worker, a micro-batch in memory per prefetch
+  // slot, and costs that stay finite for lengths up to 1e6.
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_data_workers", config.data_workers, -1, 256));
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_prefetch", config.prefetch, 1, 1024));
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_cost_quadratic", quadratic, 0, 1e6));
+  if (config.planner.max_micro_batches > 0 &&
+      config.sampler.min_micro_batches > config.planner.max_micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--evenstep_min_micro_batches=", config.sampler.min_micro_batches,
+        " is more than --evenstep_max_micro_batches=", config.planner.max_micro_batches));
+  }
+  if (!(config.planner.damping > 0 && config.planner.damping <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--evenstep_plan_damping=", config.planner.damping, ": must be in (0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   BalanceConfig config;
   EVENSTEP_ASSIGN_OR_RETURN(config.grad_sync, GradSyncOptionsFromFlags());
@@ -367,20 +428,7 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.plan_interval = absl::GetFlag(FLAGS_evenstep_plan_interval);
   config.cost_model.warmup_steps = absl::GetFlag(FLAGS_evenstep_warmup_steps);
   config.clip_grad_norm = absl::GetFlag(FLAGS_evenstep_clip_grad_norm);
-  EVENSTEP_ASSIGN_OR_RETURN(config.oom, internal::Choose<BalanceConfig::OomPolicy>(
-                                            "--evenstep_oom", absl::GetFlag(FLAGS_evenstep_oom),
-                                            {{"split", BalanceConfig::OomPolicy::kSplit},
-                                             {"fail", BalanceConfig::OomPolicy::kFail}}));
-  const double limit_mb = absl::GetFlag(FLAGS_evenstep_memory_limit_mb);
-  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_memory_limit_mb", limit_mb, -1, 1 << 30));
-  if (limit_mb < 0 && limit_mb != -1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_memory_limit_mb=", limit_mb,
-                     ": expected MiB > 0, 0 (the device's) or -1 (off)"));
-  }
-  config.memory_limit_bytes = static_cast<int64_t>(limit_mb * (1 << 20));
-  config.memory_headroom = absl::GetFlag(FLAGS_evenstep_memory_headroom);
-  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_memory_headroom", config.memory_headroom, 0, 1, true));
+  EVENSTEP_RETURN_IF_ERROR(MemoryFromFlags(&config));
   config.data_workers = absl::GetFlag(FLAGS_evenstep_data_workers);
   config.prefetch = absl::GetFlag(FLAGS_evenstep_prefetch);
   config.prefetch_next_step = absl::GetFlag(FLAGS_evenstep_prefetch_next_step);
@@ -391,38 +439,7 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
                                                    ": expected a fraction in [0, 1) (0 = off)"));
   }
   const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
-  EVENSTEP_RETURN_IF_ERROR(
-      NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_micro_batch_samples",
-                                    static_cast<double>(config.sampler.micro_batch_samples), 0));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_micro_batch_tokens",
-                                    static_cast<double>(config.sampler.micro_batch_tokens), 0));
-  EVENSTEP_RETURN_IF_ERROR(
-      NotBelow("evenstep_min_micro_batches", config.sampler.min_micro_batches, 0));
-  EVENSTEP_RETURN_IF_ERROR(
-      NotBelow("evenstep_max_micro_batches", config.planner.max_micro_batches, 0));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_plan_interval", config.plan_interval, 1));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_warmup_steps", config.cost_model.warmup_steps, 0));
-  EVENSTEP_RETURN_IF_ERROR(
-      NotBelow("evenstep_sort_window", static_cast<double>(config.sampler.sort_window), 0));
-  EVENSTEP_RETURN_IF_ERROR(
-      NotBelow("evenstep_streams", static_cast<double>(config.sampler.streams), 0));
-  EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_clip_grad_norm", config.clip_grad_norm, 0));
-  // Upper bounds: a thread per worker, a micro-batch in memory per prefetch
-  // slot, and costs that stay finite for lengths up to 1e6.
-  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_data_workers", config.data_workers, -1, 256));
-  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_prefetch", config.prefetch, 1, 1024));
-  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_cost_quadratic", quadratic, 0, 1e6));
-  if (config.planner.max_micro_batches > 0 &&
-      config.sampler.min_micro_batches > config.planner.max_micro_batches) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--evenstep_min_micro_batches=", config.sampler.min_micro_batches,
-        " is more than --evenstep_max_micro_batches=", config.planner.max_micro_batches));
-  }
-  if (!(config.planner.damping > 0 && config.planner.damping <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_plan_damping=", config.planner.damping, ": must be in (0, 1]"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(CheckBalanceBounds(config, quadratic));
   if (quadratic > 0) {
     config.cost = [quadratic](int64_t l) {
       return static_cast<double>(l) + quadratic * static_cast<double>(l) * l;

@@ -319,92 +319,111 @@ struct OptimizerPlan {
   std::map<std::pair<size_t, size_t>, std::map<std::string, std::string>> fields;  // -> tensor
 };
 
-absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extras,
-                           const std::string& prefix, torch::optim::Optimizer& optimizer,
-                           bool strict, OptimizerPlan* plan_out, bool* mismatch) {
-  OptimizerPlan& plan = *plan_out;
-  auto mismatch_error = [&](const std::string& what) {
-    *mismatch = true;
-    return absl::FailedPreconditionError(what);
-  };
-  auto corrupt = [&](const std::string& name, const std::string& what) {
-    return absl::DataLossError(absl::StrCat("optimizer tensor ", name, ": ", what));
-  };
-  EVENSTEP_ASSIGN_OR_RETURN(plan.kind, internal::OptimizerKindOf(optimizer));
-  auto& groups = optimizer.param_groups();
-  int64_t states = -1;
-  if (extras.contains(prefix)) {
-    const nlohmann::json& o = extras[prefix];
-    if (!o.is_object() || !o.contains("type") || !o["type"].is_string() || !o.contains("groups") ||
-        !o["groups"].is_array() || !o.contains("states") || !o["states"].is_number_integer()) {
-      return absl::DataLossError(absl::StrCat("manifest extras: \"", prefix, "\" is malformed"));
-    }
-    if (o["type"].get<std::string>() != plan.kind->name) {
-      return mismatch_error(absl::StrCat("it holds ", o["type"].get<std::string>(), " state for ",
-                                         prefix, "; the optimizer is ", plan.kind->name));
-    }
-    std::vector<int64_t> sizes;
-    for (const auto& g : groups) sizes.push_back(static_cast<int64_t>(g.params().size()));
-    const nlohmann::json& saved = o["groups"];
-    bool same = saved.size() == sizes.size();
-    for (size_t g = 0; same && g < sizes.size(); ++g) {
-      same = saved[g].is_number_integer() && saved[g].get<int64_t>() == sizes[g];
-    }
-    if (!same) {
-      return mismatch_error(absl::StrCat("its ", prefix, " has groups of ", saved.dump(),
-                                         " parameters; this one [", absl::StrJoin(sizes, ","),
-                                         "]"));
-    }
-    states = o["states"].get<int64_t>();
+// The manifest's record of optimizer `prefix` (its type and group sizes)
+// against the live optimizer: the number of parameters whose state was
+// saved (-1: no record, an older checkpoint). FailedPrecondition when the
+// checkpoint does not fit the optimizer.
+absl::StatusOr<int64_t> CheckOptimizerRecord(const nlohmann::json& extras,
+                                             const std::string& prefix,
+                                             torch::optim::Optimizer& optimizer,
+                                             const internal::OptimizerKind& kind) {
+  if (!extras.contains(prefix)) return -1;
+  const nlohmann::json& o = extras[prefix];
+  if (!o.is_object() || !o.contains("type") || !o["type"].is_string() || !o.contains("groups") ||
+      !o["groups"].is_array() || !o.contains("states") || !o["states"].is_number_integer()) {
+    return absl::DataLossError(absl::StrCat("manifest extras: \"", prefix, "\" is malformed"));
   }
+  if (o["type"].get<std::string>() != kind.name) {
+    return absl::FailedPreconditionError(absl::StrCat("it holds ", o["type"].get<std::string>(),
+                                                      " state for ", prefix, "; the optimizer is ",
+                                                      kind.name));
+  }
+  std::vector<int64_t> sizes;
+  for (const auto& g : optimizer.param_groups()) {
+    sizes.push_back(static_cast<int64_t>(g.params().size()));
+  }
+  const nlohmann::json& saved = o["groups"];
+  bool same = saved.size() == sizes.size();
+  for (size_t g = 0; same && g < sizes.size(); ++g) {
+    same = saved[g].is_number_integer() && saved[g].get<int64_t>() == sizes[g];
+  }
+  if (!same) {
+    return absl::FailedPreconditionError(absl::StrCat("its ", prefix, " has groups of ",
+                                                      saved.dump(), " parameters; this one [",
+                                                      absl::StrJoin(sizes, ","), "]"));
+  }
+  return o["states"].get<int64_t>();
+}
+
+// One tensor of optimizer `prefix` (prefix/<group>/lr or
+// prefix/<group>/<index>/<field>) checked and entered into `plan`.
+absl::Status PlanOptimizerTensor(const TensorInfo& t, const std::vector<std::string>& parts,
+                                 const std::string& prefix, torch::optim::Optimizer& optimizer,
+                                 OptimizerPlan* plan) {
+  auto corrupt = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("optimizer tensor ", t.name, ": ", what));
+  };
+  const std::string shape = absl::StrCat("[", absl::StrJoin(t.shape, ","), "] ", t.dtype);
+  auto& groups = optimizer.param_groups();
+  size_t g = 0, i = 0;
+  if (parts.size() < 3 || !absl::SimpleAtoi(parts[1], &g)) {
+    return corrupt(
+        absl::StrCat("not ", prefix, "/<group>/lr or ", prefix, "/<group>/<index>/<field>"));
+  }
+  if (g >= groups.size()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor ", t.name, ": the optimizer has ", groups.size(), " groups"));
+  }
+  if (parts.size() == 3 && parts[2] == "lr") {
+    if (t.dtype != "float64" || !t.shape.empty()) {
+      return corrupt(absl::StrCat("a learning rate is a 0-d float64, not ", shape));
+    }
+    plan->lrs.push_back({g, t.name});
+    return absl::OkStatus();
+  }
+  if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &i)) {
+    return corrupt(
+        absl::StrCat("not ", prefix, "/<group>/lr or ", prefix, "/<group>/<index>/<field>"));
+  }
+  if (i >= groups[g].params().size()) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor ", t.name, ": group ", g, " has ",
+                                                      groups[g].params().size(), " parameters"));
+  }
+  const at::Tensor& param = groups[g].params()[i];
+  const std::string& field = parts[3];
+  const internal::OptimizerKind& kind = *plan->kind;
+  if (field == "step") {
+    if (!kind.has_step || t.dtype != "int64" || !t.shape.empty()) {
+      return corrupt(absl::StrCat("a ", kind.name, " step count is ",
+                                  kind.has_step ? "a 0-d int64" : "not saved", ", not ", shape));
+    }
+  } else if (std::find(kind.fields.begin(), kind.fields.end(), field) == kind.fields.end()) {
+    return corrupt(absl::StrCat(kind.name, " state has no field \"", field, "\""));
+  } else {
+    const std::string want = StoredDtypeOf(param);
+    if (t.dtype != want || t.shape != param.sizes().vec()) {
+      return corrupt(absl::StrCat(shape, "; its parameter is [",
+                                  absl::StrJoin(param.sizes().vec(), ","), "] ", want));
+    }
+  }
+  plan->fields[{g, i}][field] = t.name;
+  return absl::OkStatus();
+}
+
+// Optimizer `prefix`'s state in the checkpoint, checked against the live
+// optimizer. FailedPrecondition when the checkpoint does not fit it;
+// DataLoss when the state is malformed or incomplete.
+absl::StatusOr<OptimizerPlan> PlanOptimizer(const Manifest& manifest, const nlohmann::json& extras,
+                                            const std::string& prefix,
+                                            torch::optim::Optimizer& optimizer, bool strict) {
+  OptimizerPlan plan;
+  EVENSTEP_ASSIGN_OR_RETURN(plan.kind, internal::OptimizerKindOf(optimizer));
+  EVENSTEP_ASSIGN_OR_RETURN(const int64_t states,
+                            CheckOptimizerRecord(extras, prefix, optimizer, *plan.kind));
   for (const TensorInfo& t : manifest.tensors) {
-    std::vector<std::string> parts = absl::StrSplit(t.name, '/');
+    const std::vector<std::string> parts = absl::StrSplit(t.name, '/');
     if (parts[0] != prefix) continue;
-    size_t g = 0, i = 0;
-    if (parts.size() < 3 || !absl::SimpleAtoi(parts[1], &g)) {
-      return corrupt(t.name, absl::StrCat("not ", prefix, "/<group>/lr or ", prefix,
-                                          "/<group>/<index>/<field>"));
-    }
-    if (g >= groups.size()) {
-      return mismatch_error(
-          absl::StrCat("tensor ", t.name, ": the optimizer has ", groups.size(), " groups"));
-    }
-    if (parts.size() == 3 && parts[2] == "lr") {
-      if (t.dtype != "float64" || !t.shape.empty()) {
-        return corrupt(t.name, absl::StrCat("a learning rate is a 0-d float64, not [",
-                                            absl::StrJoin(t.shape, ","), "] ", t.dtype));
-      }
-      plan.lrs.push_back({g, t.name});
-      continue;
-    }
-    if (parts.size() != 4 || !absl::SimpleAtoi(parts[2], &i)) {
-      return corrupt(t.name, absl::StrCat("not ", prefix, "/<group>/lr or ", prefix,
-                                          "/<group>/<index>/<field>"));
-    }
-    if (i >= groups[g].params().size()) {
-      return mismatch_error(absl::StrCat("tensor ", t.name, ": group ", g, " has ",
-                                         groups[g].params().size(), " parameters"));
-    }
-    const at::Tensor& param = groups[g].params()[i];
-    const std::string& field = parts[3];
-    if (field == "step") {
-      if (!plan.kind->has_step || t.dtype != "int64" || !t.shape.empty()) {
-        return corrupt(t.name, absl::StrCat("a ", plan.kind->name, " step count is ",
-                                            plan.kind->has_step ? "a 0-d int64" : "not saved",
-                                            ", not [", absl::StrJoin(t.shape, ","), "] ", t.dtype));
-      }
-    } else if (std::find(plan.kind->fields.begin(), plan.kind->fields.end(), field) ==
-               plan.kind->fields.end()) {
-      return corrupt(t.name, absl::StrCat(plan.kind->name, " state has no field \"", field, "\""));
-    } else {
-      const std::string want = StoredDtypeOf(param);
-      if (t.dtype != want || t.shape != param.sizes().vec()) {
-        return corrupt(t.name, absl::StrCat("[", absl::StrJoin(t.shape, ","), "] ", t.dtype,
-                                            "; its parameter is [",
-                                            absl::StrJoin(param.sizes().vec(), ","), "] ", want));
-      }
-    }
-    plan.fields[{g, i}][field] = t.name;
+    EVENSTEP_RETURN_IF_ERROR(PlanOptimizerTensor(t, parts, prefix, optimizer, &plan));
   }
   for (const auto& [index, names] : plan.fields) {
     std::vector<std::string> needed = plan.kind->required;
@@ -421,11 +440,210 @@ absl::Status PlanOptimizer(const Manifest& manifest, const nlohmann::json& extra
                                             " parameters was saved; ", plan.fields.size(),
                                             " are in the checkpoint"));
   }
-  if (plan.lrs.size() != groups.size() && (strict || states >= 0)) {
+  const size_t groups = optimizer.param_groups().size();
+  if (plan.lrs.size() != groups && (strict || states >= 0)) {
     // A checkpoint without optimizer state would resume with a fresh one.
-    return absl::DataLossError(absl::StrCat("learning rates of ", plan.lrs.size(), " of ",
-                                            groups.size(), " ", prefix,
-                                            " groups in the checkpoint"));
+    return absl::DataLossError(absl::StrCat("learning rates of ", plan.lrs.size(), " of ", groups,
+                                            " ", prefix, " groups in the checkpoint"));
+  }
+  return plan;
+}
+
+// What step 1 of a load finds: the open checkpoint, validated against the
+// live state, and where each of its tensors goes.
+struct LoadPlan {
+  std::unique_ptr<CheckpointReader> reader;
+  NamedTensors expected;
+  std::map<std::string, at::Tensor> targets;  // the model's and the caller's tensors, by name
+  std::set<std::string> seen;                 // those the checkpoint holds
+  std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers;
+  std::vector<OptimizerPlan> opt;  // per optimizer
+  std::optional<BalanceState> balance;
+  bool mismatch = false;  // the failure is the live state's (FailedPrecondition)
+};
+
+// The manifest's tensors against the model's and the caller's: shapes and
+// dtypes, and (strict) none missing or unexpected.
+absl::Status MatchTensors(const Manifest& manifest, const LoadOptions& options, LoadPlan* plan,
+                          LoadResult* result) {
+  for (const TensorInfo& t : manifest.tensors) {
+    auto target = plan->targets.find(t.name);
+    if (target == plan->targets.end()) {
+      // Other extra tensors are the caller's to ask for (a Session's stream
+      // state is registered after the resume).
+      if (absl::StartsWith(t.name, "model/")) result->unexpected.push_back(t.name);
+      continue;
+    }
+    plan->seen.insert(t.name);
+    const at::Tensor& dst = target->second;
+    const std::string want = StoredDtypeOf(dst);
+    if (dst.sizes().vec() != t.shape || want != t.dtype) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor ", t.name, " has shape [", absl::StrJoin(t.shape, ","), "] ", t.dtype,
+          "; the model has [", absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
+    }
+  }
+  for (const auto& [name, tensor] : plan->expected) {
+    if (!plan->seen.count(name)) result->missing.push_back(name);
+  }
+  if (options.strict && (!result->missing.empty() || !result->unexpected.empty())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("does not match the model: missing [", absl::StrJoin(result->missing, ", "),
+                     "], unexpected [", absl::StrJoin(result->unexpected, ", "), "]"));
+  }
+  return absl::OkStatus();
+}
+
+// The optimizers' and the balancing state in the checkpoint against the live
+// ones.
+absl::Status MatchOptimizersAndBalance(const Manifest& manifest, const nlohmann::json& extras,
+                                       const std::string& path, const TrainState& state,
+                                       const LoadOptions& options, LoadPlan* plan) {
+  std::set<std::string> live;
+  for (const auto& [prefix, optimizer] : plan->optimizers) {
+    live.insert(prefix);
+    EVENSTEP_ASSIGN_OR_RETURN(OptimizerPlan p,
+                              PlanOptimizer(manifest, extras, prefix, *optimizer, options.strict));
+    plan->opt.push_back(std::move(p));
+  }
+  for (const TensorInfo& t : manifest.tensors) {
+    const std::string first = t.name.substr(0, t.name.find('/'));
+    if (options.strict && absl::StartsWith(first, "optimizer-") && !live.count(first)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "it holds the state of ", first, " (tensor ", t.name, "), which this run does not have"));
+    }
+  }
+  if (state.balance == nullptr) return absl::OkStatus();
+  if (extras.contains("balance")) {
+    EVENSTEP_ASSIGN_OR_RETURN(plan->balance, BalanceFromJson(extras["balance"]));
+    if (absl::Status s = state.balance->CheckRestore(*plan->balance); !s.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("balancing state: ", s.message()));
+    }
+  } else if (options.strict) {
+    return absl::DataLossError(
+        absl::StrCat(path, "/manifest.json: no balancing state in the extras"));
+  }
+  return absl::OkStatus();
+}
+
+// Step 1 of a load, on every rank: open `path` and validate it against the
+// live model, optimizers and balancing state, before anything is written.
+absl::Status PrepareLoad(Env& env, const std::string& path, const TrainState& state,
+                         const LoadOptions& options, LoadPlan* plan, LoadResult* result) {
+  EVENSTEP_ASSIGN_OR_RETURN(plan->reader, CheckpointReader::Open(env, path));
+  const Manifest& manifest = plan->reader->manifest();
+  result->step = manifest.step;
+  const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
+  if (extras.is_discarded() || !extras.is_object()) {
+    return absl::DataLossError(absl::StrCat(path, "/manifest.json: extras are not an object"));
+  }
+  EVENSTEP_ASSIGN_OR_RETURN(plan->expected, CaptureTensors(state.model, nullptr));
+  plan->expected.insert(plan->expected.end(), state.tensors.begin(), state.tensors.end());
+  plan->targets = std::map<std::string, at::Tensor>(plan->expected.begin(), plan->expected.end());
+  plan->optimizers = OptimizersOf(state);
+  absl::Status s = MatchTensors(manifest, options, plan, result);
+  if (s.ok()) s = MatchOptimizersAndBalance(manifest, extras, path, state, options, plan);
+  plan->mismatch = absl::IsFailedPrecondition(s);
+  if (s.ok() && extras.contains("user")) result->user_json = extras["user"].dump();
+  return s;
+}
+
+// Where each tensor's bytes land: a CPU model tensor directly (read and
+// broadcast in place, no staging copy), anything else a byte buffer. A
+// checksum failure can leave a model tensor of this rank partly written; the
+// load then fails on every rank (and a fallback loads every tensor again).
+struct LoadBuffers {
+  std::map<std::string, at::Tensor> bytes;
+  std::set<std::string> in_place;
+};
+
+LoadBuffers MakeLoadBuffers(const Manifest& manifest, LoadPlan& plan) {
+  LoadBuffers out;
+  for (const TensorInfo& t : manifest.tensors) {
+    const int64_t n = StoredBytes(t);
+    auto target = plan.targets.find(t.name);
+    if (plan.seen.count(t.name) && target->second.device().is_cpu() &&
+        target->second.is_contiguous()) {
+      out.bytes[t.name] = at::from_blob(target->second.data_ptr(), {n}, at::kByte);
+      out.in_place.insert(t.name);
+    } else {
+      out.bytes[t.name] = at::empty({n}, at::kByte);
+    }
+  }
+  return out;
+}
+
+// Step 4: every rank's part reaches every rank: large tensors one broadcast
+// each, in place; small ones packed into one buffer.
+absl::Status ShareParts(DistContext& ctx, const Manifest& manifest,
+                        const std::vector<std::vector<int>>& reads, LoadBuffers* buffers) {
+  constexpr int64_t kBroadcastAlone = 1 << 20;
+  const int world = ctx.world_size();
+  for (int root = 0; world > 1 && root < world; ++root) {
+    auto broadcast = [&](at::Tensor& buffer) {
+      return Annotate(ctx.Broadcast(buffer, root),
+                      absl::StrCat("broadcast of rank ", root, "'s part"));
+    };
+    std::vector<at::Tensor> small;  // views of the buffers, sent together
+    int64_t small_bytes = 0;
+    for (int index : reads[root]) {
+      at::Tensor& bytes = buffers->bytes[manifest.tensors[index].name];
+      if (bytes.numel() >= kBroadcastAlone) {
+        EVENSTEP_RETURN_IF_ERROR(broadcast(bytes));
+      } else if (bytes.numel() > 0) {
+        small.push_back(bytes);
+        small_bytes += bytes.numel();
+      }
+    }
+    if (small.empty()) continue;
+    at::Tensor packed = root == ctx.rank() ? at::cat(small) : at::empty({small_bytes}, at::kByte);
+    EVENSTEP_RETURN_IF_ERROR(broadcast(packed));
+    if (root == ctx.rank()) continue;
+    int64_t at_byte = 0;
+    for (at::Tensor& bytes : small) {
+      bytes.copy_(packed.narrow(0, at_byte, bytes.numel()));
+      at_byte += bytes.numel();
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Step 5: model tensors that could not be read in place, optimizer state
+// (all validated in step 1).
+absl::Status ApplyLoaded(LoadPlan& plan, LoadBuffers& buffers) {
+  try {
+    for (const std::string& name : plan.seen) {
+      if (buffers.in_place.count(name)) continue;
+      at::Tensor& dst = plan.targets[name];
+      at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
+      std::memcpy(cpu.data_ptr(), buffers.bytes[name].data_ptr(), buffers.bytes[name].numel());
+      dst.copy_(cpu);
+    }
+    for (size_t k = 0; k < plan.optimizers.size(); ++k) {
+      torch::optim::Optimizer& optimizer = *plan.optimizers[k].second;
+      auto typed = [&](const std::string& name) {
+        absl::StatusOr<at::Tensor> value = plan.reader->FromBytes(name, buffers.bytes[name]);
+        // Every name was validated against the manifest in step 1.
+        if (!value.ok()) throw std::runtime_error(std::string(value.status().message()));
+        return *value;
+      };
+      auto& groups = optimizer.param_groups();
+      for (const auto& [g, name] : plan.opt[k].lrs) {
+        groups[g].options().set_lr(typed(name).item<double>());
+      }
+      for (const auto& [index, names] : plan.opt[k].fields) {
+        const at::Tensor& param = groups[index.first].params()[index.second];
+        std::map<std::string, at::Tensor> values;
+        for (const auto& [field, name] : names) {
+          at::Tensor value = typed(name);
+          if (value.dim() > 0) value = value.to(param.device());
+          values[field] = value;
+        }
+        optimizer.state()[StateKeyIn(optimizer.state(), param)] = plan.opt[k].kind->restore(values);
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("applying the loaded state: ", internal::ErrorText(e)));
   }
   return absl::OkStatus();
 }
@@ -480,8 +698,9 @@ absl::StatusOr<LoadResult> TrainCheckpointer::Load(const TrainState& state,
     }
     const std::string path =
         options.path.empty() ? CheckpointPath(options_.dir, step) : options.path;
-    bool mismatch = false, agreed = false;
-    absl::StatusOr<LoadResult> loaded = LoadFrom(env, path, state, options, &mismatch, &agreed);
+    Attempt tried = LoadFrom(env, path, state, options);
+    absl::StatusOr<LoadResult>& loaded = tried.result;
+    const bool mismatch = tried.mismatch, agreed = tried.agreed;
     if (loaded.ok()) {
       loaded->skipped = failures;
       return loaded;
@@ -530,213 +749,56 @@ std::vector<std::string> TrainCheckpointer::StructureProblems(const CheckpointRe
   return problems;
 }
 
-absl::StatusOr<LoadResult> TrainCheckpointer::LoadFrom(Env& env, const std::string& path,
+TrainCheckpointer::Attempt TrainCheckpointer::LoadFrom(Env& env, const std::string& path,
                                                        const TrainState& state,
-                                                       const LoadOptions& options,
-                                                       bool* mismatch_out, bool* agreed_out) {
+                                                       const LoadOptions& options) {
   LoadResult result;
   result.path = path;
   // 1. Open and validate, on every rank, against the live model, optimizer
-  //    and balancing state — before anything is written.
-  std::unique_ptr<CheckpointReader> reader;
-  NamedTensors expected;
-  std::map<std::string, at::Tensor> targets;
-  std::set<std::string> seen;
-  const auto optimizers = OptimizersOf(state);
-  std::vector<OptimizerPlan> opt(optimizers.size());
-  std::optional<BalanceState> balance;
-  bool mismatch = false;
-  auto prepare = [&]() -> absl::Status {
-    EVENSTEP_ASSIGN_OR_RETURN(reader, CheckpointReader::Open(env, path));
-    const Manifest& manifest = reader->manifest();
-    result.step = manifest.step;
-    const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
-    if (extras.is_discarded() || !extras.is_object()) {
-      return absl::DataLossError(absl::StrCat(path, "/manifest.json: extras are not an object"));
-    }
-    auto mismatch_error = [&](const std::string& what) {
-      mismatch = true;
-      return absl::FailedPreconditionError(what);
-    };
-    EVENSTEP_ASSIGN_OR_RETURN(expected, CaptureTensors(state.model, nullptr));
-    expected.insert(expected.end(), state.tensors.begin(), state.tensors.end());
-    targets = std::map<std::string, at::Tensor>(expected.begin(), expected.end());
-    for (const TensorInfo& t : manifest.tensors) {
-      auto target = targets.find(t.name);
-      if (target == targets.end()) {
-        // Other extra tensors are the caller's to ask for (a Session's stream
-        // state is registered after the resume).
-        if (absl::StartsWith(t.name, "model/")) result.unexpected.push_back(t.name);
-        continue;
-      }
-      seen.insert(t.name);
-      const at::Tensor& dst = target->second;
-      const std::string want = StoredDtypeOf(dst);
-      if (dst.sizes().vec() != t.shape || want != t.dtype) {
-        return mismatch_error(absl::StrCat(
-            "tensor ", t.name, " has shape [", absl::StrJoin(t.shape, ","), "] ", t.dtype,
-            "; the model has [", absl::StrJoin(dst.sizes().vec(), ","), "] ", want));
-      }
-    }
-    for (const auto& [name, tensor] : expected) {
-      if (!seen.count(name)) result.missing.push_back(name);
-    }
-    if (options.strict && (!result.missing.empty() || !result.unexpected.empty())) {
-      return mismatch_error(absl::StrCat("does not match the model: missing [",
-                                         absl::StrJoin(result.missing, ", "), "], unexpected [",
-                                         absl::StrJoin(result.unexpected, ", "), "]"));
-    }
-    std::set<std::string> live;
-    for (size_t k = 0; k < optimizers.size(); ++k) {
-      const auto& [prefix, optimizer] = optimizers[k];
-      live.insert(prefix);
-      EVENSTEP_RETURN_IF_ERROR(
-          PlanOptimizer(manifest, extras, prefix, *optimizer, options.strict, &opt[k], &mismatch));
-    }
-    for (const TensorInfo& t : manifest.tensors) {
-      const std::string first = t.name.substr(0, t.name.find('/'));
-      if (options.strict && absl::StartsWith(first, "optimizer-") && !live.count(first)) {
-        return mismatch_error(absl::StrCat("it holds the state of ", first, " (tensor ", t.name,
-                                           "), which this run does not have"));
-      }
-    }
-    if (state.balance != nullptr) {
-      if (extras.contains("balance")) {
-        EVENSTEP_ASSIGN_OR_RETURN(balance, BalanceFromJson(extras["balance"]));
-        if (absl::Status s = state.balance->CheckRestore(*balance); !s.ok()) {
-          return mismatch_error(absl::StrCat("balancing state: ", s.message()));
-        }
-      } else if (options.strict) {
-        return absl::DataLossError(
-            absl::StrCat(path, "/manifest.json: no balancing state in the extras"));
-      }
-    }
-    if (extras.contains("user")) result.user_json = extras["user"].dump();
-    return absl::OkStatus();
-  };
-  absl::Status prepared = prepare();
-  const uint64_t index = reader ? ManifestIndexChecksum(reader->manifest()) : 0;
-  EVENSTEP_ASSIGN_OR_RETURN(
-      Agreed opened, Agree(ctx_, prepared, mismatch, static_cast<int64_t>(index & 0x7fffffffffff)));
-  if (!opened.status.ok()) {
-    *mismatch_out = opened.mismatch;
-    *agreed_out = true;
-    return opened.status;
-  }
+  //    and balancing state — before anything is written; the ranks agree
+  //    that they read the same manifest.
+  LoadPlan plan;
+  const absl::Status prepared = PrepareLoad(env, path, state, options, &plan, &result);
+  const uint64_t index = plan.reader ? ManifestIndexChecksum(plan.reader->manifest()) : 0;
+  absl::StatusOr<Agreed> opened =
+      Agree(ctx_, prepared, plan.mismatch, static_cast<int64_t>(index & 0x7fffffffffff));
+  if (!opened.ok()) return {opened.status()};
+  if (!opened->status.ok()) return {opened->status, opened->mismatch, /*agreed=*/true};
   for (int r = 1; r < ctx_.world_size(); ++r) {
-    if (opened.values[r] != opened.values[0]) {
-      *agreed_out = true;  // every rank sees every value
-      return absl::DataLossError(absl::StrCat("rank ", r, " read another manifest than rank 0 (",
-                                              "is ", path, " on a shared file system?)"));
+    if (opened->values[r] != opened->values[0]) {  // every rank sees every value
+      return {absl::DataLossError(absl::StrCat("rank ", r, " read another manifest than rank 0 (",
+                                               "is ", path, " on a shared file system?)")),
+              false, /*agreed=*/true};
     }
   }
-  const Manifest& manifest = reader->manifest();
+  const Manifest& manifest = plan.reader->manifest();
   // 2. Balanced reading: whole tensors (no slicing), assigned the way
   //    shards are planned, largest first to the least-loaded rank.
-  const int world = ctx_.world_size();
-  const std::vector<std::vector<int>> plan = reader->PlanReads(world);
-  // Where each tensor's bytes land: a CPU model tensor directly (read and
-  // broadcast in place, no staging copy), anything else a byte buffer. A
-  // checksum failure can leave a model tensor of this rank partly written;
-  // the load then fails on every rank (and a fallback loads every tensor
-  // again).
+  const std::vector<std::vector<int>> reads = plan.reader->PlanReads(ctx_.world_size());
   torch::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> loaded;
-  std::set<std::string> in_place;
-  for (const TensorInfo& t : manifest.tensors) {
-    const int64_t n = StoredBytes(t);
-    auto target = targets.find(t.name);
-    if (seen.count(t.name) && target->second.device().is_cpu() && target->second.is_contiguous()) {
-      loaded[t.name] = at::from_blob(target->second.data_ptr(), {n}, at::kByte);
-      in_place.insert(t.name);
-    } else {
-      loaded[t.name] = at::empty({n}, at::kByte);
-    }
-  }
+  LoadBuffers buffers = MakeLoadBuffers(manifest, plan);
   // 3. Every rank reads its part (all at once, checksums verified), and the
   //    ranks agree that every part is good before any broadcast.
   absl::Status read;
-  for (int index : plan[ctx_.rank()]) {
-    const TensorInfo& t = manifest.tensors[index];
+  for (int i : reads[ctx_.rank()]) {
+    const TensorInfo& t = manifest.tensors[i];
     const int64_t n = StoredBytes(t);
-    read = reader->ReadInto(t.name, loaded[t.name].data_ptr(), n);
+    read = plan.reader->ReadInto(t.name, buffers.bytes[t.name].data_ptr(), n);
     if (!read.ok()) break;
     result.bytes_read += n;
   }
-  EVENSTEP_ASSIGN_OR_RETURN(Agreed parts, Agree(ctx_, read, false, 0));
-  if (!parts.status.ok()) {
-    *agreed_out = true;
-    return parts.status;
+  absl::StatusOr<Agreed> parts = Agree(ctx_, read, false, 0);
+  if (!parts.ok()) return {parts.status()};
+  if (!parts->status.ok()) return {parts->status, false, /*agreed=*/true};
+  // 4. Every part reaches every rank; 5. applied, with the balancing state.
+  absl::Status applied = ShareParts(ctx_, manifest, reads, &buffers);
+  if (applied.ok()) applied = ApplyLoaded(plan, buffers);
+  if (applied.ok() && plan.balance) {
+    applied = Annotate(state.balance->Restore(*plan.balance), "restoring the balancing state");
   }
-  // 4. Every part reaches every rank: large tensors one broadcast each, in
-  //    place; small ones packed into one buffer.
-  constexpr int64_t kBroadcastAlone = 1 << 20;
-  for (int root = 0; world > 1 && root < world; ++root) {
-    auto broadcast = [&](at::Tensor& buffer) {
-      return Annotate(ctx_.Broadcast(buffer, root),
-                      absl::StrCat("broadcast of rank ", root, "'s part"));
-    };
-    std::vector<at::Tensor> small;  // views of `loaded`, sent together
-    int64_t small_bytes = 0;
-    for (int index : plan[root]) {
-      at::Tensor& bytes = loaded[manifest.tensors[index].name];
-      if (bytes.numel() >= kBroadcastAlone) {
-        EVENSTEP_RETURN_IF_ERROR(broadcast(bytes));
-      } else if (bytes.numel() > 0) {
-        small.push_back(bytes);
-        small_bytes += bytes.numel();
-      }
-    }
-    if (small.empty()) continue;
-    at::Tensor packed = root == ctx_.rank() ? at::cat(small) : at::empty({small_bytes}, at::kByte);
-    EVENSTEP_RETURN_IF_ERROR(broadcast(packed));
-    if (root == ctx_.rank()) continue;
-    int64_t at_byte = 0;
-    for (at::Tensor& bytes : small) {
-      bytes.copy_(packed.narrow(0, at_byte, bytes.numel()));
-      at_byte += bytes.numel();
-    }
-  }
-  // 5. Apply: model tensors that could not be read in place, optimizer
-  //    state, balancing state (all validated in step 1).
-  try {
-    for (const std::string& name : seen) {
-      if (in_place.count(name)) continue;
-      at::Tensor& dst = targets[name];
-      at::Tensor cpu = at::empty(dst.sizes(), dst.options().device(at::kCPU));
-      std::memcpy(cpu.data_ptr(), loaded[name].data_ptr(), loaded[name].numel());
-      dst.copy_(cpu);
-    }
-    for (size_t k = 0; k < optimizers.size(); ++k) {
-      torch::optim::Optimizer& optimizer = *optimizers[k].second;
-      auto typed = [&](const std::string& name) {
-        absl::StatusOr<at::Tensor> value = reader->FromBytes(name, loaded[name]);
-        // Every name was validated against the manifest in step 1.
-        if (!value.ok()) throw std::runtime_error(std::string(value.status().message()));
-        return *value;
-      };
-      auto& groups = optimizer.param_groups();
-      for (const auto& [g, name] : opt[k].lrs)
-        groups[g].options().set_lr(typed(name).item<double>());
-      for (const auto& [index, names] : opt[k].fields) {
-        const at::Tensor& param = groups[index.first].params()[index.second];
-        std::map<std::string, at::Tensor> values;
-        for (const auto& [field, name] : names) {
-          at::Tensor value = typed(name);
-          if (value.dim() > 0) value = value.to(param.device());
-          values[field] = value;
-        }
-        optimizer.state()[StateKeyIn(optimizer.state(), param)] = opt[k].kind->restore(values);
-      }
-    }
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("applying the loaded state: ", internal::ErrorText(e)));
-  }
-  if (balance) {
-    EVENSTEP_RETURN_IF_ERROR(state.balance->Restore(*balance), "restoring the balancing state");
-  }
-  result.structure_problems = StructureProblems(*reader, path);
-  return result;
+  if (!applied.ok()) return {applied};
+  result.structure_problems = StructureProblems(*plan.reader, path);
+  return {std::move(result)};
 }
 
 }  // namespace evenstep

@@ -107,12 +107,17 @@ class TrainCheckpointer {
  private:
   TrainCheckpointer(DistContext& ctx, CheckpointOptions options, std::unique_ptr<CommitStore> store,
                     std::unique_ptr<CheckpointWriter> writer);
-  // One attempt at `path`. On failure, *mismatch is set when the checkpoint
-  // does not fit the live state (never a reason to fall back), *agreed when
-  // every rank knows of the failure (only then may the ranks move on to
-  // another candidate together).
-  absl::StatusOr<LoadResult> LoadFrom(Env& env, const std::string& path, const TrainState& state,
-                                      const LoadOptions& options, bool* mismatch, bool* agreed);
+  // One attempt at a checkpoint: its result and, on failure, whether the
+  // checkpoint does not fit the live state (mismatch: never a reason to fall
+  // back) and whether every rank knows of the failure (agreed: only then may
+  // the ranks move on to another candidate together).
+  struct Attempt {
+    absl::StatusOr<LoadResult> result;
+    bool mismatch = false;
+    bool agreed = false;
+  };
+  Attempt LoadFrom(Env& env, const std::string& path, const TrainState& state,
+                   const LoadOptions& options);
   // After a load from `path` (through `reader`): this rank's share of its
   // shards checked with HDF5 (LoadResult::structure_problems), each problem
   // said in one line.
