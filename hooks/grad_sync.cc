@@ -136,13 +136,22 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   absl::Status AbandonStale();
   std::vector<int32_t> ControlValues() const;
   absl::Status Finish();
+  // Finish's parts: the sparse gradients' all-reduces (3), the control
+  // bitmap's when it did not ride in the last bucket (4), every wait, and
+  // the agreement's verdict with the write-back.
+  void LaunchSparse();
+  void LaunchControl();
+  void WaitForAll();
+  absl::Status Conclude();
   void ResetGradients();
   void WriteBack(const std::vector<char>& used_anywhere);
   void MaybeRebuild();
   std::string DescribeBucket(int b) const;
-  absl::Status Collective(const std::string& what, const std::function<void()>& fn);
-  absl::Status WaitFor(c10d::Work* work, const std::string& what, absl::Time since);
-  absl::Status WaitFailed(const std::string& what, const CollectiveWait& outcome);
+  // Start or wait for a collective: false when it failed, the error then
+  // in `fatal` (the sync cannot go on).
+  bool Collective(const std::string& what, const std::function<void()>& fn);
+  bool WaitFor(c10d::Work* work, const std::string& what, absl::Time since);
+  void WaitFailed(const std::string& what, const CollectiveWait& outcome);
 };
 
 namespace {
@@ -223,27 +232,27 @@ std::vector<int64_t> ContiguousStrides(at::IntArrayRef sizes) {
 
 }  // namespace
 
-absl::Status GradSyncState::Collective(const std::string& what, const std::function<void()>& fn) {
+bool GradSyncState::Collective(const std::string& what, const std::function<void()>& fn) {
   try {
     fn();
   } catch (const std::exception& e) {
     fatal = absl::UnavailableError(
         absl::StrCat("rank ", rank, ": starting ", what, " failed: ", ErrorText(e)));
-    return fatal;
+    return false;
   }
-  return absl::OkStatus();
+  return true;
 }
 
-absl::Status GradSyncState::WaitFailed(const std::string& what, const CollectiveWait& outcome) {
+void GradSyncState::WaitFailed(const std::string& what, const CollectiveWait& outcome) {
   fatal = options.diagnosis.diagnose
               ? options.diagnosis.diagnose(arrival_seq, what, outcome.elapsed, outcome.error)
               : CollectiveFailed(rank, what, outcome, options.timeout);
-  return fatal;
 }
 
-absl::Status GradSyncState::WaitFor(c10d::Work* work, const std::string& what, absl::Time since) {
+bool GradSyncState::WaitFor(c10d::Work* work, const std::string& what, absl::Time since) {
   const CollectiveWait outcome = WaitCollective(work, options.timeout, since);
-  return outcome.failed ? WaitFailed(what, outcome) : absl::OkStatus();
+  if (outcome.failed) WaitFailed(what, outcome);
+  return !outcome.failed;
 }
 
 // Buckets over the dense parameters in `order` (launch order), one open
@@ -348,9 +357,8 @@ void GradSyncState::BeginStep(int first) {
       std::vector<at::Tensor> v{Wire(flat)};
       c10d::BroadcastOptions o;
       o.rootRank = options.broadcast_root;
-      if (!Collective("the buffer broadcast", [&] {
-             buffer_work.push_back(group->broadcast(v, o));
-           }).ok()) {
+      if (!Collective("the buffer broadcast",
+                      [&] { buffer_work.push_back(group->broadcast(v, o)); })) {
         return;
       }
       ++collectives;
@@ -563,6 +571,20 @@ absl::Status GradSyncState::Finish() {
   if (options.on_arrival) options.on_arrival();
   for (ParamSlot& p : params) CopyIn(p);
   LaunchReady();
+  LaunchSparse();
+  LaunchControl();
+  WaitForAll();
+  ++completed;
+  if (!fatal.ok()) {
+    ResetGradients();
+    local_failure = absl::OkStatus();
+    last = fatal;
+    return fatal;
+  }
+  return Conclude();
+}
+
+void GradSyncState::LaunchSparse() {
   // 3. Sparse gradients, coalesced; an empty one where this rank has none.
   for (int i : sparse) {
     ParamSlot& p = params[i];
@@ -582,25 +604,28 @@ absl::Status GradSyncState::Finish() {
     }
     if (fatal.ok() && world > 1) {
       std::vector<at::Tensor> v{mine};
-      Collective(absl::StrCat("the sparse all_reduce of '", p.name, "'"), [&] {
-        sparse_work.emplace_back(mine, group->allreduce(v));
-      }).IgnoreError();
+      Collective(absl::StrCat("the sparse all_reduce of '", p.name, "'"),
+                 [&] { sparse_work.emplace_back(mine, group->allreduce(v)); });
       ++collectives;
     } else {
       sparse_work.emplace_back(mine, c10::intrusive_ptr<c10d::Work>());
     }
   }
+}
+
+void GradSyncState::LaunchControl() {
   // 4. The control bitmap on its own, unless it rode in the last bucket.
-  if (!control_in_bucket()) {
-    control = at::tensor(ControlValues(), at::kInt).to(device);
-    if (fatal.ok() && world > 1) {
-      std::vector<at::Tensor> v{control};
-      Collective("the gradient sync's control all_reduce", [&] {
-        control_work = group->allreduce(v);
-      }).IgnoreError();
-      ++collectives;
-    }
+  if (control_in_bucket()) return;
+  control = at::tensor(ControlValues(), at::kInt).to(device);
+  if (fatal.ok() && world > 1) {
+    std::vector<at::Tensor> v{control};
+    Collective("the gradient sync's control all_reduce",
+               [&] { control_work = group->allreduce(v); });
+    ++collectives;
   }
+}
+
+void GradSyncState::WaitForAll() {
   const absl::Time wait_start = absl::Now();
   for (int b = 0; b < static_cast<int>(buckets.size()) && fatal.ok(); ++b) {
     Bucket& bucket = buckets[b];
@@ -613,27 +638,21 @@ absl::Status GradSyncState::Finish() {
       if (!reduced.is_same(target)) target.copy_(reduced);
     } catch (const std::exception& e) {
       WaitFailed(absl::StrCat("all_reduce of ", DescribeBucket(b)),
-                 {true, ErrorText(e), absl::Now() - wait_start})
-          .IgnoreError();
+                 {true, ErrorText(e), absl::Now() - wait_start});
     }
     bucket.result = BucketFuture();
   }
   for (auto& [tensor, work] : sparse_work) {
-    if (fatal.ok()) WaitFor(work.get(), "a sparse gradient all_reduce", wait_start).IgnoreError();
+    if (fatal.ok()) WaitFor(work.get(), "a sparse gradient all_reduce", wait_start);
   }
-  if (fatal.ok()) WaitFor(control_work.get(), "the control all_reduce", wait_start).IgnoreError();
+  if (fatal.ok()) WaitFor(control_work.get(), "the control all_reduce", wait_start);
   for (auto& work : buffer_work) {
-    if (fatal.ok()) WaitFor(work.get(), "the buffer broadcast", wait_start).IgnoreError();
+    if (fatal.ok()) WaitFor(work.get(), "the buffer broadcast", wait_start);
   }
   stats.wait = absl::Now() - wait_start;
-  ++completed;
-  if (!fatal.ok()) {
-    ResetGradients();
-    local_failure = absl::OkStatus();
-    last = fatal;
-    return fatal;
-  }
+}
 
+absl::Status GradSyncState::Conclude() {
   // The agreement: who failed, which parameters were used anywhere.
   at::Tensor agreed = control_in_bucket() ? buckets.back().buffer.narrow(
                                                 0, buckets.back().grad_numel, control_numel())
@@ -748,10 +767,9 @@ void GradSyncState::MaybeRebuild() {
   c10d::BroadcastOptions o;
   o.rootRank = 0;
   c10::intrusive_ptr<c10d::Work> work;
-  if (!Collective("the bucket order broadcast", [&] { work = group->broadcast(v, o); }).ok())
-    return;
+  if (!Collective("the bucket order broadcast", [&] { work = group->broadcast(v, o); })) return;
   ++collectives;
-  if (!WaitFor(work.get(), "the bucket order broadcast", absl::Now()).ok()) return;
+  if (!WaitFor(work.get(), "the bucket order broadcast", absl::Now())) return;
   order = order.cpu();
   const int64_t* ord = order.data_ptr<int64_t>();
   if (ord[0] <= 0) return;  // rank 0 saw no gradient: try again next time
