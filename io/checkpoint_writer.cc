@@ -162,15 +162,17 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 
-absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& state) {
-  Impl& m = *impl_;
-  const absl::Time begin = absl::Now();
-  SaveTicket ticket;
-  ticket.step = state.step;
-  const int64_t seq = m.saves++;
-  // Describe the state; the same on every rank.
+namespace {
+
+// The state's tensors described (name, dtype, shape), the same on every
+// rank, and their signature (a staging buffer planned for it is reused).
+struct Described {
   std::vector<TensorMeta> metas;
   std::string signature;
+};
+
+absl::StatusOr<Described> Describe(const CheckpointContents& state) {
+  Described out;
   for (const auto& [name, tensor] : state.tensors) {
     if (absl::Status s = internal::ValidateTensorName(name); !s.ok()) return s;
     std::optional<std::string> dtype = internal::DtypeName(tensor.scalar_type());
@@ -181,9 +183,119 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& stat
     }
     TensorMeta meta{name, *dtype, tensor.sizes().vec(), tensor.numel(),
                     static_cast<int64_t>(tensor.element_size())};
-    absl::StrAppend(&signature, name, ":", meta.dtype, ":", absl::StrJoin(meta.shape, "x"), ";");
-    metas.push_back(std::move(meta));
+    absl::StrAppend(&out.signature, name, ":", meta.dtype, ":", absl::StrJoin(meta.shape, "x"),
+                    ";");
+    out.metas.push_back(std::move(meta));
   }
+  return out;
+}
+
+// `stage` planned for `described`: this rank's pieces, their datasets and
+// the shard's image (HDF5 structure, data to be filled in).
+absl::Status PlanStage(const Described& described, int world, int rank, int64_t slice_bytes,
+                       Staging* stage) {
+  const std::vector<TensorMeta>& metas = described.metas;
+  const auto plan = internal::PlanShards(metas, world, slice_bytes);
+  stage->pieces = plan[rank];
+  stage->datasets.clear();
+  for (const Piece& p : stage->pieces) {
+    const TensorMeta& t = metas[p.tensor];
+    ShardDataset d;
+    d.path = internal::DatasetPath(t, p);
+    d.dtype = t.dtype;
+    d.shape = p.whole ? t.shape : std::vector<int64_t>{p.end - p.begin};
+    d.tensor = t.name;
+    d.begin = p.begin;
+    d.end = p.end;
+    stage->datasets.push_back(std::move(d));
+  }
+  absl::StatusOr<std::string> image = internal::BuildShardImage(&stage->datasets);
+  if (!image.ok()) {
+    stage->signature.clear();
+    return image.status();
+  }
+  stage->image = *std::move(image);
+  stage->pinned = at::Tensor();
+  stage->signature = described.signature;
+  return absl::OkStatus();
+}
+
+// The snapshot: the only part the training thread waits for. CPU tensors
+// are copied into the image. Device tensors are copied by the device into
+// the page-locked image on a side stream that first waits for the current
+// stream (so it sees the finished step), and the current stream then waits
+// for those copies before any later kernel can overwrite a parameter; the
+// host only queues the copies, and the writer waits for them. Throws what
+// the copies throw.
+void Snapshot(const CheckpointContents& state, Staging& stage) {
+  // The device this rank's share lives on, if any (one per process).
+  std::optional<c10::Device> device;
+  for (const Piece& p : stage.pieces) {
+    const c10::Device d = state.tensors[p.tensor].second.device();
+    if (!d.is_cpu()) device = d;
+  }
+  stage.WaitForCopies();  // a failed write may have left them unread
+  if (device && !stage.pinned.defined()) {
+    stage.pinned = at::empty({static_cast<int64_t>(stage.image.size())},
+                             at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(stage.pinned.data_ptr(), stage.image.data(), stage.image.size());
+    stage.image = std::string();
+  }
+  // The sources first: making a non-contiguous tensor contiguous queues a
+  // copy on the current stream, which the side stream must wait for too.
+  // One contiguous flat view per tensor, however many pieces it is cut into.
+  std::vector<at::Tensor> flat(state.tensors.size());
+  std::vector<at::Tensor> sources(stage.pieces.size());
+  for (size_t i = 0; i < stage.pieces.size(); ++i) {
+    const Piece& p = stage.pieces[i];
+    if (stage.datasets[i].bytes == 0) continue;
+    at::Tensor& whole = flat[p.tensor];
+    if (!whole.defined()) {
+      whole = state.tensors[p.tensor].second.detach().contiguous().reshape({-1});
+    }
+    sources[i] = whole.slice(0, p.begin, p.end);
+  }
+  std::optional<c10::Stream> current, side;
+  if (device) {
+    const c10::impl::VirtualGuardImpl guard(device->type());
+    current = guard.getStream(*device);
+    side = guard.getStreamFromGlobalPool(*device);
+    c10::Event ready(device->type());
+    ready.record(*current);
+    ready.block(*side);
+  }
+  for (size_t i = 0; i < stage.pieces.size(); ++i) {
+    const ShardDataset& d = stage.datasets[i];
+    if (d.bytes == 0) continue;
+    const at::Tensor& src = sources[i];
+    if (src.device().is_cpu()) {
+      std::memcpy(stage.data() + d.offset, src.data_ptr(), static_cast<size_t>(d.bytes));
+      continue;
+    }
+    c10::StreamGuard on_side(*side);
+    at::Tensor dst = at::from_blob(stage.data() + d.offset, {src.numel()},
+                                   at::TensorOptions().dtype(src.scalar_type()));
+    dst.copy_(src, /*non_blocking=*/true);
+  }
+  if (device) {
+    stage.copied = std::make_unique<c10::Event>(device->type());
+    stage.copied->record(*side);
+    stage.copied->block(*current);
+    for (at::Tensor& src : sources) {
+      if (src.defined() && !src.device().is_cpu()) stage.sources.push_back(std::move(src));
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& state) {
+  Impl& m = *impl_;
+  const absl::Time begin = absl::Now();
+  SaveTicket ticket;
+  ticket.step = state.step;
+  const int64_t seq = m.saves++;
+  EVENSTEP_ASSIGN_OR_RETURN(const Described described, Describe(state));
   // A staging buffer: free, or the oldest save finishes (kWait), or skip.
   int slot = -1;
   {
@@ -206,104 +318,24 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& stat
     m.staging[slot].busy = true;
   }
   Staging& stage = m.staging[slot];
-  auto release = [&m, &stage] { m.Release(stage); };
-  if (stage.signature != signature) {
-    const auto plan = internal::PlanShards(metas, m.world, m.options.slice_bytes);
-    stage.pieces = plan[m.rank];
-    stage.datasets.clear();
-    for (const Piece& p : stage.pieces) {
-      const TensorMeta& t = metas[p.tensor];
-      ShardDataset d;
-      d.path = internal::DatasetPath(t, p);
-      d.dtype = t.dtype;
-      d.shape = p.whole ? t.shape : std::vector<int64_t>{p.end - p.begin};
-      d.tensor = t.name;
-      d.begin = p.begin;
-      d.end = p.end;
-      stage.datasets.push_back(std::move(d));
+  if (stage.signature != described.signature) {
+    if (absl::Status s = PlanStage(described, m.world, m.rank, m.options.slice_bytes, &stage);
+        !s.ok()) {
+      m.Release(stage);
+      return s;
     }
-    absl::StatusOr<std::string> image = internal::BuildShardImage(&stage.datasets);
-    if (!image.ok()) {
-      stage.signature.clear();
-      release();
-      return image.status();
-    }
-    stage.image = *std::move(image);
-    stage.pinned = at::Tensor();
-    stage.signature = signature;
   }
-  // The device this rank's share lives on, if any (one per process).
-  std::optional<c10::Device> device;
-  for (const Piece& p : stage.pieces) {
-    const c10::Device d = state.tensors[p.tensor].second.device();
-    if (!d.is_cpu()) device = d;
-  }
-  // The snapshot: the only part the training thread waits for. CPU tensors
-  // are copied into the image. Device tensors are copied by the device into
-  // the page-locked image on a side stream that first waits for the current
-  // stream (so it sees the finished step), and the current stream then waits
-  // for those copies before any later kernel can overwrite a parameter; the
-  // host only queues the copies, and the writer waits for them.
   try {
-    stage.WaitForCopies();  // a failed write may have left them unread
-    if (device && !stage.pinned.defined()) {
-      stage.pinned = at::empty({static_cast<int64_t>(stage.image.size())},
-                               at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-      std::memcpy(stage.pinned.data_ptr(), stage.image.data(), stage.image.size());
-      stage.image = std::string();
-    }
-    // The sources first: making a non-contiguous tensor contiguous queues a
-    // copy on the current stream, which the side stream must wait for too.
-    // One contiguous flat view per tensor, however many pieces it is cut into.
-    std::vector<at::Tensor> flat(state.tensors.size());
-    std::vector<at::Tensor> sources(stage.pieces.size());
-    for (size_t i = 0; i < stage.pieces.size(); ++i) {
-      const Piece& p = stage.pieces[i];
-      if (stage.datasets[i].bytes == 0) continue;
-      at::Tensor& whole = flat[p.tensor];
-      if (!whole.defined()) {
-        whole = state.tensors[p.tensor].second.detach().contiguous().reshape({-1});
-      }
-      sources[i] = whole.slice(0, p.begin, p.end);
-    }
-    std::optional<c10::Stream> current, side;
-    if (device) {
-      const c10::impl::VirtualGuardImpl guard(device->type());
-      current = guard.getStream(*device);
-      side = guard.getStreamFromGlobalPool(*device);
-      c10::Event ready(device->type());
-      ready.record(*current);
-      ready.block(*side);
-    }
-    for (size_t i = 0; i < stage.pieces.size(); ++i) {
-      const ShardDataset& d = stage.datasets[i];
-      if (d.bytes == 0) continue;
-      const at::Tensor& src = sources[i];
-      if (src.device().is_cpu()) {
-        std::memcpy(stage.data() + d.offset, src.data_ptr(), static_cast<size_t>(d.bytes));
-        continue;
-      }
-      c10::StreamGuard on_side(*side);
-      at::Tensor dst = at::from_blob(stage.data() + d.offset, {src.numel()},
-                                     at::TensorOptions().dtype(src.scalar_type()));
-      dst.copy_(src, /*non_blocking=*/true);
-    }
-    if (device) {
-      stage.copied = std::make_unique<c10::Event>(device->type());
-      stage.copied->record(*side);
-      stage.copied->block(*current);
-      for (at::Tensor& src : sources) {
-        if (src.defined() && !src.device().is_cpu()) stage.sources.push_back(std::move(src));
-      }
-    }
+    Snapshot(state, stage);
   } catch (const std::exception& e) {
-    release();
+    m.Release(stage);
     return absl::InternalError(
         absl::StrCat("checkpoint snapshot of step ", state.step, ": ", internal::ErrorText(e)));
   }
   ticket.snapshot_seconds = absl::ToDoubleSeconds(absl::Now() - begin);
   const int64_t step = state.step;
   const std::string extras = state.extras_json;
+  const std::vector<TensorMeta>& metas = described.metas;
   Impl* impl = impl_.get();
   ticket.done = m.runtime
                     ->Spawn([impl, &stage, seq, step, metas, extras] {

@@ -169,6 +169,140 @@ std::string ManifestToJson(const Manifest& m) {
   return j.dump(1);
 }
 
+namespace {
+
+// One tensor's entry of a manifest (throws Malformed or json's exceptions).
+TensorInfo ParseTensor(const json& t) {
+  TensorInfo info;
+  info.name = Str(t, "name");
+  info.dtype = Str(t, "dtype");
+  const json& shape = Array(t, "shape");
+  if (static_cast<int64_t>(shape.size()) > kMaxDims) {
+    throw Malformed{absl::StrCat("tensor ", info.name, ": more than ", kMaxDims, " dimensions")};
+  }
+  for (const json& d : shape) {
+    // Negative dimensions are refused below, with the whole shape.
+    info.shape.push_back(IntOf(d, absl::StrCat("tensor ", info.name, ": a dimension"),
+                               std::numeric_limits<int64_t>::min(),
+                               std::numeric_limits<int64_t>::max()));
+  }
+  for (const json& s : Array(t, "slices")) {
+    SliceInfo slice;
+    slice.shard = static_cast<int>(Int(s, "shard", 0, kMaxWorld));
+    slice.dataset = Str(s, "dataset");
+    slice.begin = Int(s, "begin", 0, std::numeric_limits<int64_t>::max());
+    slice.end = Int(s, "end", 0, std::numeric_limits<int64_t>::max());
+    slice.offset = Int(s, "offset", -1, std::numeric_limits<int64_t>::max());
+    slice.bytes = Int(s, "bytes", 0, std::numeric_limits<int64_t>::max());
+    slice.xxh3 = Hex64(s, "xxh3");
+    info.slices.push_back(std::move(slice));
+  }
+  return info;
+}
+
+// The manifest's fields from `j` (throws Malformed or json's exceptions);
+// the reason when it is not a manifest this build reads, else "".
+std::string ParseFields(const json& j, Manifest* out) {
+  Manifest& m = *out;
+  if (Str(j, "format") != "evenstep-checkpoint") return "not an evenstep manifest";
+  m.version = static_cast<int>(Int(j, "version", 0, std::numeric_limits<int>::max()));
+  if (m.version != 1 && m.version != 2) {
+    return absl::StrCat("format version ", m.version, " (this build reads 1 and 2)");
+  }
+  m.step = Int(j, "step", 0, std::numeric_limits<int64_t>::max());
+  m.world_size = static_cast<int>(Int(j, "world_size", 1, kMaxWorld));
+  for (const json& s : Array(j, "shards")) {
+    if (!s.is_string()) throw Malformed{"a shard name is not a string"};
+    m.shards.push_back(s.get<std::string>());
+  }
+  for (const json& b : Array(j, "shard_bytes")) {
+    m.shard_bytes.push_back(
+        IntOf(b, "a shard_bytes entry", 0, std::numeric_limits<int64_t>::max()));
+  }
+  const json& extras = Field(j, "extras");
+  m.extras_json = extras.is_string() ? extras.get<std::string>() : extras.dump();
+  for (const json& t : Array(j, "tensors")) m.tensors.push_back(ParseTensor(t));
+  if (m.version >= 2) m.index_xxh3 = Hex64(j, "index_xxh3");
+  return "";
+}
+
+// Byte ranges per shard, to find overlaps: (offset, end, tensor).
+using ShardRanges = std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, std::string>>>;
+
+// Tensor `t`'s entry against the format: a valid, unique name, a known dtype,
+// a possible shape, slices that cover its elements in order inside their
+// shards (their byte ranges added to `ranges`). The problem, or "".
+std::string CheckTensor(const Manifest& m, const TensorInfo& t, std::set<std::string>* names,
+                        ShardRanges* ranges) {
+  if (absl::Status s = internal::ValidateTensorName(t.name); !s.ok()) {
+    return std::string(s.message());
+  }
+  if (!names->insert(t.name).second) return absl::StrCat("tensor ", t.name, " appears twice");
+  const int64_t element = internal::DtypeSize(t.dtype);
+  if (element == 0) return absl::StrCat("tensor ", t.name, ": unknown dtype ", t.dtype);
+  int64_t numel = 1;
+  for (int64_t d : t.shape) {
+    if (d < 0 || (d > 0 && numel > (std::numeric_limits<int64_t>::max() / 16) / d)) {
+      return absl::StrCat("tensor ", t.name, ": impossible shape [", absl::StrJoin(t.shape, ","),
+                          "]");
+    }
+    numel *= d;
+  }
+  if (t.slices.empty()) return absl::StrCat("tensor ", t.name, ": no slices");
+  int64_t covered = 0;
+  for (const SliceInfo& s : t.slices) {
+    if (s.shard < 0 || s.shard >= m.world_size) {
+      return absl::StrCat("tensor ", t.name, ": slice in shard ", s.shard, " of ", m.world_size);
+    }
+    const bool progresses = s.end > s.begin || (numel == 0 && t.slices.size() == 1);
+    if (s.begin != covered || !progresses || s.end > numel ||
+        s.bytes != (s.end - s.begin) * element) {
+      return absl::StrCat("tensor ", t.name, ": slice [", s.begin, ", ", s.end, ") of ", s.bytes,
+                          " bytes does not continue the element range at ", covered, " of ", numel);
+    }
+    const std::string dataset =
+        t.slices.size() == 1 ? absl::StrCat("/", t.name) : absl::StrCat("/", t.name, "@", s.begin);
+    if (s.dataset != dataset) {
+      return absl::StrCat("tensor ", t.name, ": dataset \"", s.dataset.substr(0, 200),
+                          "\"; the format names it \"", dataset, "\"");
+    }
+    if ((s.bytes == 0) != (s.offset == -1)) {
+      return absl::StrCat("tensor ", t.name, ": offset ", s.offset, " with ", s.bytes,
+                          " bytes (-1 exactly when empty)");
+    }
+    if (s.bytes > 0) {
+      if (s.offset > m.shard_bytes[s.shard] - s.bytes) {
+        return absl::StrCat("tensor ", t.name, ": bytes [", s.offset, ", ",
+                            static_cast<uint64_t>(s.offset) + s.bytes, ") outside shard ",
+                            m.shards[s.shard], " (", m.shard_bytes[s.shard], " bytes)");
+      }
+      (*ranges)[s.shard].push_back({{s.offset, s.offset + s.bytes}, t.name});
+    }
+    covered = s.end;
+  }
+  if (covered != numel) {
+    return absl::StrCat("tensor ", t.name, ": slices cover ", covered, " of ", numel, " elements");
+  }
+  return "";
+}
+
+// Tensors whose bytes overlap in a shard: the problem, or "".
+std::string CheckOverlaps(const Manifest& m, ShardRanges& ranges) {
+  for (int r = 0; r < m.world_size; ++r) {
+    auto& list = ranges[r];
+    std::sort(list.begin(), list.end());
+    for (size_t i = 1; i < list.size(); ++i) {
+      if (list[i].first.first < list[i - 1].first.second) {
+        return absl::StrCat("tensors ", list[i - 1].second, " and ", list[i].second, " overlap in ",
+                            m.shards[r]);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::string& origin) {
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(absl::StrCat(origin, ": ", why));
@@ -180,52 +314,7 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
   if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
   Manifest m;
   try {
-    if (Str(j, "format") != "evenstep-checkpoint") return bad("not an evenstep manifest");
-    m.version = static_cast<int>(Int(j, "version", 0, std::numeric_limits<int>::max()));
-    if (m.version != 1 && m.version != 2) {
-      return bad(absl::StrCat("format version ", m.version, " (this build reads 1 and 2)"));
-    }
-    m.step = Int(j, "step", 0, std::numeric_limits<int64_t>::max());
-    m.world_size = static_cast<int>(Int(j, "world_size", 1, kMaxWorld));
-    for (const json& s : Array(j, "shards")) {
-      if (!s.is_string()) throw Malformed{"a shard name is not a string"};
-      m.shards.push_back(s.get<std::string>());
-    }
-    for (const json& b : Array(j, "shard_bytes")) {
-      m.shard_bytes.push_back(
-          IntOf(b, "a shard_bytes entry", 0, std::numeric_limits<int64_t>::max()));
-    }
-    const json& extras = Field(j, "extras");
-    m.extras_json = extras.is_string() ? extras.get<std::string>() : extras.dump();
-    for (const json& t : Array(j, "tensors")) {
-      TensorInfo info;
-      info.name = Str(t, "name");
-      info.dtype = Str(t, "dtype");
-      const json& shape = Array(t, "shape");
-      if (static_cast<int64_t>(shape.size()) > kMaxDims) {
-        throw Malformed{
-            absl::StrCat("tensor ", info.name, ": more than ", kMaxDims, " dimensions")};
-      }
-      for (const json& d : shape) {
-        // Negative dimensions are refused below, with the whole shape.
-        info.shape.push_back(IntOf(d, absl::StrCat("tensor ", info.name, ": a dimension"),
-                                   std::numeric_limits<int64_t>::min(),
-                                   std::numeric_limits<int64_t>::max()));
-      }
-      for (const json& s : Array(t, "slices")) {
-        SliceInfo slice;
-        slice.shard = static_cast<int>(Int(s, "shard", 0, kMaxWorld));
-        slice.dataset = Str(s, "dataset");
-        slice.begin = Int(s, "begin", 0, std::numeric_limits<int64_t>::max());
-        slice.end = Int(s, "end", 0, std::numeric_limits<int64_t>::max());
-        slice.offset = Int(s, "offset", -1, std::numeric_limits<int64_t>::max());
-        slice.bytes = Int(s, "bytes", 0, std::numeric_limits<int64_t>::max());
-        slice.xxh3 = Hex64(s, "xxh3");
-        info.slices.push_back(std::move(slice));
-      }
-      m.tensors.push_back(std::move(info));
-    }
-    if (m.version >= 2) m.index_xxh3 = Hex64(j, "index_xxh3");
+    if (const std::string why = ParseFields(j, &m); !why.empty()) return bad(why);
   } catch (const Malformed& e) {
     return bad(absl::StrCat("malformed: ", e.why));
   } catch (const std::exception& e) {
@@ -245,73 +334,11 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
     }
   }
   std::set<std::string> names;
-  // Byte ranges per shard, to find overlaps: (offset, end, tensor).
-  std::vector<std::vector<std::pair<std::pair<int64_t, int64_t>, std::string>>> ranges(
-      m.world_size);
+  ShardRanges ranges(m.world_size);
   for (const TensorInfo& t : m.tensors) {
-    if (absl::Status s = internal::ValidateTensorName(t.name); !s.ok()) {
-      return bad(std::string(s.message()));
-    }
-    if (!names.insert(t.name).second) return bad(absl::StrCat("tensor ", t.name, " appears twice"));
-    const int64_t element = internal::DtypeSize(t.dtype);
-    if (element == 0) return bad(absl::StrCat("tensor ", t.name, ": unknown dtype ", t.dtype));
-    int64_t numel = 1;
-    for (int64_t d : t.shape) {
-      if (d < 0 || (d > 0 && numel > (std::numeric_limits<int64_t>::max() / 16) / d)) {
-        return bad(absl::StrCat("tensor ", t.name, ": impossible shape [",
-                                absl::StrJoin(t.shape, ","), "]"));
-      }
-      numel *= d;
-    }
-    if (t.slices.empty()) return bad(absl::StrCat("tensor ", t.name, ": no slices"));
-    int64_t covered = 0;
-    for (const SliceInfo& s : t.slices) {
-      if (s.shard < 0 || s.shard >= m.world_size) {
-        return bad(
-            absl::StrCat("tensor ", t.name, ": slice in shard ", s.shard, " of ", m.world_size));
-      }
-      const bool progresses = s.end > s.begin || (numel == 0 && t.slices.size() == 1);
-      if (s.begin != covered || !progresses || s.end > numel ||
-          s.bytes != (s.end - s.begin) * element) {
-        return bad(absl::StrCat("tensor ", t.name, ": slice [", s.begin, ", ", s.end, ") of ",
-                                s.bytes, " bytes does not continue the element range at ", covered,
-                                " of ", numel));
-      }
-      const std::string dataset = t.slices.size() == 1 ? absl::StrCat("/", t.name)
-                                                       : absl::StrCat("/", t.name, "@", s.begin);
-      if (s.dataset != dataset) {
-        return bad(absl::StrCat("tensor ", t.name, ": dataset \"", s.dataset.substr(0, 200),
-                                "\"; the format names it \"", dataset, "\""));
-      }
-      if ((s.bytes == 0) != (s.offset == -1)) {
-        return bad(absl::StrCat("tensor ", t.name, ": offset ", s.offset, " with ", s.bytes,
-                                " bytes (-1 exactly when empty)"));
-      }
-      if (s.bytes > 0) {
-        if (s.offset > m.shard_bytes[s.shard] - s.bytes) {
-          return bad(absl::StrCat("tensor ", t.name, ": bytes [", s.offset, ", ",
-                                  static_cast<uint64_t>(s.offset) + s.bytes, ") outside shard ",
-                                  m.shards[s.shard], " (", m.shard_bytes[s.shard], " bytes)"));
-        }
-        ranges[s.shard].push_back({{s.offset, s.offset + s.bytes}, t.name});
-      }
-      covered = s.end;
-    }
-    if (covered != numel) {
-      return bad(
-          absl::StrCat("tensor ", t.name, ": slices cover ", covered, " of ", numel, " elements"));
-    }
+    if (const std::string why = CheckTensor(m, t, &names, &ranges); !why.empty()) return bad(why);
   }
-  for (int r = 0; r < m.world_size; ++r) {
-    auto& list = ranges[r];
-    std::sort(list.begin(), list.end());
-    for (size_t i = 1; i < list.size(); ++i) {
-      if (list[i].first.first < list[i - 1].first.second) {
-        return bad(absl::StrCat("tensors ", list[i - 1].second, " and ", list[i].second,
-                                " overlap in ", m.shards[r]));
-      }
-    }
-  }
+  if (const std::string why = CheckOverlaps(m, ranges); !why.empty()) return bad(why);
   if (m.version >= 2) {
     const uint64_t computed = ManifestIndexChecksum(m);
     if (computed != m.index_xxh3) {

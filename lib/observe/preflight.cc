@@ -317,22 +317,25 @@ std::string Ratio(double r) { return std::isnan(r) ? "-" : absl::StrFormat("%.2f
 
 }  // namespace
 
-absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOptions& options) {
-  const absl::Time begin = absl::Now();
-  const int rank = ctx.rank(), world = ctx.world_size();
-  const int run = RunCounter();
-  const std::string ns = absl::StrCat("evenstep/preflight/", run, "/");
-  c10::Device device(c10::kCPU);
+namespace {
+
+// The device the preflight measures: options.device, or CUDA when present.
+absl::StatusOr<c10::Device> PreflightDevice(const PreflightOptions& options) {
   try {
-    device = options.device.empty()
-                 ? (at::hasCUDA() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU))
-                 : c10::Device(options.device);
+    return options.device.empty()
+               ? (at::hasCUDA() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU))
+               : c10::Device(options.device);
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("preflight: device '", options.device, "' is not a device"));
   }
-  const double slowdown = std::max(1.0, options.compute_slowdown);
-  std::map<std::string, double> injected;  // this rank's
+}
+
+// The figures `rank` reports instead of measuring them (options.injected),
+// by name; InvalidArgument for a name that is no per-rank figure.
+absl::StatusOr<std::map<std::string, double>> InjectedFigures(const PreflightOptions& options,
+                                                              int rank) {
+  std::map<std::string, double> injected;
   for (const PreflightOptions::Injected& f : options.injected) {
     const bool known = std::any_of(Metrics().begin(), Metrics().end(),
                                    [&f](const Metric& m) { return f.metric == m.name; });
@@ -347,261 +350,322 @@ absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOp
       injected[f.metric] = f.value;
     }
   }
-  PreflightReport report;
-  report.world_size = world;
-  std::vector<std::string> notes;
+  return injected;
+}
 
-  // Nodes: host names (and the launcher's node index), exchanged once per job.
-  EVENSTEP_ASSIGN_OR_RETURN(const NodeLayout layout, ctx.Nodes(),
-                            "preflight: exchanging node names");
-  report.nodes = layout.names;
-  const std::vector<int>& node_of = layout.node_of;
-  const std::vector<std::vector<int>>& node_ranks = layout.ranks;
-  const int nodes = layout.nodes();
-  int turns = 0, my_turn = 0;
-  for (const auto& members : node_ranks) turns = std::max<int>(turns, members.size());
-  {
-    const auto& mine = node_ranks[node_of[rank]];
-    my_turn = static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+// One preflight on this rank: its measurements, taken in the same order on
+// every rank (the collectives and the turns line up), and the gathered,
+// judged report.
+class PreflightRun {
+ public:
+  PreflightRun(DistContext& ctx, const PreflightOptions& options, c10::Device device,
+               NodeLayout layout, std::map<std::string, double> injected)
+      : ctx_(ctx),
+        options_(options),
+        device_(device),
+        layout_(std::move(layout)),
+        injected_(std::move(injected)),
+        rank_(ctx.rank()),
+        world_(ctx.world_size()),
+        ns_(absl::StrCat("evenstep/preflight/", RunCounter(), "/")) {
+    for (const auto& members : layout_.ranks) turns_ = std::max<int>(turns_, members.size());
+    const auto& mine = layout_.ranks[layout_.node_of[rank_]];
+    my_turn_ = static_cast<int>(std::find(mine.begin(), mine.end(), rank_) - mine.begin());
+    for (const Metric& m : Metrics()) mine_[m.name] = kNaN;
+    report_.world_size = world_;
+    report_.nodes = layout_.names;
   }
 
-  // Per-rank figures, kept as the best seen so far.
-  const bool quick = options.quick;
-  const int64_t n = device.is_cpu() ? (quick ? 192 : 384) : (quick ? 2048 : 4096);
-  const absl::Duration budget = absl::Milliseconds(quick ? 80 : 200);
-  const size_t copy_bytes = (quick ? size_t{32} : size_t{64}) << 20;
-  const size_t disk_bytes = (quick ? size_t{8} : size_t{64}) << 20;
-  const int iters = quick ? 5 : 8;
-  const size_t group_bytes = (quick ? size_t{1} : size_t{4}) << 20;
-  std::map<std::string, double> mine;
-  for (const Metric& m : Metrics()) mine[m.name] = kNaN;
-  auto best = [&](const char* name, double v) {
-    if (std::isnan(v)) return;
-    double& slot = mine[name];
-    slot = std::isnan(slot) ? v : std::max(slot, v);
-  };
-  const bool gpu = !device.is_cpu();
-  bool bf16 = gpu;
-  bool ckpt_ok = !options.ckpt_dir.empty(), data_ok = !options.data_dir.empty();
+  absl::StatusOr<PreflightReport> Run();
+
+ private:
   // One round: device compute at once, then the host resources in turns.
-  int round_index = 0;
-  auto measure_round = [&](bool first) -> absl::Status {
-    // Ranks measuring at once (one per node) start on different cores.
-    const int cpu = node_of[rank] + round_index++;
-    if (gpu) {
-      best("matmul_fp32_gflops", MatmulGflops(device, at::kFloat, n, budget, slowdown));
-      if (bf16) {
-        try {
-          best("matmul_bf16_gflops", MatmulGflops(device, at::kBFloat16, n, budget, slowdown));
-        } catch (const std::exception&) {
-          bf16 = false;
-          notes.push_back(absl::StrCat("rank ", rank, ": bf16 matrix products not supported"));
-        }
-      }
-    }
-    for (int turn = 0; turn < turns; ++turn) {
-      if (turn == my_turn) {
-        if (!gpu) {
-          best("matmul_fp32_gflops",
-               OnCpu(cpu, [&] { return MatmulGflops(device, at::kFloat, n, budget, slowdown); }));
-        }
-        best("memcpy_gbps", OnCpu(cpu, [&] { return MemcpyGbps(copy_bytes); }));
-        if (gpu) {
-          best("h2d_pinned_gbps", HostToDeviceGbps(device, copy_bytes, true));
-          best("h2d_pageable_gbps", HostToDeviceGbps(device, copy_bytes, false));
-        }
-        // A directory that failed once is not tried again.
-        if (ckpt_ok) {
-          auto [w, r] = DiskGbps(options.ckpt_dir, disk_bytes, rank, &notes);
-          ckpt_ok = !std::isnan(w);
-          best("ckpt_write_gbps", w);
-          best("ckpt_read_gbps", r);
-        }
-        if (data_ok) {
-          const double r = DiskGbps(options.data_dir, disk_bytes, rank, &notes).second;
-          data_ok = !std::isnan(r);
-          best("data_read_gbps", r);
-        }
-        if (first) {
-          mine["free_memory_gb"] = FreeMemoryGb();
-          if (gpu) mine["free_device_memory_gb"] = FreeDeviceGb(device);
-        }
-      }
-      EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight turn ", turn);
-    }
-    return absl::OkStatus();
-  };
+  absl::Status MeasureRound(bool first);
+  // This rank's host figures, in its turn.
+  void MeasureHost(int cpu, bool first);
+  // Clock offsets from rank 0: the median over rounds of the clocks read
+  // right after a barrier.
+  absl::Status MeasureClocks();
+  // Collectives over all ranks: latency and bus bandwidth.
+  absl::Status MeasureGroup();
+  // Within each node and across nodes (ranks with the same place in their
+  // node), all such groups at once; the worst group is reported.
+  absl::Status MeasureNodeGroups();
   // Pairs: round k pairs rank i with i xor 2^k; the pairs whose lower rank
   // is on one node take turns (they share its host and network interface),
   // the nodes go at once.
-  std::vector<std::unique_ptr<Subgroup>> pair_groups;
-  std::vector<double> pair_bw;
-  auto measure_pairs = [&]() -> absl::Status {
-    int k = 0;
-    for (int bit = 1; bit < world; bit <<= 1, ++k) {
-      const int partner = rank ^ bit;
-      const int low = std::min(rank, partner);
-      std::vector<int> lows;  // lower ranks of this round's pairs on low's node
-      if (partner < world) {
-        for (int r : node_ranks[node_of[low]]) {
-          if ((r ^ bit) < world && r < (r ^ bit)) lows.push_back(r);
-        }
-      }
-      int pair_turns = 0;
-      for (const auto& members : node_ranks) {
-        int count = 0;
-        for (int r : members) count += (r ^ bit) < world && r < (r ^ bit);
-        pair_turns = std::max(pair_turns, count);
-      }
-      if (pair_bw.size() <= static_cast<size_t>(k)) {
-        pair_bw.push_back(kNaN);
-        pair_groups.emplace_back();
-        if (partner < world) {
-          EVENSTEP_ASSIGN_OR_RETURN(
-              pair_groups[k],
-              ctx.NewSubgroup(absl::StrCat(ns, "pair", low, "_", std::max(rank, partner)),
-                              {rank, partner}));
-        }
-      }
-      const int my_pair_turn =
-          static_cast<int>(std::find(lows.begin(), lows.end(), low) - lows.begin());
-      for (int turn = 0; turn < pair_turns; ++turn) {
-        if (partner < world && turn == my_pair_turn) {
-          Subgroup& g = *pair_groups[k];
-          EVENSTEP_ASSIGN_OR_RETURN(
-              double bw, MeasureBusBandwidth(2, group_bytes, iters,
-                                             [&](at::Tensor& t) { return g.AllReduce(t); }));
-          pair_bw[k] = std::isnan(pair_bw[k]) ? bw : std::max(pair_bw[k], bw);
-        }
-        EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight after a turn of pairs");
-      }
-    }
-    return absl::OkStatus();
-  };
+  absl::Status MeasurePairs();
   // Everyone's figures into the report, judged.
-  auto gather = [&]() -> absl::Status {
-    for (const auto& [name, value] : injected) mine[name] = value;
-    std::vector<double> values;
-    for (const Metric& m : Metrics()) values.push_back(mine[m.name]);
-    values.insert(values.end(), pair_bw.begin(), pair_bw.end());
-    EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> all, GatherDoubles(ctx, values));
-    const size_t per = values.size();
-    for (size_t m = 0; m < Metrics().size(); ++m) {
-      std::vector<double> column(world);
-      bool any = false;
-      for (int r = 0; r < world; ++r) {
-        column[r] = all[r * per + m];
-        any = any || !std::isnan(column[r]);
-      }
-      if (any) report.per_rank[Metrics()[m].name] = column;
-    }
-    for (int r = 0; r < world; ++r) {
-      for (size_t k = 0; k < pair_bw.size(); ++k) {
-        const int partner = r ^ (1 << k);
-        if (partner < world && r < partner) {
-          report.pairs[{r, partner}] = all[r * per + Metrics().size() + k];
-        }
-      }
-    }
-    JudgePreflight(&report);
-    return absl::OkStatus();
-  };
-
-  for (int round = 0; round < 3; ++round) EVENSTEP_RETURN_IF_ERROR(measure_round(round == 0));
-
-  // Clock offsets from rank 0: the median over rounds of the clocks read
-  // right after a barrier.
-  std::vector<std::vector<double>> offsets(world);
-  for (int k = 0; k < 5; ++k) {
-    EVENSTEP_RETURN_IF_ERROR(ctx.Barrier(), "preflight clock round");
-    const double now_ms = absl::ToDoubleMilliseconds(absl::Now() - absl::UnixEpoch());
-    EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> clocks, GatherDoubles(ctx, {now_ms}));
-    for (int r = 0; r < world; ++r) offsets[r].push_back(clocks[r] - clocks[0]);
+  absl::Status Gather();
+  // A figure kept as the best seen so far.
+  void Best(const char* name, double v) {
+    if (std::isnan(v)) return;
+    double& slot = mine_[name];
+    slot = std::isnan(slot) ? v : std::max(slot, v);
   }
-  std::vector<double> clock(world);
-  for (int r = 0; r < world; ++r) clock[r] = Median(offsets[r]);
-  report.per_rank["clock_offset_ms"] = clock;
+  bool quick() const { return options_.quick; }
+  int iters() const { return quick() ? 5 : 8; }
+  size_t group_bytes() const { return (quick() ? size_t{1} : size_t{4}) << 20; }
+  double Matmul(at::ScalarType dtype) const {
+    const int64_t n = device_.is_cpu() ? (quick() ? 192 : 384) : (quick() ? 2048 : 4096);
+    return MatmulGflops(device_, dtype, n, absl::Milliseconds(quick() ? 80 : 200),
+                        std::max(1.0, options_.compute_slowdown));
+  }
 
-  // Collectives over all ranks.
-  if (world > 1) {
-    std::vector<double> lat;
-    at::Tensor one = at::ones({1});
-    for (int i = 0; i < (quick ? 10 : 20); ++i) {
-      const absl::Time t = absl::Now();
-      EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(one));
-      lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - t));
-    }
-    report.group["allreduce_latency_us"] = Median(lat);
-    for (size_t mb : quick ? std::vector<size_t>{1} : std::vector<size_t>{1, 16}) {
-      EVENSTEP_ASSIGN_OR_RETURN(
-          double bw, MeasureBusBandwidth(world, mb << 20, iters,
-                                         [&](at::Tensor& t) { return ctx.AllReduce(t); }));
-      report.group[absl::StrCat("allreduce_busbw_gbps_", mb, "mb")] = bw;
-      report.group["allreduce_busbw_gbps"] = bw;
-    }
-  }
-  // Within each node and across nodes (ranks with the same place in their
-  // node), all such groups at once; the worst group is reported.
-  if (nodes > 1) {
-    std::vector<double> sub = {kNaN, kNaN};
-    const auto& local = node_ranks[node_of[rank]];
-    if (local.size() > 1) {
-      EVENSTEP_ASSIGN_OR_RETURN(auto g,
-                                ctx.NewSubgroup(absl::StrCat(ns, "node", node_of[rank]), local));
-      EVENSTEP_ASSIGN_OR_RETURN(
-          sub[0], MeasureBusBandwidth(g->size(), group_bytes, iters,
-                                      [&](at::Tensor& t) { return g->AllReduce(t); }));
-    }
-    std::vector<int> across;
-    for (const auto& members : node_ranks) {
-      if (my_turn < static_cast<int>(members.size())) across.push_back(members[my_turn]);
-    }
-    if (across.size() > 1) {
-      EVENSTEP_ASSIGN_OR_RETURN(auto g,
-                                ctx.NewSubgroup(absl::StrCat(ns, "cross", my_turn), across));
-      EVENSTEP_ASSIGN_OR_RETURN(
-          sub[1], MeasureBusBandwidth(g->size(), group_bytes, iters,
-                                      [&](at::Tensor& t) { return g->AllReduce(t); }));
-    }
-    EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> groups, GatherDoubles(ctx, sub));
-    double local_min = kNaN, cross_min = kNaN;
-    for (int r = 0; r < world; ++r) {
-      const double l = groups[2 * r], c = groups[2 * r + 1];
-      if (!std::isnan(l)) local_min = std::isnan(local_min) ? l : std::min(local_min, l);
-      if (!std::isnan(c)) cross_min = std::isnan(cross_min) ? c : std::min(cross_min, c);
-    }
-    if (!std::isnan(local_min)) report.group["local_busbw_gbps"] = local_min;
-    if (!std::isnan(cross_min)) report.group["cross_node_busbw_gbps"] = cross_min;
-  }
-  EVENSTEP_RETURN_IF_ERROR(measure_pairs());
-  EVENSTEP_RETURN_IF_ERROR(gather());
+  DistContext& ctx_;
+  const PreflightOptions& options_;
+  const c10::Device device_;
+  const NodeLayout layout_;
+  const std::map<std::string, double> injected_;
+  const int rank_, world_;
+  const std::string ns_;  // the subgroups' names
+  int turns_ = 0, my_turn_ = 0;
+  PreflightReport report_;
+  std::vector<std::string> notes_;
+  std::map<std::string, double> mine_;  // this rank's figures
+  bool bf16_ = !device_.is_cpu();
+  bool ckpt_ok_ = !options_.ckpt_dir.empty(), data_ok_ = !options_.data_dir.empty();
+  int round_index_ = 0;
+  std::vector<std::unique_ptr<Subgroup>> pair_groups_;
+  std::vector<double> pair_bw_;
+};
+
+absl::StatusOr<PreflightReport> PreflightRun::Run() {
+  const absl::Time begin = absl::Now();
+  for (int round = 0; round < 3; ++round) EVENSTEP_RETURN_IF_ERROR(MeasureRound(round == 0));
+  EVENSTEP_RETURN_IF_ERROR(MeasureClocks());
+  if (world_ > 1) EVENSTEP_RETURN_IF_ERROR(MeasureGroup());
+  if (layout_.nodes() > 1) EVENSTEP_RETURN_IF_ERROR(MeasureNodeGroups());
+  EVENSTEP_RETURN_IF_ERROR(MeasurePairs());
+  EVENSTEP_RETURN_IF_ERROR(Gather());
   // An outlier is measured again before it is named: up to two more rounds
   // (every rank, so the turns stay the same), keeping the best figures. The
   // findings are the same on every rank, so every rank decides alike.
   auto outliers = [&] {
-    for (const PreflightFinding& f : report.findings) {
+    for (const PreflightFinding& f : report_.findings) {
       if (f.metric != "clock_offset_ms" && f.metric != "cross_node_busbw_gbps") return true;
     }
     return false;
   };
   for (int again = 0; again < 2 && outliers(); ++again) {
-    EVENSTEP_RETURN_IF_ERROR(measure_round(false));
-    EVENSTEP_RETURN_IF_ERROR(measure_pairs());
-    EVENSTEP_RETURN_IF_ERROR(gather());
+    EVENSTEP_RETURN_IF_ERROR(MeasureRound(false));
+    EVENSTEP_RETURN_IF_ERROR(MeasurePairs());
+    EVENSTEP_RETURN_IF_ERROR(Gather());
   }
-  report.elapsed = absl::Now() - begin;
-  for (const std::string& note : notes) {
-    report.findings.push_back({"note", {rank}, "", 1, note});
+  report_.elapsed = absl::Now() - begin;
+  for (const std::string& note : notes_) {
+    report_.findings.push_back({"note", {rank_}, "", 1, note});
   }
-  return report;
+  return std::move(report_);
 }
 
-void JudgePreflight(PreflightReport* report) {
+absl::Status PreflightRun::MeasureRound(bool first) {
+  // Ranks measuring at once (one per node) start on different cores.
+  const int cpu = layout_.node_of[rank_] + round_index_++;
+  if (!device_.is_cpu()) {
+    Best("matmul_fp32_gflops", Matmul(at::kFloat));
+    if (bf16_) {
+      try {
+        Best("matmul_bf16_gflops", Matmul(at::kBFloat16));
+      } catch (const std::exception&) {
+        bf16_ = false;
+        notes_.push_back(absl::StrCat("rank ", rank_, ": bf16 matrix products not supported"));
+      }
+    }
+  }
+  for (int turn = 0; turn < turns_; ++turn) {
+    if (turn == my_turn_) MeasureHost(cpu, first);
+    EVENSTEP_RETURN_IF_ERROR(ctx_.Barrier(), "preflight turn ", turn);
+  }
+  return absl::OkStatus();
+}
+
+void PreflightRun::MeasureHost(int cpu, bool first) {
+  const bool gpu = !device_.is_cpu();
+  const size_t copy_bytes = (quick() ? size_t{32} : size_t{64}) << 20;
+  const size_t disk_bytes = (quick() ? size_t{8} : size_t{64}) << 20;
+  if (!gpu) Best("matmul_fp32_gflops", OnCpu(cpu, [&] { return Matmul(at::kFloat); }));
+  Best("memcpy_gbps", OnCpu(cpu, [&] { return MemcpyGbps(copy_bytes); }));
+  if (gpu) {
+    Best("h2d_pinned_gbps", HostToDeviceGbps(device_, copy_bytes, true));
+    Best("h2d_pageable_gbps", HostToDeviceGbps(device_, copy_bytes, false));
+  }
+  // A directory that failed once is not tried again.
+  if (ckpt_ok_) {
+    auto [w, r] = DiskGbps(options_.ckpt_dir, disk_bytes, rank_, &notes_);
+    ckpt_ok_ = !std::isnan(w);
+    Best("ckpt_write_gbps", w);
+    Best("ckpt_read_gbps", r);
+  }
+  if (data_ok_) {
+    const double r = DiskGbps(options_.data_dir, disk_bytes, rank_, &notes_).second;
+    data_ok_ = !std::isnan(r);
+    Best("data_read_gbps", r);
+  }
+  if (first) {
+    mine_["free_memory_gb"] = FreeMemoryGb();
+    if (gpu) mine_["free_device_memory_gb"] = FreeDeviceGb(device_);
+  }
+}
+
+absl::Status PreflightRun::MeasureClocks() {
+  std::vector<std::vector<double>> offsets(world_);
+  for (int k = 0; k < 5; ++k) {
+    EVENSTEP_RETURN_IF_ERROR(ctx_.Barrier(), "preflight clock round");
+    const double now_ms = absl::ToDoubleMilliseconds(absl::Now() - absl::UnixEpoch());
+    EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> clocks, GatherDoubles(ctx_, {now_ms}));
+    for (int r = 0; r < world_; ++r) offsets[r].push_back(clocks[r] - clocks[0]);
+  }
+  std::vector<double> clock(world_);
+  for (int r = 0; r < world_; ++r) clock[r] = Median(offsets[r]);
+  report_.per_rank["clock_offset_ms"] = clock;
+  return absl::OkStatus();
+}
+
+absl::Status PreflightRun::MeasureGroup() {
+  std::vector<double> lat;
+  at::Tensor one = at::ones({1});
+  for (int i = 0; i < (quick() ? 10 : 20); ++i) {
+    const absl::Time t = absl::Now();
+    EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(one));
+    lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - t));
+  }
+  report_.group["allreduce_latency_us"] = Median(lat);
+  for (size_t mb : quick() ? std::vector<size_t>{1} : std::vector<size_t>{1, 16}) {
+    EVENSTEP_ASSIGN_OR_RETURN(
+        double bw, MeasureBusBandwidth(world_, mb << 20, iters(),
+                                       [&](at::Tensor& t) { return ctx_.AllReduce(t); }));
+    report_.group[absl::StrCat("allreduce_busbw_gbps_", mb, "mb")] = bw;
+    report_.group["allreduce_busbw_gbps"] = bw;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PreflightRun::MeasureNodeGroups() {
+  const int node = layout_.node_of[rank_];
+  std::vector<double> sub = {kNaN, kNaN};
+  const auto& local = layout_.ranks[node];
+  if (local.size() > 1) {
+    EVENSTEP_ASSIGN_OR_RETURN(auto g, ctx_.NewSubgroup(absl::StrCat(ns_, "node", node), local));
+    EVENSTEP_ASSIGN_OR_RETURN(sub[0],
+                              MeasureBusBandwidth(g->size(), group_bytes(), iters(),
+                                                  [&](at::Tensor& t) { return g->AllReduce(t); }));
+  }
+  std::vector<int> across;
+  for (const auto& members : layout_.ranks) {
+    if (my_turn_ < static_cast<int>(members.size())) across.push_back(members[my_turn_]);
+  }
+  if (across.size() > 1) {
+    EVENSTEP_ASSIGN_OR_RETURN(auto g,
+                              ctx_.NewSubgroup(absl::StrCat(ns_, "cross", my_turn_), across));
+    EVENSTEP_ASSIGN_OR_RETURN(sub[1],
+                              MeasureBusBandwidth(g->size(), group_bytes(), iters(),
+                                                  [&](at::Tensor& t) { return g->AllReduce(t); }));
+  }
+  EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> groups, GatherDoubles(ctx_, sub));
+  double local_min = kNaN, cross_min = kNaN;
+  for (int r = 0; r < world_; ++r) {
+    const double l = groups[2 * r], c = groups[2 * r + 1];
+    if (!std::isnan(l)) local_min = std::isnan(local_min) ? l : std::min(local_min, l);
+    if (!std::isnan(c)) cross_min = std::isnan(cross_min) ? c : std::min(cross_min, c);
+  }
+  if (!std::isnan(local_min)) report_.group["local_busbw_gbps"] = local_min;
+  if (!std::isnan(cross_min)) report_.group["cross_node_busbw_gbps"] = cross_min;
+  return absl::OkStatus();
+}
+
+absl::Status PreflightRun::MeasurePairs() {
+  const std::vector<std::vector<int>>& node_ranks = layout_.ranks;
+  int k = 0;
+  for (int bit = 1; bit < world_; bit <<= 1, ++k) {
+    const int partner = rank_ ^ bit;
+    const int low = std::min(rank_, partner);
+    std::vector<int> lows;  // lower ranks of this round's pairs on low's node
+    if (partner < world_) {
+      for (int r : node_ranks[layout_.node_of[low]]) {
+        if ((r ^ bit) < world_ && r < (r ^ bit)) lows.push_back(r);
+      }
+    }
+    int pair_turns = 0;
+    for (const auto& members : node_ranks) {
+      int count = 0;
+      for (int r : members) count += (r ^ bit) < world_ && r < (r ^ bit);
+      pair_turns = std::max(pair_turns, count);
+    }
+    if (pair_bw_.size() <= static_cast<size_t>(k)) {
+      pair_bw_.push_back(kNaN);
+      pair_groups_.emplace_back();
+      if (partner < world_) {
+        EVENSTEP_ASSIGN_OR_RETURN(
+            pair_groups_[k],
+            ctx_.NewSubgroup(absl::StrCat(ns_, "pair", low, "_", std::max(rank_, partner)),
+                             {rank_, partner}));
+      }
+    }
+    const int my_pair_turn =
+        static_cast<int>(std::find(lows.begin(), lows.end(), low) - lows.begin());
+    for (int turn = 0; turn < pair_turns; ++turn) {
+      if (partner < world_ && turn == my_pair_turn) {
+        Subgroup& g = *pair_groups_[k];
+        EVENSTEP_ASSIGN_OR_RETURN(
+            double bw, MeasureBusBandwidth(2, group_bytes(), iters(),
+                                           [&](at::Tensor& t) { return g.AllReduce(t); }));
+        pair_bw_[k] = std::isnan(pair_bw_[k]) ? bw : std::max(pair_bw_[k], bw);
+      }
+      EVENSTEP_RETURN_IF_ERROR(ctx_.Barrier(), "preflight after a turn of pairs");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PreflightRun::Gather() {
+  for (const auto& [name, value] : injected_) mine_[name] = value;
+  std::vector<double> values;
+  for (const Metric& m : Metrics()) values.push_back(mine_[m.name]);
+  values.insert(values.end(), pair_bw_.begin(), pair_bw_.end());
+  EVENSTEP_ASSIGN_OR_RETURN(std::vector<double> all, GatherDoubles(ctx_, values));
+  const size_t per = values.size();
+  for (size_t m = 0; m < Metrics().size(); ++m) {
+    std::vector<double> column(world_);
+    bool any = false;
+    for (int r = 0; r < world_; ++r) {
+      column[r] = all[r * per + m];
+      any = any || !std::isnan(column[r]);
+    }
+    if (any) report_.per_rank[Metrics()[m].name] = column;
+  }
+  for (int r = 0; r < world_; ++r) {
+    for (size_t k = 0; k < pair_bw_.size(); ++k) {
+      const int partner = r ^ (1 << k);
+      if (partner < world_ && r < partner) {
+        report_.pairs[{r, partner}] = all[r * per + Metrics().size() + k];
+      }
+    }
+  }
+  JudgePreflight(&report_);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PreflightReport> RunPreflight(DistContext& ctx, const PreflightOptions& options) {
+  EVENSTEP_ASSIGN_OR_RETURN(const c10::Device device, PreflightDevice(options));
+  EVENSTEP_ASSIGN_OR_RETURN(auto injected, InjectedFigures(options, ctx.rank()));
+  // Nodes: host names (and the launcher's node index), exchanged once per job.
+  EVENSTEP_ASSIGN_OR_RETURN(NodeLayout layout, ctx.Nodes(), "preflight: exchanging node names");
+  PreflightRun run(ctx, options, device, std::move(layout), std::move(injected));
+  return run.Run();
+}
+
+namespace {
+
+// Per-rank figure `m`: ranks below its threshold of the reference (the
+// median rank; with two, the other one), a node named when all of its ranks
+// are.
+void JudgeFigure(const Metric& m, PreflightReport* report) {
   const int world = report->world_size;
   std::vector<PreflightFinding>& out = report->findings;
-  out.erase(std::remove_if(out.begin(), out.end(),
-                           [](const PreflightFinding& f) { return f.metric != "note"; }),
-            out.end());
+  const std::set<std::string> distinct(report->nodes.begin(), report->nodes.end());
   auto node_ranks = [&](const std::string& node) {
     std::vector<int> r;
     for (int i = 0; i < world; ++i) {
@@ -611,103 +675,110 @@ void JudgePreflight(PreflightReport* report) {
     }
     return r;
   };
-  std::set<std::string> distinct(report->nodes.begin(), report->nodes.end());
-  for (const Metric& m : Metrics()) {
-    auto it = report->per_rank.find(m.name);
-    if (it == report->per_rank.end()) continue;
-    const std::vector<double>& v = it->second;
-    const std::vector<double> present = Measured(v);
-    if (present.size() < 2) continue;  // one rank has no one to be compared with
-    const double ref = Reference(present);
-    if (!(ref > 0)) continue;
-    const bool two = present.size() == 2;
-    const std::string ref_name = two ? "the other rank" : "the median";
-    std::vector<int> slow;
-    for (int r = 0; r < world; ++r) {
-      if (!std::isnan(v[r]) && v[r] / ref < m.threshold) slow.push_back(r);
-    }
-    // A node all of whose ranks are slow (with more than one node) is named
-    // as the node.
-    std::set<int> done;
-    if (distinct.size() > 1) {
-      for (const std::string& node : distinct) {
-        std::vector<int> members = node_ranks(node);
-        const bool all =
-            !members.empty() && std::all_of(members.begin(), members.end(), [&](int r) {
-              return std::find(slow.begin(), slow.end(), r) != slow.end();
-            });
-        if (!all || members.size() < 2) continue;
-        double worst = 1;
-        for (int r : members) worst = std::min(worst, v[r] / ref);
-        out.push_back({m.name, members, node, worst,
-                       absl::StrFormat("node %s: %s %.2fx %s (ranks %s)", node, m.label, worst,
-                                       ref_name, absl::StrJoin(members, ","))});
-        done.insert(members.begin(), members.end());
-      }
-    }
-    for (int r : slow) {
-      if (done.count(r)) continue;
-      const std::string where =
-          report->nodes.size() == static_cast<size_t>(world) && distinct.size() > 1
-              ? absl::StrCat(" (node ", report->nodes[r], ")")
-              : "";
-      out.push_back({m.name,
-                     {r},
-                     "",
-                     v[r] / ref,
-                     absl::StrFormat("rank %d%s: %s %.2fx %s (%.3g vs %.3g %s)", r, where, m.label,
-                                     v[r] / ref, ref_name, v[r], ref, m.unit)});
-    }
+  auto it = report->per_rank.find(m.name);
+  if (it == report->per_rank.end()) return;
+  const std::vector<double>& v = it->second;
+  const std::vector<double> present = Measured(v);
+  if (present.size() < 2) return;  // one rank has no one to be compared with
+  const double ref = Reference(present);
+  if (!(ref > 0)) return;
+  const bool two = present.size() == 2;
+  const std::string ref_name = two ? "the other rank" : "the median";
+  std::vector<int> slow;
+  for (int r = 0; r < world; ++r) {
+    if (!std::isnan(v[r]) && v[r] / ref < m.threshold) slow.push_back(r);
   }
-  // Links: pairs well below the median pair; a rank all of whose pairs are
-  // slow is named instead of its links.
-  if (report->pairs.size() >= 2) {
-    std::vector<double> bws;
-    for (const auto& [p, bw] : report->pairs) bws.push_back(bw);
-    const double median = Median(bws);
-    std::map<int, std::pair<int, int>> per_rank;  // rank -> (slow pairs, pairs)
-    for (const auto& [p, bw] : report->pairs) {
-      const bool slow = median > 0 && bw / median < kPairThreshold;
-      for (int r : {p.first, p.second}) {
-        per_rank[r].second += 1;
-        per_rank[r].first += slow;
-      }
-    }
-    std::set<int> slow_ranks;
-    for (const auto& [r, c] : per_rank) {
-      if (c.second >= 2 && c.first == c.second) slow_ranks.insert(r);
-    }
-    for (int r : slow_ranks) {
+  // A node all of whose ranks are slow (with more than one node) is named
+  // as the node.
+  std::set<int> done;
+  if (distinct.size() > 1) {
+    for (const std::string& node : distinct) {
+      std::vector<int> members = node_ranks(node);
+      const bool all = !members.empty() && std::all_of(members.begin(), members.end(), [&](int r) {
+        return std::find(slow.begin(), slow.end(), r) != slow.end();
+      });
+      if (!all || members.size() < 2) continue;
       double worst = 1;
-      for (const auto& [p, bw] : report->pairs) {
-        if (p.first == r || p.second == r) worst = std::min(worst, bw / median);
-      }
-      out.push_back({"pair_busbw_gbps",
-                     {r},
-                     "",
-                     worst,
-                     absl::StrFormat("rank %d: every link measured is slow, down to %.2fx the "
-                                     "median pair (its network interface or its host?)",
-                                     r, worst)});
-    }
-    for (const auto& [p, bw] : report->pairs) {
-      if (!(median > 0) || bw / median >= kPairThreshold) continue;
-      if (slow_ranks.count(p.first) || slow_ranks.count(p.second)) continue;
-      const bool hosts = report->nodes.size() == static_cast<size_t>(world) &&
-                         report->nodes[p.first] != report->nodes[p.second];
-      out.push_back(
-          {"pair_busbw_gbps",
-           {p.first, p.second},
-           "",
-           bw / median,
-           absl::StrFormat("link %d-%d%s: all-reduce %.2fx the median pair (%.3g vs %.3g GB/s)",
-                           p.first, p.second,
-                           hosts ? absl::StrCat(" (", report->nodes[p.first], " to ",
-                                                report->nodes[p.second], ")")
-                                 : std::string(),
-                           bw / median, bw, median)});
+      for (int r : members) worst = std::min(worst, v[r] / ref);
+      out.push_back({m.name, members, node, worst,
+                     absl::StrFormat("node %s: %s %.2fx %s (ranks %s)", node, m.label, worst,
+                                     ref_name, absl::StrJoin(members, ","))});
+      done.insert(members.begin(), members.end());
     }
   }
+  for (int r : slow) {
+    if (done.count(r)) continue;
+    const std::string where =
+        report->nodes.size() == static_cast<size_t>(world) && distinct.size() > 1
+            ? absl::StrCat(" (node ", report->nodes[r], ")")
+            : "";
+    out.push_back({m.name,
+                   {r},
+                   "",
+                   v[r] / ref,
+                   absl::StrFormat("rank %d%s: %s %.2fx %s (%.3g vs %.3g %s)", r, where, m.label,
+                                   v[r] / ref, ref_name, v[r], ref, m.unit)});
+  }
+}
+
+// Links: pairs well below the median pair; a rank all of whose pairs are
+// slow is named instead of its links.
+void JudgePairs(PreflightReport* report) {
+  const int world = report->world_size;
+  std::vector<PreflightFinding>& out = report->findings;
+  if (report->pairs.size() < 2) return;
+  std::vector<double> bws;
+  for (const auto& [p, bw] : report->pairs) bws.push_back(bw);
+  const double median = Median(bws);
+  std::map<int, std::pair<int, int>> per_rank;  // rank -> (slow pairs, pairs)
+  for (const auto& [p, bw] : report->pairs) {
+    const bool slow = median > 0 && bw / median < kPairThreshold;
+    for (int r : {p.first, p.second}) {
+      per_rank[r].second += 1;
+      per_rank[r].first += slow;
+    }
+  }
+  std::set<int> slow_ranks;
+  for (const auto& [r, c] : per_rank) {
+    if (c.second >= 2 && c.first == c.second) slow_ranks.insert(r);
+  }
+  for (int r : slow_ranks) {
+    double worst = 1;
+    for (const auto& [p, bw] : report->pairs) {
+      if (p.first == r || p.second == r) worst = std::min(worst, bw / median);
+    }
+    out.push_back({"pair_busbw_gbps",
+                   {r},
+                   "",
+                   worst,
+                   absl::StrFormat("rank %d: every link measured is slow, down to %.2fx the "
+                                   "median pair (its network interface or its host?)",
+                                   r, worst)});
+  }
+  for (const auto& [p, bw] : report->pairs) {
+    if (!(median > 0) || bw / median >= kPairThreshold) continue;
+    if (slow_ranks.count(p.first) || slow_ranks.count(p.second)) continue;
+    const bool hosts = report->nodes.size() == static_cast<size_t>(world) &&
+                       report->nodes[p.first] != report->nodes[p.second];
+    out.push_back(
+        {"pair_busbw_gbps",
+         {p.first, p.second},
+         "",
+         bw / median,
+         absl::StrFormat("link %d-%d%s: all-reduce %.2fx the median pair (%.3g vs %.3g GB/s)",
+                         p.first, p.second,
+                         hosts ? absl::StrCat(" (", report->nodes[p.first], " to ",
+                                              report->nodes[p.second], ")")
+                               : std::string(),
+                         bw / median, bw, median)});
+  }
+}
+
+// The group figures (cross-node against intra-node bandwidth) and the
+// ranks' clocks.
+void JudgeGroupAndClocks(PreflightReport* report) {
+  const int world = report->world_size;
+  std::vector<PreflightFinding>& out = report->findings;
   const auto local = report->group.find("local_busbw_gbps");
   const auto cross = report->group.find("cross_node_busbw_gbps");
   if (local != report->group.end() && cross != report->group.end() && local->second > 0 &&
@@ -736,6 +807,18 @@ void JudgePreflight(PreflightReport* report) {
                                      r, std::abs(off), off > 0 ? "ahead of" : "behind")});
     }
   }
+}
+
+}  // namespace
+
+void JudgePreflight(PreflightReport* report) {
+  std::vector<PreflightFinding>& out = report->findings;
+  out.erase(std::remove_if(out.begin(), out.end(),
+                           [](const PreflightFinding& f) { return f.metric != "note"; }),
+            out.end());
+  for (const Metric& m : Metrics()) JudgeFigure(m, report);
+  JudgePairs(report);
+  JudgeGroupAndClocks(report);
 }
 
 std::string PreflightReport::Table() const {

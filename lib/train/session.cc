@@ -297,6 +297,52 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch
 int Session::rank() const { return ctx_.rank(); }
 int Session::world_size() const { return ctx_.world_size(); }
 
+namespace {
+
+// An evaluation cap below the longest training sample cannot be meant: say
+// so at Create, not at the first evaluation after hours of training
+// (Evaluate checks it again against the evaluation set's own lengths).
+absl::Status CheckEvalCap(const std::vector<int64_t>& lengths) {
+  const int64_t eval_cap = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
+  if (eval_cap <= 0 || lengths.empty()) return absl::OkStatus();
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  if (eval_cap >= longest) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--evenstep_eval_micro_batch_tokens=", eval_cap, " is below the longest training sample (",
+      longest, " tokens): an evaluation micro-batch must hold at least one sample"));
+}
+
+// --evenstep_resume=off where `dir` holds committed checkpoints: their steps
+// cannot be saved again (rank 0 says so).
+void SayCommittedCheckpoints(const std::string& dir) {
+  absl::StatusOr<CheckpointListing> listing = ListCheckpoints(*Env::Default(), dir);
+  if (listing.ok() && !listing->committed.empty()) {
+    std::cout << "[evenstep] --evenstep_resume=off: " << dir
+              << " already holds committed checkpoints up to step " << listing->committed.back()
+              << "; saves of those steps will fail rather than overwrite them" << std::endl;
+  }
+}
+
+// No checkpoint in `dir` to resume from (rank 0 says so): a run killed
+// during its very first save restarts here too, and its uncommitted step
+// directory is the only trace of it.
+void SayStartingFresh(const std::string& dir) {
+  std::string uncommitted;
+  if (absl::StatusOr<std::vector<std::string>> names = Env::Default()->List(dir); names.ok()) {
+    for (const std::string& n : *names) {
+      if (absl::StartsWith(n, "step-")) absl::StrAppend(&uncommitted, " ", n);
+    }
+  }
+  std::cout << "[evenstep] no committed checkpoint in " << dir << ": starting at step 1"
+            << (uncommitted.empty()
+                    ? std::string()
+                    : absl::StrCat(" (never committed, a save that was interrupted:", uncommitted,
+                                   ")"))
+            << std::endl;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::vector<ModelPart> parts,
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir,
@@ -341,19 +387,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
   if (preflight != PreflightMode::kOff) {
     EVENSTEP_RETURN_IF_ERROR(RunSessionPreflight(ctx, preflight, options.dir, &config));
   }
-  // An evaluation cap below the longest training sample cannot be meant: say
-  // so now, not at the first evaluation after hours of training (Evaluate
-  // checks it again against the evaluation set's own lengths).
-  if (const int64_t eval_cap = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
-      eval_cap > 0 && !lengths.empty()) {
-    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
-    if (eval_cap < longest) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--evenstep_eval_micro_batch_tokens=", eval_cap,
-                       " is below the longest training sample (", longest,
-                       " tokens): an evaluation micro-batch must hold at least one sample"));
-    }
-  }
+  EVENSTEP_RETURN_IF_ERROR(CheckEvalCap(lengths));
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
                             BalancedStep::Create(ctx, std::move(parts), std::move(lengths),
                                                  std::move(config), std::move(counts)),
@@ -381,62 +415,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
   metrics.interval = absl::GetFlag(FLAGS_evenstep_log_every);
   EVENSTEP_ASSIGN_OR_RETURN(s->metrics_, MetricsLogger::Create(ctx, metrics),
                             "Session::Create, rank ", ctx.rank(), ": metric logs in ", run_dir);
-  const TrainState state = s->State();
   if (resume != ResumeMode::kOff) {
-    LoadOptions load;
-    load.fallback = resume == ResumeMode::kNewestValid;
-    absl::StatusOr<LoadResult> loaded = s->checkpointer_->Load(state, load);
-    if (loaded.ok()) {
-      if (ctx.rank() == 0) {
-        for (const std::string& skipped : loaded->skipped) {
-          std::cout << "[evenstep] resume: skipped unusable " << skipped << std::endl;
-        }
-        std::cout << "[evenstep] resuming from " << loaded->path << " (step " << loaded->step << ")"
-                  << std::endl;
-      }
-      s->first_step_ = loaded->step + 1;
-      s->first_epoch_ = s->step_->last_step_epoch();
-      s->resumed_path_ = loaded->path;
-      s->last_step_ = s->last_saved_ = loaded->step;
-      // Checkpoints of earlier versions hold "{}" here.
-      const nlohmann::json session = nlohmann::json::parse(loaded->user_json, nullptr, false);
-      if (session.is_object() && session.contains("loop")) {
-        s->resumed_user_state_ = session["loop"].is_string() ? session["loop"].get<std::string>()
-                                                             : session["loop"].dump();
-        s->loop_json_ = s->resumed_user_state_;
-      }
-      if (session.is_object() && session.contains("lr_schedulers") &&
-          session["lr_schedulers"].is_array()) {
-        for (const nlohmann::json& count : session["lr_schedulers"]) {
-          s->resumed_counts_.push_back(count.is_number_integer() ? count.get<int64_t>() : 0);
-        }
-      }
-    } else if (!absl::IsNotFound(loaded.status())) {
-      return loaded.status();
-    } else if (ctx.rank() == 0) {
-      // Say so: a run killed during its very first save restarts here too,
-      // and its uncommitted step directory is the only trace of it.
-      std::string uncommitted;
-      if (absl::StatusOr<std::vector<std::string>> names = Env::Default()->List(options.dir);
-          names.ok()) {
-        for (const std::string& n : *names) {
-          if (absl::StartsWith(n, "step-")) absl::StrAppend(&uncommitted, " ", n);
-        }
-      }
-      std::cout << "[evenstep] no committed checkpoint in " << options.dir << ": starting at step 1"
-                << (uncommitted.empty()
-                        ? std::string()
-                        : absl::StrCat(
-                              " (never committed, a save that was interrupted:", uncommitted, ")"))
-                << std::endl;
-    }
+    EVENSTEP_RETURN_IF_ERROR(s->Resume(options.dir, resume == ResumeMode::kNewestValid));
   } else if (ctx.rank() == 0) {
-    absl::StatusOr<CheckpointListing> listing = ListCheckpoints(*Env::Default(), options.dir);
-    if (listing.ok() && !listing->committed.empty()) {
-      std::cout << "[evenstep] --evenstep_resume=off: " << options.dir
-                << " already holds committed checkpoints up to step " << listing->committed.back()
-                << "; saves of those steps will fail rather than overwrite them" << std::endl;
-    }
+    SayCommittedCheckpoints(options.dir);
   }
   for (int sig : preempt_signals) {
     struct sigaction action {};
@@ -450,6 +432,42 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
   g_preempt_signal = 0;
   s->created_ = true;
   return s;
+}
+
+absl::Status Session::Resume(const std::string& ckpt_dir, bool fallback) {
+  LoadOptions load;
+  load.fallback = fallback;
+  absl::StatusOr<LoadResult> loaded = checkpointer_->Load(State(), load);
+  if (absl::IsNotFound(loaded.status())) {
+    if (ctx_.rank() == 0) SayStartingFresh(ckpt_dir);
+    return absl::OkStatus();
+  }
+  if (!loaded.ok()) return loaded.status();
+  if (ctx_.rank() == 0) {
+    for (const std::string& skipped : loaded->skipped) {
+      std::cout << "[evenstep] resume: skipped unusable " << skipped << std::endl;
+    }
+    std::cout << "[evenstep] resuming from " << loaded->path << " (step " << loaded->step << ")"
+              << std::endl;
+  }
+  first_step_ = loaded->step + 1;
+  first_epoch_ = step_->last_step_epoch();
+  resumed_path_ = loaded->path;
+  last_step_ = last_saved_ = loaded->step;
+  // Checkpoints of earlier versions hold "{}" here.
+  const nlohmann::json session = nlohmann::json::parse(loaded->user_json, nullptr, false);
+  if (session.is_object() && session.contains("loop")) {
+    resumed_user_state_ =
+        session["loop"].is_string() ? session["loop"].get<std::string>() : session["loop"].dump();
+    loop_json_ = resumed_user_state_;
+  }
+  if (session.is_object() && session.contains("lr_schedulers") &&
+      session["lr_schedulers"].is_array()) {
+    for (const nlohmann::json& count : session["lr_schedulers"]) {
+      resumed_counts_.push_back(count.is_number_integer() ? count.get<int64_t>() : 0);
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Two runs in one run directory would interleave their checkpoints, logs

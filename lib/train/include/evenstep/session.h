@@ -283,6 +283,10 @@ class Session {
   }
   absl::Status StopForPreemption(int signal, int64_t step);
   absl::Status LockRunDir(const std::string& run_dir);
+  // --evenstep_resume: the newest committed checkpoint in `ckpt_dir` loaded
+  // (with `fallback`, the newest that loads) into the run's state, or none
+  // there (said on rank 0).
+  absl::Status Resume(const std::string& ckpt_dir, bool fallback);
   // Reports the outcome of the save of `step` (a line when it failed).
   void Observe(int64_t step, const absl::Status& outcome);
   // Observes the saves that have finished, oldest first.
