@@ -160,13 +160,11 @@ static std::string ShellQuoted(const std::string& s) {
   return out + "'";
 }
 
-int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: evenstep-report RUN_DIR\n";
-    return 2;
-  }
-  const std::string dir = argv[1];
-  std::map<int, RankTrace> ranks;
+namespace {
+
+// Every rank's trace segments in `dir` into `ranks` (and merged into
+// DIR/trace.json); false, said, when there are none.
+bool LoadTraces(const std::string& dir, std::map<int, RankTrace>* ranks) {
   json merged = json::array();
   std::error_code error;
   std::vector<std::string> files;
@@ -190,7 +188,7 @@ int main(int argc, char** argv) {
   });
   if (error || files.empty()) {
     std::cerr << "evenstep-report: no trace-*.json in " << dir << "\n";
-    return 1;
+    return false;
   }
   for (const std::string& file : files) {
     const int segment = segment_of_file(file);
@@ -206,41 +204,43 @@ int main(int argc, char** argv) {
       const int64_t step =
           e.contains("args") && e["args"].contains("step") ? e["args"]["step"].get<int64_t>() : 0;
       const std::string name = e.value("name", "");
-      int& latest = ranks[rank].segment_of[step];
+      int& latest = (*ranks)[rank].segment_of[step];
       latest = std::max(latest, segment);
       if (e.value("ph", "") == "X") {
-        ranks[rank].spans.push_back(
+        (*ranks)[rank].spans.push_back(
             {name, e["ts"].get<double>(), e.value("dur", 0.0), step, segment});
       } else if (name == "arrive") {
-        ranks[rank].arrive[step] = e["ts"].get<double>();
+        (*ranks)[rank].arrive[step] = e["ts"].get<double>();
       } else if (name == "health" && e.contains("args")) {
         const double h = e["args"].value("health", 1.0);
-        if (h < ranks[rank].min_health) {
-          ranks[rank].min_health = h;
-          ranks[rank].min_health_step = step;
+        if (h < (*ranks)[rank].min_health) {
+          (*ranks)[rank].min_health = h;
+          (*ranks)[rank].min_health_step = step;
         }
       } else if (name == "memory" && e.contains("args")) {
-        RankTrace& t = ranks[rank];
+        RankTrace& t = (*ranks)[rank];
         t.peak_memory_mb = std::max(t.peak_memory_mb, e["args"].value("peak_mb", 0.0));
         t.largest_micro_batch =
             std::max(t.largest_micro_batch, e["args"].value("largest_micro_batch", int64_t{0}));
         t.memory_on_device = e["args"].value("device", 0) != 0;
       } else if (name == "peak_rss_mb" && e.contains("args")) {  // traces before the memory event
-        ranks[rank].peak_memory_mb =
-            std::max(ranks[rank].peak_memory_mb, e["args"].value("peak_rss_mb", 0.0));
+        (*ranks)[rank].peak_memory_mb =
+            std::max((*ranks)[rank].peak_memory_mb, e["args"].value("peak_rss_mb", 0.0));
       }
     }
   }
   std::ofstream(dir + "/trace.json") << merged.dump();
-  for (auto& [r, t] : ranks) {
+  for (auto& [r, t] : *ranks) {
     t.spans.erase(
         std::remove_if(t.spans.begin(), t.spans.end(),
                        [&t = t](const Span& sp) { return sp.segment < t.segment_of[sp.step]; }),
         t.spans.end());
   }
-  const int world = static_cast<int>(ranks.size());
+  return true;
+}
 
-  // Steps every rank reached the sync in.
+// Steps every rank reached the sync in.
+std::set<int64_t> CommonSteps(const std::map<int, RankTrace>& ranks) {
   std::set<int64_t> steps;
   for (const auto& [r, t] : ranks) {
     for (const auto& [s, ts] : t.arrive) steps.insert(s);
@@ -250,15 +250,21 @@ int main(int argc, char** argv) {
       it = t.arrive.count(*it) ? std::next(it) : steps.erase(it);
     }
   }
-  // Per rank and step: the window since the previous step ended (its
-  // exchange end) up to the arrival, split by phase; and the step's time.
-  struct StepView {
-    std::map<std::string, double> window;  // phase -> us before arrival
-    std::map<std::string, double> total;   // phase -> us in the whole step
-    double end = 0;                        // exchange end
-    double busy = 0;                       // data + compute
-  };
-  std::map<int, std::map<int64_t, StepView>> views;
+  return steps;
+}
+
+// Per rank and step: the window since the previous step ended (its
+// exchange end) up to the arrival, split by phase; and the step's time.
+struct StepView {
+  std::map<std::string, double> window;  // phase -> us before arrival
+  std::map<std::string, double> total;   // phase -> us in the whole step
+  double end = 0;                        // exchange end
+  double busy = 0;                       // data + compute
+};
+using Views = std::map<int, std::map<int64_t, StepView>>;
+
+Views BuildViews(std::map<int, RankTrace>& ranks, const std::set<int64_t>& steps) {
+  Views views;
   for (auto& [r, t] : ranks) {
     std::sort(t.spans.begin(), t.spans.end(),
               [](const Span& a, const Span& b) { return a.ts < b.ts; });
@@ -287,8 +293,14 @@ int main(int argc, char** argv) {
       if (v.end > 0) previous_end = v.end;
     }
   }
-  // Per-rank table.
-  json report = {{"ranks", json::array()}, {"steps", json::array()}};
+  return views;
+}
+
+// The per-rank table (and report["ranks"]).
+void PrintRankTable(const std::string& dir, const std::map<int, RankTrace>& ranks,
+                    const std::set<int64_t>& steps, Views& views, json* report_out) {
+  json& report = *report_out;
+  const int world = static_cast<int>(ranks.size());
   std::cout << absl::StrFormat("evenstep-report %s: %d ranks, %d steps\n", dir, world,
                                steps.size());
   std::cout << absl::StrFormat(
@@ -330,11 +342,24 @@ int main(int argc, char** argv) {
                                {"memory_source", t.memory_on_device ? "device" : "resident set"},
                                {"largest_micro_batch", t.largest_micro_batch}});
   }
-  // Per step: efficiency, last arriver and skew.
-  std::map<int, int> late_count;
-  std::map<int, std::vector<int64_t>> late_steps;
-  std::map<std::pair<int, int64_t>, double> late_skew;  // (rank, step) -> us
+}
+
+// Who arrived last at the sync, step by step: only by a significant margin
+// (more than 10 % of the median step and over 2 ms).
+struct Lateness {
+  std::map<int, int> count;
+  std::map<int, std::vector<int64_t>> steps;
+  std::map<std::pair<int, int64_t>, double> skew;       // (rank, step) -> us
   std::map<int, std::map<std::string, double>> excess;  // rank -> phase -> us
+};
+
+// Per step: the balance efficiency, the last arriver and its skew (into
+// `report`), and who was late where.
+Lateness AnalyseSteps(const std::map<int, RankTrace>& ranks, const std::set<int64_t>& steps,
+                      Views& views, json* report_out) {
+  json& report = *report_out;
+  // Per step: efficiency, last arriver and skew.
+  Lateness late;
   std::vector<double> efficiencies;
   std::vector<double> step_lengths;
   for (int64_t s : steps) {
@@ -363,16 +388,16 @@ int main(int argc, char** argv) {
     // Significant: more than 10 % of the median step and over 2 ms (below
     // that it is scheduling noise, not a rank losing time).
     const double typical = Median(step_lengths);
-    if (world > 1 && skew > std::max(2000.0, 0.10 * typical)) {
-      ++late_count[last];
-      late_steps[last].push_back(s);
-      late_skew[{last, s}] = skew;
+    if (ranks.size() > 1 && skew > std::max(2000.0, 0.10 * typical)) {
+      ++late.count[last];
+      late.steps[last].push_back(s);
+      late.skew[{last, s}] = skew;
       for (const std::string& phase : {"data", "compute", "io", "eval", "other"}) {
         std::vector<double> others;
         for (const auto& [r, t] : ranks) {
           if (r != last) others.push_back(views[r][s].window[phase]);
         }
-        excess[last][phase] += views[last][s].window[phase] - Median(others);
+        late.excess[last][phase] += views[last][s].window[phase] - Median(others);
       }
     }
   }
@@ -384,11 +409,18 @@ int main(int argc, char** argv) {
       "  balance efficiency (mean/max busy before the sync): mean %.3f, min %.3f\n", mean_eff,
       efficiencies.empty() ? 1 : *std::min_element(efficiencies.begin(), efficiencies.end()));
   report["balance_efficiency"] = mean_eff;
+  return late;
+}
+
+// The straggler (last in at least 60 % of the steps, by a significant
+// margin) and periodic stalls, said and put into `report`.
+void NameStraggler(Lateness& late, const std::set<int64_t>& steps, json* report_out) {
+  json& report = *report_out;
   // The straggler: last in at least 60 % of the steps, by a significant margin.
   int straggler = -1;
-  for (const auto& [r, count] : late_count) {
+  for (const auto& [r, count] : late.count) {
     if (count >= 3 && count * 5 >= 3 * static_cast<int>(steps.size()) &&
-        (straggler < 0 || count > late_count[straggler])) {
+        (straggler < 0 || count > late.count[straggler])) {
       straggler = r;
     }
   }
@@ -396,13 +428,13 @@ int main(int argc, char** argv) {
   // steps. Only its big delays count (at least half its median late skew),
   // so scheduling noise on a loaded machine does not break the period.
   std::string periodic;
-  for (const auto& [r, list] : late_steps) {
+  for (const auto& [r, list] : late.steps) {
     std::vector<double> skews;
-    for (int64_t s : list) skews.push_back(late_skew[{r, s}]);
+    for (int64_t s : list) skews.push_back(late.skew[{r, s}]);
     const double cut = 0.5 * Median(skews);
     std::vector<int64_t> big;
     for (int64_t s : list) {
-      if (late_skew[{r, s}] >= cut) big.push_back(s);
+      if (late.skew[{r, s}] >= cut) big.push_back(s);
     }
     if (big.size() < 3) continue;
     std::map<int64_t, int> gaps;
@@ -416,7 +448,7 @@ int main(int argc, char** argv) {
   if (straggler >= 0) {
     std::string phase = "other";
     double worst = -1;
-    for (const auto& [p, us] : excess[straggler]) {
+    for (const auto& [p, us] : late.excess[straggler]) {
       if (us > worst) {
         worst = us;
         phase = p;
@@ -425,11 +457,11 @@ int main(int argc, char** argv) {
     const std::string line = absl::StrFormat(
         "straggler: rank %d arrives last at the gradient sync in %d of %d steps; it loses the "
         "time in %s (%.1f ms per late step more than the other ranks)",
-        straggler, late_count[straggler], steps.size(), phase,
-        worst / 1e3 / std::max(1, late_count[straggler]));
+        straggler, late.count[straggler], steps.size(), phase,
+        worst / 1e3 / std::max(1, late.count[straggler]));
     std::cout << "  " << line << "\n";
     report["straggler"] = {
-        {"rank", straggler}, {"phase", phase}, {"late_steps", late_count[straggler]}};
+        {"rank", straggler}, {"phase", phase}, {"late.steps", late.count[straggler]}};
   } else {
     std::cout << "  no straggler: no rank arrives last in 60 % of the steps by more than 10 % of "
                  "a step\n";
@@ -439,25 +471,26 @@ int main(int argc, char** argv) {
     std::cout << "  periodic stall: " << periodic << "\n";
     report["periodic"] = periodic;
   }
-  // Online health: ranks that became slower than 0.8x their own best speed
-  // (evenstep's --evenstep_health_warn default) at some step.
-  report["health"] = nlohmann::json::array();
+}
+
+// Online health: ranks that became slower than 0.8x their own best speed
+// (evenstep's --evenstep_health_warn default) at some step.
+void NameDegrading(const std::map<int, RankTrace>& ranks, json* report) {
+  (*report)["health"] = nlohmann::json::array();
   for (const auto& [r, t] : ranks) {
     if (t.min_health >= 0.8) continue;
     std::cout << absl::StrFormat(
         "  degrading: rank %d slowed to %.2fx its own best speed (step %d): heat, clocks or a "
         "noisy neighbour?\n",
         r, t.min_health, t.min_health_step);
-    report["health"].push_back(
+    (*report)["health"].push_back(
         {{"rank", r}, {"min_health", t.min_health}, {"step", t.min_health_step}});
   }
-  report["memory"] = MemoryVerdict(ranks);
-  std::ofstream(dir + "/report.json") << report.dump(1);
-  std::cout << "  wrote " << dir
-            << "/trace.json (open in https://ui.perfetto.dev or chrome://tracing), " << dir
-            << "/report.json\n";
-  // Pictures. The run directory is quoted for the shell (a path with a
-  // space or a quote is a path too); a failed plot is this tool's failure.
+}
+
+// Pictures. The run directory is quoted for the shell (a path with a
+// space or a quote is a path too); a failed plot is this tool's failure.
+int Plot(const std::string& dir) {
   const std::string plot = absl::StrCat("/usr/bin/python3 ", ShellQuoted(EVENSTEP_PLOT_SCRIPT), " ",
                                         ShellQuoted(dir), " 2>&1");
   FILE* p = popen(plot.c_str(), "r");
@@ -476,4 +509,29 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: evenstep-report RUN_DIR\n";
+    return 2;
+  }
+  const std::string dir = argv[1];
+  std::map<int, RankTrace> ranks;
+  if (!LoadTraces(dir, &ranks)) return 1;
+  const std::set<int64_t> steps = CommonSteps(ranks);
+  Views views = BuildViews(ranks, steps);
+  json report = {{"ranks", json::array()}, {"steps", json::array()}};
+  PrintRankTable(dir, ranks, steps, views, &report);
+  Lateness late = AnalyseSteps(ranks, steps, views, &report);
+  NameStraggler(late, steps, &report);
+  NameDegrading(ranks, &report);
+  report["memory"] = MemoryVerdict(ranks);
+  std::ofstream(dir + "/report.json") << report.dump(1);
+  std::cout << "  wrote " << dir
+            << "/trace.json (open in https://ui.perfetto.dev or chrome://tracing), " << dir
+            << "/report.json\n";
+  return Plot(dir);
 }
