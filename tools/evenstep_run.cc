@@ -206,6 +206,283 @@ void SignalAll(const std::vector<Rank>& ranks, int sig) {
   }
 }
 
+// A rank's process after its fork: it waits until its watchdog exists
+// (`go_read`: a launcher killed between the two forks would otherwise leave
+// a rank whose own children nobody kills), then runs the command as rank
+// `r` of the job.
+[[noreturn]] void ExecRank(Options& options, int r, int port, const std::string& omp_threads,
+                           pid_t launcher, int out_fd, int err_fd, int go_read, int go_write) {
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != launcher) _exit(1);  // the launcher died before prctl
+  close(go_write);
+  char ready = 0;
+  ssize_t got;
+  while ((got = read(go_read, &ready, 1)) < 0 && errno == EINTR) {
+  }
+  if (got != 1) _exit(1);  // the launcher died before the watchdog was up
+  close(go_read);
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  signal(SIGUSR1, SIG_DFL);
+  signal(SIGPIPE, SIG_DFL);
+  dup2(out_fd, STDOUT_FILENO);
+  dup2(err_fd, STDERR_FILENO);
+  setenv("RANK", std::to_string(r).c_str(), 1);
+  const int per_node = options.nproc / options.nodes;
+  setenv("LOCAL_RANK", std::to_string(r % per_node).c_str(), 1);
+  setenv("GROUP_RANK", std::to_string(r / per_node).c_str(), 1);
+  setenv("ROLE_RANK", std::to_string(r).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(per_node).c_str(), 1);
+  setenv("ROLE_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  setenv("OMP_NUM_THREADS", omp_threads.c_str(), 0);
+  std::vector<char*> args;
+  for (std::string& a : options.command) args.push_back(a.data());
+  args.push_back(nullptr);
+  execvp(args[0], args.data());
+  fprintf(stderr, "evenstep-run: cannot execute %s: %s\n", args[0], strerror(errno));
+  _exit(127);
+}
+
+// A rank's watchdog, a member of its process group: when the launcher ends
+// (`life_read` reads EOF), even by SIGKILL, it kills the rank's whole group.
+[[noreturn]] void RunWatchdog(pid_t pid, int life_read) {
+  setpgid(0, pid);
+  signal(SIGINT, SIG_IGN);  // forwarded signals are for the rank
+  signal(SIGTERM, SIG_IGN);
+  signal(SIGUSR1, SIG_IGN);
+  for (int fd = 3; fd < 1024; ++fd) {
+    if (fd != life_read) close(fd);
+  }
+  char c;
+  while (read(life_read, &c, 1) < 0 && errno == EINTR) {
+  }
+  kill(-pid, SIGKILL);  // the rank's tree, this watchdog included
+  _exit(0);
+}
+
+// Starts every rank (and its watchdog) with its output streams; false, said,
+// when a pipe or a fork fails (the ranks started are killed).
+bool StartRanks(Options& options, int port, std::vector<Rank>* ranks,
+                std::vector<Stream>* streams) {
+  // Threads per rank: torchrun's practice is OMP_NUM_THREADS=1 for several
+  // ranks; evenstep-run divides the cores instead, unless the user chose.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::string omp_threads =
+      std::to_string(std::max(1u, cores / static_cast<unsigned>(options.nproc)));
+  const pid_t launcher = getpid();
+  // Its write end lives only in this process: when the launcher ends, even
+  // by SIGKILL, every rank's watchdog reads EOF and kills the rank's whole
+  // process group (a rank's children do not die with it by PR_SET_PDEATHSIG).
+  int life[2];
+  if (pipe2(life, O_CLOEXEC) != 0) {
+    perror("evenstep-run: pipe");
+    return false;
+  }
+  ranks->assign(options.nproc, Rank{});
+  for (int r = 0; r < options.nproc; ++r) {
+    int out_pipe[2], err_pipe[2], go[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0 ||
+        pipe2(go, O_CLOEXEC) != 0) {
+      perror("evenstep-run: pipe");
+      SignalAll(*ranks, SIGKILL);
+      return false;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+      perror("evenstep-run: fork");
+      SignalAll(*ranks, SIGKILL);
+      return false;
+    }
+    if (pid == 0) {
+      ExecRank(options, r, port, omp_threads, launcher, out_pipe[1], err_pipe[1], go[0], go[1]);
+    }
+    setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
+    if (fork() == 0) RunWatchdog(pid, life[0]);
+    close(go[0]);
+    const char ready = 1;
+    while (write(go[1], &ready, 1) < 0 && errno == EINTR) {
+    }
+    close(go[1]);
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    (*ranks)[r].pid = pid;
+    (*ranks)[r].running = true;
+    streams->push_back(Stream{out_pipe[0], r, false, {}});
+    streams->push_back(Stream{err_pipe[0], r, true, {}});
+  }
+  return true;
+}
+
+// The launcher's watch over its ranks: signals forwarded, output passed on
+// line by line, exits reaped; a failed rank stops the others.
+class Supervisor {
+ public:
+  Supervisor(const Options& options, std::vector<Rank>& ranks, std::vector<Stream>& streams)
+      : options_(options),
+        ranks_(ranks),
+        streams_(streams),
+        open_streams_(streams.size()),
+        running_(options.nproc) {}
+
+  // Until every rank ended and every stream closed; the launcher's exit code.
+  int Run();
+
+ private:
+  // Stops the ranks: `sig` to each (0: none, they are stopping already),
+  // SIGKILL once `grace` has passed. A later, shorter deadline never
+  // replaces an earlier one's start (the first reason to stop sets it).
+  void BeginShutdown(int sig, absl::Duration grace) {
+    if (shutting_down_) return;
+    shutting_down_ = true;
+    if (sig != 0) SignalAll(ranks_, sig);
+    kill_deadline_ = absl::Now() + grace;
+  }
+  void HandleSignals();
+  void PumpStreams();
+  void Reap();
+
+  const Options& options_;
+  std::vector<Rank>& ranks_;
+  std::vector<Stream>& streams_;
+  size_t open_streams_;
+  int running_;
+  int failed_rank_ = -1;
+  int failed_status_ = 0;
+  int forwarded_signal_ = 0;
+  bool shutting_down_ = false;
+  bool killed_ = false;
+  absl::Time kill_deadline_ = absl::InfiniteFuture();
+};
+
+int Supervisor::Run() {
+  while (running_ > 0 || open_streams_ > 0) {
+    HandleSignals();
+    PumpStreams();
+    Reap();
+  }
+  if (failed_rank_ >= 0) return ExitCodeOf(failed_status_);
+  // Every rank saved and stopped for preemption: say so to the scheduler
+  // (e.g. to requeue), whether the signal came through here or not.
+  const bool all_preempted = std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) {
+    return WIFEXITED(r.status) && WEXITSTATUS(r.status) == evenstep::kPreemptedExitCode;
+  });
+  if (all_preempted) return evenstep::kPreemptedExitCode;
+  if (forwarded_signal_ != 0) return 128 + forwarded_signal_;
+  return 0;
+}
+
+void Supervisor::HandleSignals() {
+  if (g_signal != 0) {
+    const int sig = g_signal;
+    g_signal = 0;
+    if (forwarded_signal_ == 0) {
+      // Ctrl-C reaches the launcher alone (each rank has its own process
+      // group); the ranks get SIGTERM, which a Session saves on by
+      // default (--evenstep_preempt_signals), instead of SIGINT, which
+      // would end them with nothing saved.
+      const int to_ranks = sig == SIGINT ? SIGTERM : sig;
+      forwarded_signal_ = to_ranks;
+      fprintf(stderr,
+              "evenstep-run: got signal %d (%s), sending %s to %d rank(s); they have %s to "
+              "save and stop (--grace), a second signal kills them at once\n",
+              sig, strsignal(sig), to_ranks == sig ? "it" : "SIGTERM", running_,
+              absl::FormatDuration(options_.grace).c_str());
+      if (shutting_down_) {
+        SignalAll(ranks_, to_ranks);  // ranks stopping after a preemption exit get it too
+      } else {
+        BeginShutdown(to_ranks, options_.grace);
+      }
+    } else if (!killed_) {
+      fprintf(stderr, "evenstep-run: second signal %d: killing %d rank(s) now\n", sig, running_);
+      kill_deadline_ = absl::Now();
+    }
+  }
+  if (running_ > 0 && !killed_ && absl::Now() >= kill_deadline_) {
+    fprintf(stderr, "evenstep-run: %d rank(s) still running after the grace period; killing\n",
+            running_);
+    SignalAll(ranks_, SIGKILL);
+    killed_ = true;
+  }
+}
+
+void Supervisor::PumpStreams() {
+  std::vector<pollfd> fds;
+  std::vector<Stream*> owners;
+  for (Stream& s : streams_) {
+    if (s.fd < 0) continue;
+    fds.push_back(pollfd{s.fd, POLLIN, 0});
+    owners.push_back(&s);
+  }
+  if (!fds.empty()) {
+    int n = poll(fds.data(), fds.size(), 50);
+    if (n > 0) {
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        char buf[65536];
+        ssize_t got = read(fds[i].fd, buf, sizeof(buf));
+        Stream& s = *owners[i];
+        if (got > 0) {
+          s.pending.append(buf, static_cast<size_t>(got));
+          EmitLines(s, false);
+        } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+          EmitLines(s, true);
+          close(s.fd);
+          s.fd = -1;
+          --open_streams_;
+        }
+      }
+    }
+  } else {
+    usleep(20000);
+  }
+}
+
+void Supervisor::Reap() {
+  while (true) {
+    int status = 0;
+    pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) break;
+    for (int r = 0; r < options_.nproc; ++r) {
+      if (ranks_[r].pid != pid || !ranks_[r].running) continue;
+      ranks_[r].running = false;
+      ranks_[r].status = status;
+      --running_;
+      // A rank's grandchildren die with its process group.
+      kill(-pid, SIGKILL);
+      const bool preempted =
+          WIFEXITED(status) && WEXITSTATUS(status) == evenstep::kPreemptedExitCode;
+      const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0) && !preempted;
+      if (preempted && running_ > 0 && !shutting_down_) {
+        // The others saw the same agreed stop and are saving too; a
+        // SIGTERM now could end one whose handler is already gone.
+        fprintf(stderr,
+                "evenstep-run: rank %d stopped for preemption (exit %d); the other %d rank(s) "
+                "have %s to finish (--grace)\n",
+                r, evenstep::kPreemptedExitCode, running_,
+                absl::FormatDuration(options_.grace).c_str());
+        BeginShutdown(0, options_.grace);
+      }
+      if (failed && failed_rank_ < 0 && forwarded_signal_ == 0) {
+        failed_rank_ = r;
+        failed_status_ = status;
+        fprintf(stderr, "evenstep-run: rank %d %s; stopping the other %d rank(s)\n", r,
+                DescribeStatus(status).c_str(), running_);
+        if (shutting_down_) {
+          SignalAll(ranks_, SIGTERM);
+          kill_deadline_ = std::min(kill_deadline_, absl::Now() + options_.stop_grace);
+        } else {
+          BeginShutdown(SIGTERM, options_.stop_grace);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -218,8 +495,6 @@ int main(int argc, char** argv) {
     std::cerr << "evenstep-run: " << server.status().message() << "\n";
     return 1;
   }
-  const int port = (*server)->port();
-
   struct sigaction sa;
   memset(&sa, 0, sizeof(sa));
   sa.sa_handler = OnSignal;
@@ -227,234 +502,8 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGUSR1, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
-
-  // Threads per rank: torchrun's practice is OMP_NUM_THREADS=1 for several
-  // ranks; evenstep-run divides the cores instead, unless the user chose.
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const std::string omp_threads =
-      std::to_string(std::max(1u, cores / static_cast<unsigned>(options.nproc)));
-
-  const pid_t launcher = getpid();
-  // Its write end lives only in this process: when the launcher ends, even
-  // by SIGKILL, every rank's watchdog reads EOF and kills the rank's whole
-  // process group (a rank's children do not die with it by PR_SET_PDEATHSIG).
-  int life[2];
-  if (pipe2(life, O_CLOEXEC) != 0) {
-    perror("evenstep-run: pipe");
-    return 1;
-  }
-  std::vector<Rank> ranks(options.nproc);
+  std::vector<Rank> ranks;
   std::vector<Stream> streams;
-  for (int r = 0; r < options.nproc; ++r) {
-    // `go`: the rank starts its program only once its watchdog exists (a
-    // launcher killed between the two forks would otherwise leave a rank
-    // whose own children nobody kills).
-    int out_pipe[2], err_pipe[2], go[2];
-    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0 ||
-        pipe2(go, O_CLOEXEC) != 0) {
-      perror("evenstep-run: pipe");
-      SignalAll(ranks, SIGKILL);
-      return 1;
-    }
-    pid_t pid = fork();
-    if (pid < 0) {
-      perror("evenstep-run: fork");
-      SignalAll(ranks, SIGKILL);
-      return 1;
-    }
-    if (pid == 0) {
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != launcher) _exit(1);  // the launcher died before prctl
-      close(go[1]);
-      char ready = 0;
-      ssize_t got;
-      while ((got = read(go[0], &ready, 1)) < 0 && errno == EINTR) {
-      }
-      if (got != 1) _exit(1);  // the launcher died before the watchdog was up
-      close(go[0]);
-      signal(SIGINT, SIG_DFL);
-      signal(SIGTERM, SIG_DFL);
-      signal(SIGUSR1, SIG_DFL);
-      signal(SIGPIPE, SIG_DFL);
-      dup2(out_pipe[1], STDOUT_FILENO);
-      dup2(err_pipe[1], STDERR_FILENO);
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      const int per_node = options.nproc / options.nodes;
-      setenv("LOCAL_RANK", std::to_string(r % per_node).c_str(), 1);
-      setenv("GROUP_RANK", std::to_string(r / per_node).c_str(), 1);
-      setenv("ROLE_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(per_node).c_str(), 1);
-      setenv("ROLE_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
-      setenv("OMP_NUM_THREADS", omp_threads.c_str(), 0);
-      std::vector<char*> args;
-      for (std::string& a : options.command) args.push_back(a.data());
-      args.push_back(nullptr);
-      execvp(args[0], args.data());
-      fprintf(stderr, "evenstep-run: cannot execute %s: %s\n", args[0], strerror(errno));
-      _exit(127);
-    }
-    setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
-    // The rank's watchdog, a member of its process group.
-    pid_t watchdog = fork();
-    if (watchdog == 0) {
-      setpgid(0, pid);
-      signal(SIGINT, SIG_IGN);  // forwarded signals are for the rank
-      signal(SIGTERM, SIG_IGN);
-      signal(SIGUSR1, SIG_IGN);
-      for (int fd = 3; fd < 1024; ++fd) {
-        if (fd != life[0]) close(fd);
-      }
-      char c;
-      while (read(life[0], &c, 1) < 0 && errno == EINTR) {
-      }
-      kill(-pid, SIGKILL);  // the rank's tree, this watchdog included
-      _exit(0);
-    }
-    close(go[0]);
-    const char ready = 1;
-    while (write(go[1], &ready, 1) < 0 && errno == EINTR) {
-    }
-    close(go[1]);
-    close(out_pipe[1]);
-    close(err_pipe[1]);
-    ranks[r].pid = pid;
-    ranks[r].running = true;
-    streams.push_back(Stream{out_pipe[0], r, false, {}});
-    streams.push_back(Stream{err_pipe[0], r, true, {}});
-  }
-
-  int failed_rank = -1;
-  int failed_status = 0;
-  int forwarded_signal = 0;
-  bool shutting_down = false;
-  bool killed = false;
-  absl::Time kill_deadline = absl::InfiniteFuture();
-  // Stops the ranks: `sig` to each (0: none, they are stopping already),
-  // SIGKILL once `grace` has passed. A later, shorter deadline never
-  // replaces an earlier one's start (the first reason to stop sets it).
-  auto begin_shutdown = [&](int sig, absl::Duration grace) {
-    if (shutting_down) return;
-    shutting_down = true;
-    if (sig != 0) SignalAll(ranks, sig);
-    kill_deadline = absl::Now() + grace;
-  };
-  size_t open_streams = streams.size();
-  int running = options.nproc;
-  while (running > 0 || open_streams > 0) {
-    if (g_signal != 0) {
-      const int sig = g_signal;
-      g_signal = 0;
-      if (forwarded_signal == 0) {
-        // Ctrl-C reaches the launcher alone (each rank has its own process
-        // group); the ranks get SIGTERM, which a Session saves on by
-        // default (--evenstep_preempt_signals), instead of SIGINT, which
-        // would end them with nothing saved.
-        const int to_ranks = sig == SIGINT ? SIGTERM : sig;
-        forwarded_signal = to_ranks;
-        fprintf(stderr,
-                "evenstep-run: got signal %d (%s), sending %s to %d rank(s); they have %s to "
-                "save and stop (--grace), a second signal kills them at once\n",
-                sig, strsignal(sig), to_ranks == sig ? "it" : "SIGTERM", running,
-                absl::FormatDuration(options.grace).c_str());
-        if (shutting_down) {
-          SignalAll(ranks, to_ranks);  // ranks stopping after a preemption exit get it too
-        } else {
-          begin_shutdown(to_ranks, options.grace);
-        }
-      } else if (!killed) {
-        fprintf(stderr, "evenstep-run: second signal %d: killing %d rank(s) now\n", sig, running);
-        kill_deadline = absl::Now();
-      }
-    }
-    if (running > 0 && !killed && absl::Now() >= kill_deadline) {
-      fprintf(stderr, "evenstep-run: %d rank(s) still running after the grace period; killing\n",
-              running);
-      SignalAll(ranks, SIGKILL);
-      killed = true;
-    }
-
-    std::vector<pollfd> fds;
-    std::vector<Stream*> owners;
-    for (Stream& s : streams) {
-      if (s.fd < 0) continue;
-      fds.push_back(pollfd{s.fd, POLLIN, 0});
-      owners.push_back(&s);
-    }
-    if (!fds.empty()) {
-      int n = poll(fds.data(), fds.size(), 50);
-      if (n > 0) {
-        for (size_t i = 0; i < fds.size(); ++i) {
-          if (fds[i].revents == 0) continue;
-          char buf[65536];
-          ssize_t got = read(fds[i].fd, buf, sizeof(buf));
-          Stream& s = *owners[i];
-          if (got > 0) {
-            s.pending.append(buf, static_cast<size_t>(got));
-            EmitLines(s, false);
-          } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
-            EmitLines(s, true);
-            close(s.fd);
-            s.fd = -1;
-            --open_streams;
-          }
-        }
-      }
-    } else {
-      usleep(20000);
-    }
-
-    while (true) {
-      int status = 0;
-      pid_t pid = waitpid(-1, &status, WNOHANG);
-      if (pid <= 0) break;
-      for (int r = 0; r < options.nproc; ++r) {
-        if (ranks[r].pid != pid || !ranks[r].running) continue;
-        ranks[r].running = false;
-        ranks[r].status = status;
-        --running;
-        // A rank's grandchildren die with its process group.
-        kill(-pid, SIGKILL);
-        const bool preempted =
-            WIFEXITED(status) && WEXITSTATUS(status) == evenstep::kPreemptedExitCode;
-        const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0) && !preempted;
-        if (preempted && running > 0 && !shutting_down) {
-          // The others saw the same agreed stop and are saving too; a
-          // SIGTERM now could end one whose handler is already gone.
-          fprintf(stderr,
-                  "evenstep-run: rank %d stopped for preemption (exit %d); the other %d rank(s) "
-                  "have %s to finish (--grace)\n",
-                  r, evenstep::kPreemptedExitCode, running,
-                  absl::FormatDuration(options.grace).c_str());
-          begin_shutdown(0, options.grace);
-        }
-        if (failed && failed_rank < 0 && forwarded_signal == 0) {
-          failed_rank = r;
-          failed_status = status;
-          fprintf(stderr, "evenstep-run: rank %d %s; stopping the other %d rank(s)\n", r,
-                  DescribeStatus(status).c_str(), running);
-          if (shutting_down) {
-            SignalAll(ranks, SIGTERM);
-            kill_deadline = std::min(kill_deadline, absl::Now() + options.stop_grace);
-          } else {
-            begin_shutdown(SIGTERM, options.stop_grace);
-          }
-        }
-      }
-    }
-  }
-
-  if (failed_rank >= 0) return ExitCodeOf(failed_status);
-  // Every rank saved and stopped for preemption: say so to the scheduler
-  // (e.g. to requeue), whether the signal came through here or not.
-  const bool all_preempted = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) {
-    return WIFEXITED(r.status) && WEXITSTATUS(r.status) == evenstep::kPreemptedExitCode;
-  });
-  if (all_preempted) return evenstep::kPreemptedExitCode;
-  if (forwarded_signal != 0) return 128 + forwarded_signal;
-  return 0;
+  if (!StartRanks(options, (*server)->port(), &ranks, &streams)) return 1;
+  return Supervisor(options, ranks, streams).Run();
 }
