@@ -96,6 +96,35 @@ double Mean(const std::vector<double>& v) {
   return v.empty() ? 0 : s / v.size();
 }
 
+// The ideal step time (ms): the step's `units` spread in proportion to the
+// true speeds (every rank's fixed cost and per-unit seconds).
+double IdealMs(double fixed_s, const std::vector<double>& per_unit_s, double units, double cap) {
+  std::vector<evenstep::CostFit> truth(per_unit_s.size());
+  for (size_t r = 0; r < truth.size(); ++r) {
+    truth[r].fixed_s = fixed_s;
+    truth[r].per_unit_s = per_unit_s[r];
+    truth[r].observations = 1;
+  }
+  const auto shares = evenstep::BalancedShares(truth, units, cap, 0);
+  return 1e3 * evenstep::PredictedTime(truth[0], shares[0] * units, cap);
+}
+
+// One step's figures (--verbose).
+void SayStep(const evenstep::StepReport& report, const std::string& row, int s, double ms,
+             double ideal_ms) {
+  std::vector<std::string> per_rank;
+  for (size_t r = 0; r < report.shares.size(); ++r) {
+    per_rank.push_back(absl::StrFormat("r%d %.3f x%d %.1fms", r, report.shares[r],
+                                       report.rank_micro_batches[r], 1e3 * report.rank_busy_s[r]));
+  }
+  std::cout << absl::StrFormat(
+      "    %s step %d: %.1f ms (ideal %.1f; rank 0: sync wait %.1f, optimizer %.1f), "
+      "efficiency %.3f | %s\n",
+      row, s, ms, ideal_ms, absl::ToDoubleMilliseconds(report.sync_wait),
+      absl::ToDoubleMilliseconds(report.optimizer), report.balance_efficiency,
+      absl::StrJoin(per_rank, " | "));
+}
+
 // `floor_ms`: the mean step time with no work at all (scenario "floor"):
 // the gradient all-reduce, the optimizer and the exchange of cost fits,
 // which no split of the work can remove.
@@ -158,30 +187,12 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
                    });
     if (!report.ok()) return report.status();
     const double ms = absl::ToDoubleMilliseconds(report->end - report->begin);
-    // The ideal: the step's work spread in proportion to the true speeds.
-    std::vector<evenstep::CostFit> truth(ctx.world_size());
-    for (int r = 0; r < ctx.world_size(); ++r) {
-      truth[r].fixed_s = fixed_s;
-      truth[r].per_unit_s = per_unit_s * factor(r, s);
-      truth[r].observations = 1;
-    }
-    const double units = step->global_batch().cost;
-    const auto shares = evenstep::BalancedShares(truth, units, cap, 0);
-    const double ideal_ms = 1e3 * evenstep::PredictedTime(truth[0], shares[0] * units, cap);
+    std::vector<double> speeds;  // per-unit seconds, per rank
+    for (int r = 0; r < ctx.world_size(); ++r) speeds.push_back(per_unit_s * factor(r, s));
+    const double ideal_ms = IdealMs(fixed_s, speeds, step->global_batch().cost, cap);
     if (absl::GetFlag(FLAGS_verbose) && rank == 0) {
-      std::vector<std::string> per_rank;
-      for (int r = 0; r < ctx.world_size(); ++r) {
-        per_rank.push_back(absl::StrFormat("r%d %.3f x%d %.1fms", r, report->shares[r],
-                                           report->rank_micro_batches[r],
-                                           1e3 * report->rank_busy_s[r]));
-      }
-      std::cout << absl::StrFormat(
-          "    %s %s step %d: %.1f ms (ideal %.1f; rank 0: sync wait %.1f, optimizer %.1f), "
-          "efficiency %.3f | %s\n",
-          scenario, evenstep::BalanceModeName(mode), s, ms, ideal_ms,
-          absl::ToDoubleMilliseconds(report->sync_wait),
-          absl::ToDoubleMilliseconds(report->optimizer), report->balance_efficiency,
-          absl::StrJoin(per_rank, " | "));
+      SayStep(*report, absl::StrCat(scenario, " ", evenstep::BalanceModeName(mode)), s, ms,
+              ideal_ms);
     }
     const bool counted =
         scenario == "change" ? s > change_at + 5 || (s > 3 && s <= change_at) : s > 3;
@@ -207,6 +218,55 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
   result.busy_ratio = real ? 0 : Mean(busy_ratio);
   result.floor_ratio = real || no_work ? 0 : Mean(floor_ratio);
   return result;
+}
+
+// Startup: dynamic balancing from equal shares against dynamic balancing
+// seeded by the preflight's compute figures, with rank --slow_rank slowed
+// as in `steady` from the first step (the preflight sees the same slowdown:
+// that rank does --slow times the work per product,
+// PreflightOptions::compute_slowdown). Steps until the efficiency first
+// reaches 0.95. The SUMMARY's "startup" field.
+absl::StatusOr<std::string> Startup(evenstep::DistContext& ctx, const Texts& data, int steps,
+                                    double floor_ms, int64_t batch, bool print) {
+  absl::SetFlag(&FLAGS_evenstep_global_batch, batch);
+  evenstep::PreflightOptions pf;
+  pf.quick = true;
+  pf.compute_slowdown =
+      ctx.rank() == absl::GetFlag(FLAGS_slow_rank) ? absl::GetFlag(FLAGS_slow) : 1;
+  const absl::Time pf_begin = absl::Now();
+  absl::StatusOr<evenstep::PreflightReport> preflight = evenstep::RunPreflight(ctx, pf);
+  if (!preflight.ok()) {
+    return preflight.status();
+  }
+  const double pf_s = absl::ToDoubleSeconds(absl::Now() - pf_begin);
+  const std::vector<double> seeded = preflight->ComputeShares();
+  absl::StatusOr<RunResult> plain =
+      Run(ctx, data, BalanceMode::kDynamic, "startup", steps, floor_ms);
+  absl::StatusOr<RunResult> seed =
+      Run(ctx, data, BalanceMode::kDynamic, "startup", steps, floor_ms, seeded);
+  if (!plain.ok()) return plain.status();
+  if (!seed.ok()) return seed.status();
+  if (print) {
+    std::vector<std::string> shares;
+    for (double x : seeded) shares.push_back(absl::StrFormat("%.3f", x));
+    auto settle = [](const RunResult& r) {
+      return r.settle_steps < 0 ? std::string("never") : absl::StrCat(r.settle_steps);
+    };
+    std::cout << absl::StrFormat(
+        "startup (global batch %d, rank %d %.1fx slower from step 1): preflight %.1f s, seeded "
+        "shares [%s]\n  dynamic, equal first shares:   first step's efficiency %.3f, >= 0.95 at "
+        "step %s, mean efficiency %.3f\n  dynamic, seeded by preflight:  first step's "
+        "efficiency %.3f, >= 0.95 at step %s, mean efficiency %.3f\n",
+        batch, absl::GetFlag(FLAGS_slow_rank), absl::GetFlag(FLAGS_slow), pf_s,
+        absl::StrJoin(shares, ", "), plain->first_efficiency, settle(*plain), plain->efficiency,
+        seed->first_efficiency, settle(*seed), seed->efficiency);
+  }
+  return absl::StrFormat(
+      "\"startup\": {\"unseeded_settle_steps\": %d, \"seeded_settle_steps\": %d, "
+      "\"unseeded_first_efficiency\": %.4f, \"seeded_first_efficiency\": %.4f, "
+      "\"preflight_s\": %.2f}",
+      plain->settle_steps, seed->settle_steps, plain->first_efficiency, seed->first_efficiency,
+      pf_s);
 }
 
 }  // namespace
@@ -274,56 +334,14 @@ int main(int argc, char** argv) {
         "fits)\n",
         floor_ms);
   }
-  // Startup: dynamic balancing from equal shares against dynamic balancing
-  // seeded by the preflight's compute figures, with rank --slow_rank slowed
-  // as in `steady` from the first step (the preflight sees the same
-  // slowdown through its test switch: that rank does --slow times the work
-  // per product). Steps until the efficiency first reaches 0.95.
   std::string startup_json;
   if (absl::StrContains(absl::GetFlag(FLAGS_scenarios), "startup")) {
-    absl::SetFlag(&FLAGS_evenstep_global_batch, batches[0]);
-    evenstep::PreflightOptions pf;
-    pf.quick = true;
-    pf.compute_slowdown =
-        (*ctx)->rank() == absl::GetFlag(FLAGS_slow_rank) ? absl::GetFlag(FLAGS_slow) : 1;
-    const absl::Time pf_begin = absl::Now();
-    absl::StatusOr<evenstep::PreflightReport> preflight = evenstep::RunPreflight(**ctx, pf);
-    if (!preflight.ok()) {
-      std::cerr << "rank " << (*ctx)->rank() << ": " << preflight.status() << "\n";
+    absl::StatusOr<std::string> startup = Startup(**ctx, data, steps, floor_ms, batches[0], print);
+    if (!startup.ok()) {
+      std::cerr << "rank " << (*ctx)->rank() << ": " << startup.status() << "\n";
       return 1;
     }
-    const double pf_s = absl::ToDoubleSeconds(absl::Now() - pf_begin);
-    const std::vector<double> seeded = preflight->ComputeShares();
-    absl::StatusOr<RunResult> plain =
-        Run(**ctx, data, BalanceMode::kDynamic, "startup", steps, floor_ms);
-    absl::StatusOr<RunResult> seed =
-        Run(**ctx, data, BalanceMode::kDynamic, "startup", steps, floor_ms, seeded);
-    if (!plain.ok() || !seed.ok()) {
-      std::cerr << "rank " << (*ctx)->rank() << ": "
-                << (plain.ok() ? seed.status() : plain.status()) << "\n";
-      return 1;
-    }
-    if (print) {
-      std::vector<std::string> shares;
-      for (double x : seeded) shares.push_back(absl::StrFormat("%.3f", x));
-      auto settle = [](const RunResult& r) {
-        return r.settle_steps < 0 ? std::string("never") : absl::StrCat(r.settle_steps);
-      };
-      std::cout << absl::StrFormat(
-          "startup (global batch %d, rank %d %.1fx slower from step 1): preflight %.1f s, seeded "
-          "shares [%s]\n  dynamic, equal first shares:   first step's efficiency %.3f, >= 0.95 at "
-          "step %s, mean efficiency %.3f\n  dynamic, seeded by preflight:  first step's "
-          "efficiency %.3f, >= 0.95 at step %s, mean efficiency %.3f\n",
-          batches[0], absl::GetFlag(FLAGS_slow_rank), absl::GetFlag(FLAGS_slow), pf_s,
-          absl::StrJoin(shares, ", "), plain->first_efficiency, settle(*plain), plain->efficiency,
-          seed->first_efficiency, settle(*seed), seed->efficiency);
-    }
-    startup_json = absl::StrFormat(
-        "\"startup\": {\"unseeded_settle_steps\": %d, \"seeded_settle_steps\": %d, "
-        "\"unseeded_first_efficiency\": %.4f, \"seeded_first_efficiency\": %.4f, "
-        "\"preflight_s\": %.2f}",
-        plain->settle_steps, seed->settle_steps, plain->first_efficiency, seed->first_efficiency,
-        pf_s);
+    startup_json = *std::move(startup);
   }
   // Results by "<scenario>" (first batch) or "<scenario>_batch<N>".
   std::map<std::string, std::map<std::string, RunResult>> all;

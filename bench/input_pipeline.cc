@@ -56,6 +56,7 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/flags.h"
+#include "evenstep/status_macros.h"
 #include "evenstep/torch_data.h"
 #include "samples/sample_file.h"
 
@@ -181,6 +182,82 @@ struct Mode {
   std::vector<double> step_s, data_share, efficiency;
 };
 
+// This rank's samples written to `path` and opened (null for
+// --data_dir=memory).
+absl::StatusOr<std::unique_ptr<SampleFile>> WriteSamples(const torch::Tensor& x,
+                                                         const torch::Tensor& y,
+                                                         const std::string& path) {
+  if (absl::GetFlag(FLAGS_data_dir) == "memory") return nullptr;
+  std::vector<std::string> samples;
+  for (int64_t i = 0; i < kSamples; ++i) samples.push_back(SampleBytes(x, y, i));
+  EVENSTEP_RETURN_IF_ERROR(evenstep::samples::WriteSampleFile(path, samples));
+  return SampleFile::Open(path);
+}
+
+// Each mode's model, optimizer and BalancedStep (static balance, MEAN loss).
+absl::StatusOr<std::vector<Mode>> MakeModes(evenstep::DistContext& ctx, int workers) {
+  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig base, evenstep::BalanceConfig::FromFlags());
+  base.planner.mode = evenstep::BalanceMode::kStatic;
+  base.sampler.global_batch = absl::GetFlag(FLAGS_batch);
+  base.sampler.micro_batch_samples = absl::GetFlag(FLAGS_micro);
+  base.sampler.sort_window = 1;
+  base.loss_reduction = evenstep::LossReduction::kMean;
+  std::vector<Mode> modes;
+  for (const char* name : kModes) {
+    Mode m;
+    m.name = name;
+    m.model = MakeModel();
+    m.optimizer =
+        std::make_unique<torch::optim::SGD>(m.model->parameters(), torch::optim::SGDOptions(0.01));
+    evenstep::BalanceConfig config = base;
+    if (m.name == "evenstep_fn") {
+      config.data_workers = workers;
+      config.prefetch = absl::GetFlag(FLAGS_prefetch);
+    } else if (m.name != "evenstep") {
+      config.data_workers = 0;  // compute, inline: on the training thread
+    }
+    EVENSTEP_ASSIGN_OR_RETURN(
+        m.step, evenstep::BalancedStep::Create(ctx, *m.model, *m.optimizer,
+                                               evenstep::UniformLengths(kSamples), config));
+    modes.push_back(std::move(m));
+  }
+  return modes;
+}
+
+// One step whose micro-batches libtorch's DataLoader loads on its workers
+// (the piece-by-piece API; `plan` is what its sampler hands out).
+template <typename Loader, typename Loss>
+absl::StatusOr<evenstep::StepReport> TorchDataStep(evenstep::BalancedStep& step,
+                                                   std::vector<std::vector<size_t>>* plan,
+                                                   Loader& loader, Loss loss) {
+  EVENSTEP_RETURN_IF_ERROR(step.BeginStep());
+  plan->clear();
+  for (const evenstep::MicroBatch& mb : step.micro_batches()) {
+    plan->emplace_back(mb.samples.begin(), mb.samples.end());
+  }
+  for (auto& batch : loader) {
+    step.DataReady();
+    EVENSTEP_RETURN_IF_ERROR(step.Backward(loss(batch)));
+  }
+  return step.FinishStep();
+}
+
+// The worst rank's data share; rank 0's step time (the ranks end each step
+// together, at the sync): one RESULT line per mode on rank 0.
+absl::Status PrintResults(evenstep::DistContext& ctx, const std::vector<Mode>& modes) {
+  for (const Mode& m : modes) {
+    at::Tensor share = torch::tensor({Median(m.data_share)}, torch::kDouble);
+    EVENSTEP_RETURN_IF_ERROR(ctx.AllReduce(share, evenstep::ReduceOp::kMax));
+    if (ctx.rank() == 0) {
+      std::cout << absl::StrFormat("RESULT mode=%s step_s=%.6f data_share=%.6f efficiency=%.6f\n",
+                                   m.name, Median(m.step_s), share.item<double>(),
+                                   Median(m.efficiency))
+                << std::flush;
+    }
+  }
+  return absl::OkStatus();
+}
+
 int RunWorker() {
   torch::set_num_threads(1);
   auto ctx = evenstep::DistContext::CreateFromFlags();
@@ -195,21 +272,14 @@ int RunWorker() {
   const bool slow = rank == absl::GetFlag(FLAGS_slow_rank);
   const double factor = slow ? absl::GetFlag(FLAGS_slow_factor) : 1.0;
   // This rank's samples on real storage: written once, read with pread.
-  std::unique_ptr<SampleFile> file;
-  const std::string dir = absl::GetFlag(FLAGS_data_dir);
-  const std::string path = absl::StrCat(dir, "/evenstep_input_pipeline.rank", rank, ".samples");
-  if (dir != "memory") {
-    std::vector<std::string> samples;
-    for (int64_t i = 0; i < kSamples; ++i) samples.push_back(SampleBytes(x, y, i));
-    absl::Status written = evenstep::samples::WriteSampleFile(path, samples);
-    auto opened = written.ok() ? SampleFile::Open(path)
-                               : absl::StatusOr<std::unique_ptr<SampleFile>>(written);
-    if (!opened.ok()) {
-      std::cerr << "--data_dir=" << dir << ": " << opened.status() << "\n";
-      return 1;
-    }
-    file = *std::move(opened);
+  const std::string path = absl::StrCat(absl::GetFlag(FLAGS_data_dir),
+                                        "/evenstep_input_pipeline.rank", rank, ".samples");
+  auto opened = WriteSamples(x, y, path);
+  if (!opened.ok()) {
+    std::cerr << "--data_dir=" << absl::GetFlag(FLAGS_data_dir) << ": " << opened.status() << "\n";
+    return 1;
   }
+  std::unique_ptr<SampleFile> file = *std::move(opened);
   struct Remove {
     std::string path;
     ~Remove() { std::remove(path.c_str()); }
@@ -224,39 +294,12 @@ int RunWorker() {
       PrepDataset(x, y, true, factor, slow, file.get()).map(torch::data::transforms::Stack<>()),
       PlanSampler(plan), torch::data::DataLoaderOptions().batch_size(1).workers(workers));
 
-  auto base = evenstep::BalanceConfig::FromFlags();
-  if (!base.ok()) {
-    std::cerr << base.status() << "\n";
+  auto made = MakeModes(**ctx, workers);
+  if (!made.ok()) {
+    std::cerr << made.status() << "\n";
     return 1;
   }
-  base->planner.mode = evenstep::BalanceMode::kStatic;
-  base->sampler.global_batch = absl::GetFlag(FLAGS_batch);
-  base->sampler.micro_batch_samples = absl::GetFlag(FLAGS_micro);
-  base->sampler.sort_window = 1;
-  base->loss_reduction = evenstep::LossReduction::kMean;
-  std::vector<Mode> modes;
-  for (const char* name : kModes) {
-    Mode m;
-    m.name = name;
-    m.model = MakeModel();
-    m.optimizer =
-        std::make_unique<torch::optim::SGD>(m.model->parameters(), torch::optim::SGDOptions(0.01));
-    evenstep::BalanceConfig config = *base;
-    if (m.name == "evenstep_fn") {
-      config.data_workers = workers;
-      config.prefetch = absl::GetFlag(FLAGS_prefetch);
-    } else if (m.name != "evenstep") {
-      config.data_workers = 0;  // compute, inline: on the training thread
-    }
-    auto created = evenstep::BalancedStep::Create(**ctx, *m.model, *m.optimizer,
-                                                  evenstep::UniformLengths(kSamples), config);
-    if (!created.ok()) {
-      std::cerr << created.status() << "\n";
-      return 1;
-    }
-    m.step = *std::move(created);
-    modes.push_back(std::move(m));
-  }
+  std::vector<Mode>& modes = *made;
   auto loss = [](Mode& m) {
     return [&m](const torch::data::Example<>& b) {
       return torch::nn::functional::cross_entropy(m.model->forward(b.data), b.target);
@@ -289,24 +332,7 @@ int RunWorker() {
       } else if (m.name != "torchdata") {
         report = m.step->Step(evenstep::BatchesOf(prepared), loss(m));
       } else {  // torchdata: the loader's workers load evenstep's micro-batches
-        absl::Status begun = m.step->BeginStep();
-        if (!begun.ok()) {
-          std::cerr << begun << "\n";
-          return 1;
-        }
-        plan->clear();
-        for (const evenstep::MicroBatch& mb : m.step->micro_batches()) {
-          plan->emplace_back(mb.samples.begin(), mb.samples.end());
-        }
-        for (auto& batch : *loader) {
-          m.step->DataReady();
-          absl::Status done = m.step->Backward(loss(m)(batch));
-          if (!done.ok()) {
-            std::cerr << done << "\n";
-            return 1;
-          }
-        }
-        report = m.step->FinishStep();
+        report = TorchDataStep(*m.step, plan.get(), *loader, loss(m));
       }
       if (!report.ok()) {
         std::cerr << m.name << ": " << report.status() << "\n";
@@ -319,19 +345,7 @@ int RunWorker() {
       m.efficiency.push_back(report->balance_efficiency);
     }
   }
-  // The worst rank's data share; rank 0's step time (the ranks end each
-  // step together, at the sync).
-  for (Mode& m : modes) {
-    at::Tensor share = torch::tensor({Median(m.data_share)}, torch::kDouble);
-    if (!(*ctx)->AllReduce(share, evenstep::ReduceOp::kMax).ok()) return 1;
-    if (rank == 0) {
-      std::cout << absl::StrFormat("RESULT mode=%s step_s=%.6f data_share=%.6f efficiency=%.6f\n",
-                                   m.name, Median(m.step_s), share.item<double>(),
-                                   Median(m.efficiency))
-                << std::flush;
-    }
-  }
-  return 0;
+  return PrintResults(**ctx, modes).ok() ? 0 : 1;
 }
 
 }  // namespace

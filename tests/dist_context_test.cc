@@ -1,6 +1,10 @@
-// DistContext over real processes: each test starts rank_helper processes over
-// Gloo on 127.0.0.1, with a c10d store hosted by the test (port from the OS)
-// or by rank 0, and bounds every wait so a hang fails.
+// DistContext over real processes over Gloo on 127.0.0.1, with a c10d store
+// hosted by the test (port from the OS) or by rank 0, every wait bounded so a
+// hang fails. The collectives' results are checked inside their TEST on each
+// rank (RunOnRanks: this binary again as each rank); the launch conventions
+// and failures start rank_helper, whose process image is the point there.
+
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <memory>
@@ -11,6 +15,7 @@
 #include "evenstep/internal/store_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/on_ranks.h"
 #include "tests/testing/subprocess.h"
 
 namespace evenstep {
@@ -44,18 +49,54 @@ std::unique_ptr<internal::StoreServer> HostStore() {
 
 class CollectivesTest : public ::testing::TestWithParam<int> {};
 
+// Every collective's exact result on every rank, at world sizes 1 to 4 (the
+// ranks: this binary again, evenstep::testing::RunOnRanks).
 TEST_P(CollectivesTest, ExactResults) {
   const int world = GetParam();
-  auto store = HostStore();
-  ASSERT_NE(store, nullptr);
-  auto results =
-      RunAll(TorchrunRanks(world, store->port(), HelperArgs({"collectives"})), kHangBound);
-  for (int r = 0; r < world; ++r) {
-    EXPECT_FALSE(results[r].timed_out) << Describe(results);
-    EXPECT_EQ(results[r].exit_code, 0) << Describe(results);
-    EXPECT_THAT(results[r].output,
-                HasSubstr(absl::StrCat("collectives ok: rank ", r, " of ", world)));
-  }
+  evenstep::testing::RunOnRanks(world, [world](DistContext& dist) {
+    const int r = dist.rank();
+    ASSERT_EQ(dist.world_size(), world);
+    // Integer sum: arange(5) + 100 * rank summed over ranks.
+    at::Tensor t = at::arange(5, at::kLong) + 100 * r;
+    ASSERT_TRUE(dist.AllReduce(t).ok());
+    at::Tensor want = at::arange(5, at::kLong) * world + 100 * (world * (world - 1) / 2);
+    EXPECT_TRUE(at::equal(t, want)) << "all_reduce sum int64 on rank " << r << ": " << t;
+    // A float sum of binary fractions is exact.
+    at::Tensor f = at::full({7}, 0.5 * (r + 1), at::kFloat);
+    ASSERT_TRUE(dist.AllReduce(f).ok());
+    EXPECT_TRUE(at::equal(f, at::full({7}, 0.25 * world * (world + 1), at::kFloat)))
+        << "all_reduce sum float on rank " << r << ": " << f;
+    double factorial = 1;
+    for (int i = 2; i <= world; ++i) factorial *= i;
+    const struct {
+      ReduceOp op;
+      double mine, expected;
+      const char* name;
+    } ops[] = {{ReduceOp::kMax, 1.0 * r, world - 1.0, "max"},
+               {ReduceOp::kMin, 1.0 * r, 0.0, "min"},
+               {ReduceOp::kProduct, r + 1.0, factorial, "product"}};
+    for (const auto& c : ops) {
+      at::Tensor x = at::full({3}, c.mine, at::kDouble);
+      ASSERT_TRUE(dist.AllReduce(x, c.op).ok()) << c.name;
+      EXPECT_TRUE(at::equal(x, at::full({3}, c.expected, at::kDouble)))
+          << "all_reduce " << c.name << " on rank " << r << ": " << x;
+    }
+    // All-gather: rank q contributes 10 * q + 1.
+    std::vector<at::Tensor> gathered;
+    ASSERT_TRUE(dist.AllGather(at::full({2, 3}, 10 * r + 1, at::kInt), &gathered).ok());
+    ASSERT_EQ(static_cast<int>(gathered.size()), world);
+    for (int q = 0; q < world; ++q) {
+      EXPECT_TRUE(at::equal(gathered[q], at::full({2, 3}, 10 * q + 1, at::kInt)))
+          << "all_gather[" << q << "] on rank " << r << ": " << gathered[q];
+    }
+    // Broadcast from the last rank.
+    const int root = world - 1;
+    at::Tensor b = r == root ? at::full({4}, 42.0 + root, at::kFloat) : at::zeros({4}, at::kFloat);
+    ASSERT_TRUE(dist.Broadcast(b, root).ok());
+    EXPECT_TRUE(at::equal(b, at::full({4}, 42.0 + root, at::kFloat)))
+        << "broadcast on rank " << r << ": " << b;
+    EXPECT_TRUE(dist.Barrier().ok());
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesTest, ::testing::Values(1, 2, 3, 4),

@@ -1,8 +1,8 @@
 // A rank program for the multi-process tests. It joins the job described by
 // its environment (any launcher convention) and runs one scenario:
 //
-//   rank_helper [--evenstep_* flags] collectives        exact all_reduce / all_gather /
-//                                                        broadcast / barrier checks
+//   rank_helper [--evenstep_* flags] collectives        an all_reduce and a barrier (the
+//                                                        launcher tests' sign of life)
 //   rank_helper init                                     rendezvous only
 //   rank_helper die_after_init R                         rank R leaves after a barrier,
 //                                                        the others all_reduce
@@ -56,82 +56,25 @@ void WritePidFile() {
   rename((path + ".tmp").c_str(), path.c_str());
 }
 
-bool Check(bool ok, const std::string& what, const at::Tensor& got, const at::Tensor& want) {
-  if (!ok) {
-    std::cout << "MISMATCH in " << what << ": got " << got << " want " << want << std::endl;
-  }
-  return ok;
-}
-
+// The launcher tests' sign of life: one all-reduce and a barrier over the
+// ranks it started (every collective's exact results are specified in
+// dist_context_test.cc's CollectivesTest).
 int Collectives(evenstep::DistContext& dist) {
   const int w = dist.world_size();
   const int r = dist.rank();
-  bool ok = true;
-  // Integer sum: arange(5) + 100 * rank summed over ranks.
-  at::Tensor t = at::arange(5, at::kLong) + 100 * r;
+  at::Tensor t = at::full({1}, 1.0 * r, at::kDouble);
   if (auto s = dist.AllReduce(t); !s.ok()) {
     std::cout << s << std::endl;
     return 1;
   }
-  at::Tensor want = at::arange(5, at::kLong) * w + 100 * (w * (w - 1) / 2);
-  ok &= Check(at::equal(t, want), "all_reduce sum int64", t, want);
-  // Float sum of binary fractions is exact.
-  at::Tensor f = at::full({7}, 0.5 * (r + 1), at::kFloat);
-  if (auto s = dist.AllReduce(f); !s.ok()) {
-    std::cout << s << std::endl;
+  if (t.item<double>() != w * (w - 1) / 2.0) {
+    std::cout << "MISMATCH all_reduce of the ranks: " << t.item<double>() << std::endl;
     return 1;
   }
-  want = at::full({7}, 0.25 * w * (w + 1), at::kFloat);
-  ok &= Check(at::equal(f, want), "all_reduce sum float", f, want);
-  struct {
-    evenstep::ReduceOp op;
-    double expected;
-    const char* name;
-  } ops[] = {{evenstep::ReduceOp::kMax, static_cast<double>(w - 1), "max"},
-             {evenstep::ReduceOp::kMin, 0.0, "min"},
-             {evenstep::ReduceOp::kProduct, 1.0, "product"}};
-  double factorial = 1;
-  for (int i = 2; i <= w; ++i) factorial *= i;
-  ops[2].expected = factorial;
-  for (auto& c : ops) {
-    at::Tensor x =
-        at::full({3}, c.op == evenstep::ReduceOp::kProduct ? r + 1.0 : 1.0 * r, at::kDouble);
-    if (auto s = dist.AllReduce(x, c.op); !s.ok()) {
-      std::cout << s << std::endl;
-      return 1;
-    }
-    want = at::full({3}, c.expected, at::kDouble);
-    ok &= Check(at::equal(x, want), std::string("all_reduce ") + c.name, x, want);
-  }
-  // All-gather: rank q contributes 10 * q + 1.
-  std::vector<at::Tensor> gathered;
-  if (auto s = dist.AllGather(at::full({2, 3}, 10 * r + 1, at::kInt), &gathered); !s.ok()) {
-    std::cout << s << std::endl;
-    return 1;
-  }
-  if (static_cast<int>(gathered.size()) != w) {
-    std::cout << "MISMATCH all_gather returned " << gathered.size() << " tensors" << std::endl;
-    return 1;
-  }
-  for (int q = 0; q < w; ++q) {
-    want = at::full({2, 3}, 10 * q + 1, at::kInt);
-    ok &= Check(at::equal(gathered[q], want), "all_gather[" + std::to_string(q) + "]", gathered[q],
-                want);
-  }
-  // Broadcast from the last rank.
-  const int root = w - 1;
-  at::Tensor b = r == root ? at::full({4}, 42.0 + root, at::kFloat) : at::zeros({4}, at::kFloat);
-  if (auto s = dist.Broadcast(b, root); !s.ok()) {
-    std::cout << s << std::endl;
-    return 1;
-  }
-  want = at::full({4}, 42.0 + root, at::kFloat);
-  ok &= Check(at::equal(b, want), "broadcast", b, want);
   if (auto s = dist.Barrier(); !s.ok()) {
     std::cout << s << std::endl;
     return 1;
   }
-  if (!ok) return 1;
   std::cout << "collectives ok: rank " << r << " of " << w << std::endl;
   return 0;
 }

@@ -8,30 +8,13 @@
 // into page-locked staging on a side stream); the rest runs on the I/O
 // fibers.
 //
-// Commit protocol (one checkpoint = DIR/step-SSSSSSSSSS/):
-//   1. every rank: create the checkpoint directory, fsync DIR.
-//   2. every rank: write its shard to shard-RRRRR-of-WWWWW.h5.tmp (HDF5
-//      container + tensor bytes, XXH3-64 of every dataset computed from the
-//      staging buffer), fsync it, rename it to shard-RRRRR-of-WWWWW.h5,
-//      fsync the checkpoint directory.
-//      A rank that finds manifest.json already in the directory writes
-//      nothing (a committed checkpoint is never rewritten) and fails.
-//   3. every rank: publish its shard's checksums — or its error — under the
-//      commit key of this save and increment the save's arrival counter
-//      (CommitStore: the c10d store, not a collective on the training
-//      process group).
-//   4. the rank that brings the counter to the world size: if any rank
-//      failed, removes the directory (the shards that were written) and
-//      publishes that error as the outcome. Otherwise it writes
-//      manifest.json (tmp, fsync, rename, fsync directory) — the checkpoint
-//      exists from this moment — then DIR/latest the same way (a hint for
-//      people: readers go by the manifests), then applies retention (keeps
-//      this checkpoint and the newest keep-1 committed ones older than it,
-//      and, with one save in flight, removes uncommitted older ones), and
-//      publishes the outcome. Every other rank waits for the outcome, so the
-//      save's result is the same on every rank.
-// A directory without manifest.json is never loaded. A crash at any point
-// leaves the previous checkpoint loadable and this one complete or invisible.
+// Commit protocol (one checkpoint = DIR/step-SSSSSSSSSS/), written down once
+// with what a crash at each write leaves: docs/design.md, "Checkpoints:
+// commit protocol and crash states". In short: every rank writes its shard
+// (tmp, fsync, rename, fsync), reports through the CommitStore, and the last
+// to report writes manifest.json the same way (or, when a rank failed,
+// removes the directory): a checkpoint is committed if and only if its
+// manifest exists, and every rank's save returns the same outcome.
 //
 // Thread-safety: one training thread calls Save/Wait; the I/O runs on the
 // writer's own runtime.
