@@ -11,7 +11,7 @@ install(TARGETS evenstep evenstep_torch
 # Public headers only: internal/ headers are evenstep's own (no public
 # header includes one; tests/layering_check.py fails if one does).
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/base/include/evenstep
-  ${PROJECT_SOURCE_DIR}/lib/dist/include/evenstep
+  ${PROJECT_SOURCE_DIR}/lib/distributed/include/evenstep
   ${PROJECT_SOURCE_DIR}/lib/balance/include/evenstep
   ${PROJECT_SOURCE_DIR}/lib/observe/include/evenstep
   ${PROJECT_SOURCE_DIR}/lib/train/include/evenstep

@@ -1,5 +1,5 @@
 # Probes the libtorch in use for the c10d API differences that
-# lib/dist/include/evenstep/internal/c10d_compat.h hides, and writes the answers to
+# lib/distributed/include/evenstep/internal/c10d_compat.h hides, and writes the answers to
 # the generated header evenstep/internal/build_config.h. The version macros
 # (TORCH_VERSION_MAJOR/MINOR) pick the code path; these try-compiles confirm
 # the places where the API moved between releases, so a libtorch that does not

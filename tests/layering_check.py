@@ -4,9 +4,9 @@
   base/         sees base/ only
   hooks/        sees base/, hooks/                  (never io/ or lib/)
   io/           sees base/, io/                     (never hooks/ or lib/)
-  lib/dist/     sees base/, io/ (CommitStore), dist/
-  lib/balance/  sees base/, hooks/, dist/, balance/ (no observation, no training)
-  lib/observe/  sees base/, io/, dist/, balance/, observe/
+  lib/distributed/  sees base/, io/ (CommitStore), distributed/
+  lib/balance/  sees base/, hooks/, distributed/, balance/ (no observation, no training)
+  lib/observe/  sees base/, io/, distributed/, balance/, observe/
   lib/train/    sees everything above
   a public header (not under internal/) includes no internal/ header, so
   installing only public headers is complete; and internal/ headers are
@@ -25,10 +25,10 @@ LAYERS = {
     "base": {"base"},
     "hooks": {"base", "hooks"},
     "io": {"base", "io"},
-    "lib/dist": {"base", "io", "lib/dist"},
-    "lib/balance": {"base", "hooks", "lib/dist", "lib/balance"},
-    "lib/observe": {"base", "io", "lib/dist", "lib/balance", "lib/observe"},
-    "lib/train": {"base", "hooks", "io", "lib/dist", "lib/balance", "lib/observe", "lib/train"},
+    "lib/distributed": {"base", "io", "lib/distributed"},
+    "lib/balance": {"base", "hooks", "lib/distributed", "lib/balance"},
+    "lib/observe": {"base", "io", "lib/distributed", "lib/balance", "lib/observe"},
+    "lib/train": {"base", "hooks", "io", "lib/distributed", "lib/balance", "lib/observe", "lib/train"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(evenstep/[^"]+)"')
 

@@ -1,5 +1,5 @@
 // Waiting for a c10d collective with a deadline: the one way hooks/
-// (GradSync) and lib/dist/ (DistContext) start a collective, wait for it and
+// (GradSync) and lib/distributed/ (DistContext) start a collective, wait for it and
 // turn what c10d throws into one line. Callers build their own status from
 // the outcome (DistContext names the ranks that never arrived; GradSync may
 // hand the outcome to that diagnosis). Stateless.

@@ -3,7 +3,7 @@
 // releases (c10::Event measures elapsed time and synchronizes in 2.x only).
 // Every layer (io/ for checkpoint snapshots, lib/ for micro-step timing)
 // waits on and times device events through these functions; the c10d parts
-// live in lib/dist/'s c10d_compat.h. Stateless; header-only.
+// live in lib/distributed/'s c10d_compat.h. Stateless; header-only.
 #pragma once
 
 #include <c10/core/Event.h>
