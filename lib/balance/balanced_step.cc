@@ -230,7 +230,7 @@ void BalancedStep::StartPart(size_t k) {
   part_ = k;
   next_micro_ = 0;
   data_marked_ = false;
-  memory_probe_.Lap();  // a part's first micro-step from here
+  if (memory_budget_ > 0) memory_probe_.Lap();  // a part's first micro-step from here
   Reseed(0);
   Part& part = parts_[k];
   // An earlier step's failed synchronisation is settled: a failure in this
@@ -441,9 +441,11 @@ void BalancedStep::MicroStep(const at::Tensor& loss_sum, const MicroBatch& mb, b
   scaled_loss.backward();
   backward_started_ = false;
   report_.largest_micro_batch = std::max(report_.largest_micro_batch, mb.padded_tokens());
-  const int64_t peak =
-      config_.micro_peak_bytes ? config_.micro_peak_bytes(mb) : memory_probe_.Lap();
-  if (memory_budget_ > 0 && peak > 0) memory_fits_[part_].Record(mb.padded_tokens(), peak);
+  if (memory_budget_ > 0) {  // predicted caps: the micro-step's peak into its part's fit
+    const int64_t peak =
+        config_.micro_peak_bytes ? config_.micro_peak_bytes(mb) : memory_probe_.Lap();
+    if (peak > 0) memory_fits_[part_].Record(mb.padded_tokens(), peak);
+  }
 }
 
 bool BalancedStep::SyncedDespiteFailure() const {
@@ -539,7 +541,8 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
                                               : std::vector<MicroBatch>{micro_[j]};
       for (size_t q = 0; q < run.size() && !again; ++q) {
         const bool sync_now = j + 1 == n && q + 1 == run.size();
-        memory_probe_.Lap();  // the piece's peak from here (not the failed attempt's)
+        // The piece's peak from here (not the failed attempt's).
+        if (memory_budget_ > 0) memory_probe_.Lap();
         try {
           MicroStep(recompute_(run[q]), run[q], sync_now);
           if (slot_pieces_[j] > 1) {

@@ -175,9 +175,8 @@ absl::StatusOr<TopologyChoice> ApplySyncTopology(DistContext& ctx, SyncTopology 
                           choice.cross_node_gbps > 0 ? "," : "; all-reduce bus bandwidth",
                           choice.within_node_gbps);
   }
-  // (A group kind not measured counts as infinitely fast.)
-  choice.hierarchical = topology == SyncTopology::kHierarchical ||
-                        (cross > 0 && (within == 0 || cross < 0.5 * within));
+  // (Auto gets here only with both kinds of group, so both were measured.)
+  choice.hierarchical = topology == SyncTopology::kHierarchical || cross < 0.5 * within;
   if (!choice.hierarchical) {
     choice.line = absl::StrCat("gradient sync: flat (", figures,
                                ": the link between nodes is not the bottleneck)");
