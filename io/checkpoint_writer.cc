@@ -1,5 +1,7 @@
 // CheckpointWriter: snapshot on the training thread, everything else on the
-// I/O fibers; the commit protocol is written down in checkpoint_files.h.
+// I/O fibers; the commit protocol is summed up in checkpoint_writer.h.
+#include "evenstep/checkpoint_writer.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -25,7 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_manifest.h"
 #include "evenstep/internal/device_compat.h"
 #include "evenstep/internal/dtypes.h"
 #include "evenstep/internal/error_text.h"
@@ -116,7 +118,7 @@ struct CheckpointWriter::Impl {
   // manifest (file, bytes, datasets with checksums).
   absl::Status WriteShard(Staging& stage, int64_t step, std::string* report);
   // WriteShard, then the commit protocol's report and outcome (see
-  // checkpoint_files.h); the save's outcome, the same on every rank.
+  // checkpoint_writer.h); the save's outcome, the same on every rank.
   absl::Status WriteAndCommit(Staging& stage, int64_t seq, int64_t step,
                               const std::vector<TensorMeta>& metas, const std::string& extras);
   absl::Status Commit(int64_t seq, int64_t step, const std::vector<TensorMeta>& metas,

@@ -18,7 +18,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_reader.h"
+#include "evenstep/checkpoint_writer.h"
 #include "evenstep/fault_env.h"
 #include "tests/testing/in_process_commit_store.h"
 #include "tests/testing/subprocess.h"

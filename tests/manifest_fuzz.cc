@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_reader.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
 

@@ -32,7 +32,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_manifest.h"
 #include "evenstep/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_reader.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
 

@@ -37,7 +37,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_writer.h"
 #include "evenstep/internal/c10d_compat.h"
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"

@@ -9,7 +9,7 @@
 #include <mutex>
 #include <string>
 
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_writer.h"
 
 namespace evenstep::testing {
 

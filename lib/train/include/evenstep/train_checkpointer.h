@@ -1,7 +1,7 @@
 // TrainCheckpointer: saves and restores a training run — model parameters and
 // buffers, optimizer state (SGD, Adam, AdamW, RMSprop, Adagrad), the balancing
 // state (sampler position, plan) and user extras — as sharded asynchronous
-// checkpoints (io/checkpoint_files.h), and loads them at any world size.
+// checkpoints (io/checkpoint_writer.h, checkpoint_reader.h), and loads them at any world size.
 //
 //   auto ckpt = evenstep::TrainCheckpointer::Create(*ctx, *evenstep::CheckpointOptionsFromFlags());
 //   auto loaded = (*ckpt)->Load({model.get(), &optimizer, step.get()});  // resume
@@ -24,7 +24,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "evenstep/checkpoint_files.h"
+#include "evenstep/checkpoint_reader.h"
+#include "evenstep/checkpoint_writer.h"
 #include "evenstep/named_tensor.h"
 #include "evenstep/torch_fwd.h"
 
