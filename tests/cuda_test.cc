@@ -4,7 +4,7 @@
 //   - GradSync on CUDA tensors: NCCL at world size 1, and two ranks sharing
 //     the one GPU over Gloo (NCCL refuses two ranks on one device): the exact
 //     mean-loss gradient for random uneven splits with an idle rank, no-sync
-//     accumulation, unused parameters (tests/grad_sync_helper.cc --device).
+//     accumulation, unused parameters (tests/testing/sync_net.h's model on CUDA).
 //   - MicroStepClock with events: the data / compute / sync split on a real
 //     stream, and no host synchronisation between Begin() and Read(),
 //     counted with CUDA's sync debug mode (a positive control shows the
@@ -31,11 +31,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "evenstep/device_feed.h"
+#include "evenstep/grad_sync.h"
 #include "evenstep/internal/micro_step_clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/mixed_tensors.h"
+#include "tests/testing/on_ranks.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/sync_net.h"
 #include "tests/testing/temp_dir.h"
 #if EVENSTEP_TEST_C10_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -70,35 +73,62 @@ void ExpectAllPassed(const std::vector<ProcessResult>& results, const std::strin
 
 TEST(CudaGradSyncTest, ExactOverNcclAtWorldSizeOne) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
-  auto results = RunProgramOnRanks(1, EVENSTEP_GRAD_SYNC_HELPER,
-                                   {"--evenstep_backend=nccl", "--device=cuda", "exact", "11"});
-  ExpectAllPassed(results, "exact ok");
-  EXPECT_THAT(results[0].output, HasSubstr("backend nccl device cuda")) << Describe(results);
+  evenstep::testing::OnRanksOptions nccl;
+  nccl.backend = CommBackend::kNccl;
+  evenstep::testing::RunOnRanks(
+      1,
+      [](DistContext& dist) {
+        EXPECT_EQ(dist.backend_name(), "nccl");
+        evenstep::testing::SyncExactSplit(dist, 11, evenstep::testing::TinyBuckets(), torch::kCUDA);
+      },
+      nccl);
 }
 
 // Two ranks on one GPU: Gloo all-reduces the CUDA buckets. The seed's split
 // leaves rank seed % 2 without work: it joins through SyncNow.
-TEST(CudaGradSyncTest, ExactForTwoRanksSharingTheGpuOverGlooWithAnIdleRank) {
+class CudaGradSyncSeedTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaGradSyncSeedTest, ExactForTwoRanksSharingTheGpuOverGlooWithAnIdleRank) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
-  for (int seed : {12, 21}) {
-    auto results = RunProgramOnRanks(
-        2, EVENSTEP_GRAD_SYNC_HELPER,
-        {"--evenstep_backend=gloo", "--device=cuda", "exact", std::to_string(seed)});
-    ExpectAllPassed(results, "exact ok");
-    EXPECT_THAT(results[seed % 2].output, HasSubstr(" 0 samples in 0 micro-batches"))
-        << Describe(results);
-    EXPECT_THAT(results[0].output, HasSubstr("backend gloo device cuda"));
-  }
+  const int seed = GetParam();
+  evenstep::testing::RunOnRanks(2, [seed](DistContext& dist) {
+    EXPECT_EQ(dist.backend_name(), "gloo");
+    const auto run = evenstep::testing::SyncExactSplit(dist, seed, evenstep::testing::TinyBuckets(),
+                                                       torch::kCUDA);
+    EXPECT_EQ(run.micro_batches == 0, dist.rank() == seed % 2) << "rank " << dist.rank();
+  });
 }
 
+INSTANTIATE_TEST_SUITE_P(Seeds, CudaGradSyncSeedTest, ::testing::Values(12, 21));
+
+// No-sync accumulation and an unused parameter's zeros on CUDA tensors: the
+// model and batch of ExactForTwoRanks..., the sync held for two micro-steps
+// with rank 1 alone using `extra`.
 TEST(CudaGradSyncTest, NoSyncAccumulatesLocallyAndUnusedParametersReduceAsZeros) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
-  const std::vector<std::string> cuda = {"--evenstep_backend=gloo", "--device=cuda"};
-  std::vector<std::string> nosync = cuda, unused = cuda;
-  nosync.push_back("nosync");
-  unused.push_back("unused");
-  ExpectAllPassed(RunProgramOnRanks(2, EVENSTEP_GRAD_SYNC_HELPER, nosync), "nosync ok");
-  ExpectAllPassed(RunProgramOnRanks(2, EVENSTEP_GRAD_SYNC_HELPER, unused), "unused ok");
+  evenstep::testing::RunOnRanks(2, [](DistContext& dist) {
+    using namespace evenstep::testing;  // NOLINT: the sync test model's names
+    const SyncBatch batch = GlobalSyncBatch(torch::kCUDA);
+    auto net = MakeSyncNet(3, torch::kCUDA, kSyncHidden, /*with_extra=*/true);
+    auto sync = GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    const bool uses_extra = dist.rank() == 1;
+    (*sync)->set_sync_enabled(false);
+    for (int m = 0; m < 2; ++m) {
+      ScaledLoss(*net, batch, torch::arange(dist.rank() + 2 * m, kSyncBatch, 6), uses_extra)
+          .backward();
+    }
+    EXPECT_EQ((*sync)->collectives_started(), 0) << "collectives during no-sync micro-steps";
+    (*sync)->set_sync_enabled(true);
+    ScaledLoss(*net, batch, torch::arange(dist.rank() + 4, kSyncBatch, 6), uses_extra).backward();
+    // One process's gradient of both ranks' micro-batches.
+    auto all = MakeSyncNet(3, torch::kCUDA, kSyncHidden, true);
+    for (int r = 0; r < 2; ++r) {
+      for (int m = 0; m < 3; ++m)
+        ScaledLoss(*all, batch, torch::arange(r + 2 * m, kSyncBatch, 6), r == 1).backward();
+    }
+    ExpectGradsNear(*net, *all, 1e-5, "synced on CUDA");
+  });
 }
 
 // --- MicroStepClock -----------------------------------------------------

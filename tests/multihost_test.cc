@@ -12,11 +12,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "evenstep/grad_sync.h"
 #include "evenstep/internal/store_server.h"
+#include "evenstep/sync_topology.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/netns.h"
+#include "tests/testing/on_ranks.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/sync_net.h"
 #include "tests/testing/temp_dir.h"
 
 namespace evenstep {
@@ -192,31 +196,38 @@ std::vector<ProcessSpec> JobOnHosts(const SimulatedCluster& cluster, int per_hos
 // The hierarchical sync across real (simulated) hosts whose link is slow:
 // the nodes are the host names, auto measures the link and picks
 // hierarchical, and the gradient equals one process's (2 x 2 and 2 x 1).
-TEST(MultiHostTest, AutoPicksTheHierarchicalSyncOverASlowLinkAndItIsExact) {
+// The ranks are this test again (RunHereIfRank), started inside the hosts.
+class MultiHostSyncTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(MultiHostSyncTest, AutoPicksTheHierarchicalSyncOverASlowLinkAndItIsExact) {
+  const int per_host = GetParam();
+  evenstep::testing::RunHereIfRank([per_host](DistContext& dist) {
+    GradSyncOptions options = evenstep::testing::TinyBuckets();
+    auto choice = ApplySyncTopology(
+        dist, per_host == 1 ? SyncTopology::kHierarchical : SyncTopology::kAuto, &options);
+    ASSERT_TRUE(choice.ok()) << choice.status();
+    EXPECT_THAT(choice->line,
+                HasSubstr(absl::StrCat("gradient sync: hierarchical (2 nodes x ", per_host)));
+    evenstep::testing::SyncExactSplit(dist, 14, options);
+  });
   SimulatedCluster::Options options;
   options.mbit = {100, 100};
   auto cluster = SimulatedCluster::Create(2, options);
   if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
-  for (int per_host : {2, 1}) {
-    std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
-    ASSERT_NE(store, nullptr);
-    const auto results = evenstep::testing::RunAll(
-        JobOnHosts(**cluster, per_host, store->port(),
-                   {EVENSTEP_GRAD_SYNC_HELPER, "--evenstep_rendezvous_timeout=60s",
-                    "--evenstep_timeout=60s",
-                    per_host == 1 ? "--evenstep_sync_topology=hierarchical"
-                                  : "--evenstep_sync_topology=auto",
-                    "exact", "14"}),
-        evenstep::testing::HangBound(2));
-    for (size_t r = 0; r < results.size(); ++r) {
-      EXPECT_EQ(results[r].exit_code, 0) << evenstep::testing::Describe(results);
-      EXPECT_THAT(results[r].output,
-                  HasSubstr(absl::StrCat("gradient sync: hierarchical (2 nodes x ", per_host)))
-          << evenstep::testing::Describe(results);
-      EXPECT_THAT(results[r].output, HasSubstr("exact ok"));
-    }
+  std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+  ASSERT_NE(store, nullptr);
+  std::vector<ProcessSpec> specs =
+      JobOnHosts(**cluster, per_host, store->port(), evenstep::testing::ThisTestAsRank(0).argv);
+  for (size_t r = 0; r < specs.size(); ++r) {
+    for (const auto& marker : evenstep::testing::ThisTestAsRank(r).env)
+      specs[r].env.push_back(marker);
   }
+  evenstep::testing::ExpectRanksPassed(
+      evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2)));
 }
+
+INSTANTIATE_TEST_SUITE_P(PerHost, MultiHostSyncTest, ::testing::Values(2, 1),
+                         [](const auto& info) { return absl::StrCat(info.param, "_per_host"); });
 
 // A rank on the other host that leaves mid-job (after the start-up
 // barrier, before the all_reduce the others enter): every other rank, on

@@ -2,19 +2,25 @@
 
 #include <unistd.h>
 
+#include <climits>
 #include <cstdlib>
 #include <iostream>
+#include <memory>
+#include <numeric>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/store_server.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace evenstep::testing {
 
 namespace {
 constexpr char kRankVar[] = "EVENSTEP_TEST_RANK";
+constexpr char kDirVar[] = "EVENSTEP_TEST_RANKS_DIR";
 
 // The running test's full name, for the ranks' gtest filter.
 std::string CurrentTest() {
@@ -22,14 +28,46 @@ std::string CurrentTest() {
   return absl::StrCat(info->test_suite_name(), ".", info->name());
 }
 
-[[noreturn]] void RunAsRank(const std::function<void(DistContext&)>& body) {
-  DistOptions options;
-  options.backend = CommBackend::kGloo;
-  options.collective_timeout = absl::Seconds(60);
-  options.rendezvous_timeout = absl::Seconds(60);
+// The running test's ranks: whether it started them, and the directory
+// they share (both reset as each test starts).
+class TestRanks : public ::testing::EmptyTestEventListener {
+ public:
+  static TestRanks& Get() {
+    static TestRanks* const listener = [] {
+      auto* l = new TestRanks;
+      ::testing::UnitTest::GetInstance()->listeners().Append(l);  // gtest owns it
+      return l;
+    }();
+    return *listener;
+  }
+  bool started = false;
+  std::unique_ptr<TempDir> dir;
+  void OnTestStart(const ::testing::TestInfo&) override { started = false; }
+  void OnTestEnd(const ::testing::TestInfo&) override { dir.reset(); }
+};
+
+std::string SelfPath() {
+  char path[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
+  return n > 0 ? std::string(path, n) : std::string("/proc/self/exe");
+}
+}  // namespace
+
+int RankOfThisProcess() {
+  const char* v = std::getenv(kRankVar);
+  int rank = -1;
+  return v != nullptr && absl::SimpleAtoi(v, &rank) ? rank : -1;
+}
+
+void RunHereIfRank(const RankBody& body, const OnRanksOptions& options) {
+  if (RankOfThisProcess() < 0) return;
+  DistOptions dist;
+  dist.backend = options.backend;
+  dist.collective_timeout = options.collective_timeout;
+  dist.rendezvous_timeout = absl::Seconds(60);
   bool ok = true;
   {
-    absl::StatusOr<std::unique_ptr<DistContext>> ctx = DistContext::Create(options);
+    absl::StatusOr<std::unique_ptr<DistContext>> ctx = DistContext::Create(dist);
     if (!ctx.ok()) {
       ADD_FAILURE() << "rank " << RankOfThisProcess() << ": " << ctx.status();
     } else {
@@ -45,30 +83,15 @@ std::string CurrentTest() {
   std::cerr.flush();
   std::_Exit(ok ? 0 : 1);
 }
-}  // namespace
 
-int RankOfThisProcess() {
-  const char* v = std::getenv(kRankVar);
-  int rank = -1;
-  return v != nullptr && absl::SimpleAtoi(v, &rank) ? rank : -1;
+ProcessSpec ThisTestAsRank(int rank) {
+  return ProcessSpec{{SelfPath(), "--gtest_filter=" + CurrentTest()},
+                     {{kRankVar, std::to_string(rank)}}};
 }
 
-std::vector<ProcessResult> RunOnRanks(int world, const std::function<void(DistContext&)>& body,
-                                      const OnRanksOptions& options) {
-  if (RankOfThisProcess() >= 0) RunAsRank(body);
-  auto server = internal::StoreServer::Start(0);
-  if (!server.ok()) {
-    ADD_FAILURE() << "could not host the store: " << server.status();
-    return {};
-  }
-  std::vector<ProcessSpec> specs = TorchrunRanks(
-      world, (*server)->port(), {"/proc/self/exe", "--gtest_filter=" + CurrentTest()});
+void ExpectRanksPassed(const std::vector<ProcessResult>& results) {
+  const int world = static_cast<int>(results.size());
   for (int r = 0; r < world; ++r) {
-    specs[r].env.emplace_back(kRankVar, std::to_string(r));
-    specs[r].env.insert(specs[r].env.end(), options.env.begin(), options.env.end());
-  }
-  std::vector<ProcessResult> results = RunAll(specs, options.timeout);
-  for (int r = 0; r < static_cast<int>(results.size()); ++r) {
     const ProcessResult& p = results[r];
     if (p.exit_code == 0 && !p.timed_out) continue;
     ADD_FAILURE() << "rank " << r << " of " << world << " failed ("
@@ -78,7 +101,58 @@ std::vector<ProcessResult> RunOnRanks(int world, const std::function<void(DistCo
                   << "); its output:\n"
                   << p.output;
   }
+}
+
+std::string RanksDir() {
+  if (RankOfThisProcess() >= 0) {
+    const char* dir = std::getenv(kDirVar);
+    return dir != nullptr ? dir : "";
+  }
+  TestRanks& ranks = TestRanks::Get();
+  if (ranks.dir == nullptr) ranks.dir = std::make_unique<TempDir>("evenstep_ranks");
+  return ranks.dir->path();
+}
+
+std::vector<ProcessResult> RunOnRanksAgain(int world, const OnRanksOptions& options) {
+  if (!TestRanks::Get().started) {
+    ADD_FAILURE() << "RunOnRanksAgain in " << CurrentTest() << " before its RunOnRanks";
+    return {};
+  }
+  if (!options.nodes.empty() &&
+      std::accumulate(options.nodes.begin(), options.nodes.end(), 0) != world) {
+    ADD_FAILURE() << "RunOnRanks(" << world << "): the nodes hold a different number of ranks";
+    return {};
+  }
+  auto server = internal::StoreServer::Start(0);
+  if (!server.ok()) {
+    ADD_FAILURE() << "could not host the store: " << server.status();
+    return {};
+  }
+  const ProcessSpec self = ThisTestAsRank(0);
+  std::vector<ProcessSpec> specs = TorchrunRanks(world, (*server)->port(), self.argv);
+  if (!options.nodes.empty()) PlaceOnNodes(options.nodes, &specs);
+  const std::string dir = RanksDir();
+  for (int r = 0; r < world; ++r) {
+    specs[r].env.emplace_back(kRankVar, std::to_string(r));
+    specs[r].env.emplace_back(kDirVar, dir);
+    specs[r].env.insert(specs[r].env.end(), options.env.begin(), options.env.end());
+  }
+  std::vector<ProcessResult> results = RunAll(specs, options.timeout);
+  ExpectRanksPassed(results);
   return results;
+}
+
+std::vector<ProcessResult> RunOnRanks(int world, const RankBody& body,
+                                      const OnRanksOptions& options) {
+  RunHereIfRank(body, options);
+  if (std::exchange(TestRanks::Get().started, true)) {
+    ADD_FAILURE() << "RunOnRanks called twice in " << CurrentTest()
+                  << ": a rank re-runs its TEST only up to the first call; make the second "
+                     "scenario its own TEST (or a TEST_P), or run the same body again with "
+                     "RunOnRanksAgain";
+    return {};
+  }
+  return RunOnRanksAgain(world, options);
 }
 
 }  // namespace evenstep::testing

@@ -249,6 +249,19 @@ std::vector<ProcessResult> RunProgramOnRanks(int world, const std::string& progr
   return RunRanks(world, RankArgv(program, args), timeout);
 }
 
+void PlaceOnNodes(const std::vector<int>& ranks_per_node, std::vector<ProcessSpec>* specs) {
+  size_t rank = 0;
+  for (size_t node = 0; node < ranks_per_node.size(); ++node) {
+    for (int local = 0; local < ranks_per_node[node] && rank < specs->size(); ++local, ++rank) {
+      for (auto& [name, value] : (*specs)[rank].env) {
+        if (name == "LOCAL_RANK") value = std::to_string(local);
+        if (name == "LOCAL_WORLD_SIZE") value = std::to_string(ranks_per_node[node]);
+      }
+      (*specs)[rank].env.emplace_back("GROUP_RANK", std::to_string(node));
+    }
+  }
+}
+
 std::vector<ProcessResult> RunProgramOnNodes(const std::vector<int>& ranks_per_node,
                                              const std::string& program,
                                              const std::vector<std::string>& args,
@@ -262,16 +275,7 @@ std::vector<ProcessResult> RunProgramOnNodes(const std::vector<int>& ranks_per_n
     return std::vector<ProcessResult>(world, failed);
   }
   std::vector<ProcessSpec> specs = TorchrunRanks(world, (*server)->port(), RankArgv(program, args));
-  int rank = 0;
-  for (size_t node = 0; node < ranks_per_node.size(); ++node) {
-    for (int local = 0; local < ranks_per_node[node]; ++local, ++rank) {
-      for (auto& [name, value] : specs[rank].env) {
-        if (name == "LOCAL_RANK") value = std::to_string(local);
-        if (name == "LOCAL_WORLD_SIZE") value = std::to_string(ranks_per_node[node]);
-      }
-      specs[rank].env.emplace_back("GROUP_RANK", std::to_string(node));
-    }
-  }
+  PlaceOnNodes(ranks_per_node, &specs);
   return RunAll(specs, timeout);
 }
 

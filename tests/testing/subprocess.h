@@ -92,10 +92,13 @@ std::vector<ProcessResult> RunProgramOnRanks(int world, const std::string& progr
                                              const std::vector<std::string>& args,
                                              absl::Duration timeout = HangBound(2));
 
-// RunProgramOnRanks on nodes simulated on this host: node k holds the next
-// ranks_per_node[k] ranks, each with LOCAL_RANK, LOCAL_WORLD_SIZE and
-// GROUP_RANK (torchrun's node index, which evenstep's node layout honours)
-// of its node.
+// Places TorchrunRanks' specs on nodes simulated on this host: node k holds
+// the next ranks_per_node[k] ranks, each with LOCAL_RANK, LOCAL_WORLD_SIZE
+// and GROUP_RANK (torchrun's node index, which evenstep's node layout
+// honours) of its node.
+void PlaceOnNodes(const std::vector<int>& ranks_per_node, std::vector<ProcessSpec>* specs);
+
+// RunProgramOnRanks on nodes simulated on this host (PlaceOnNodes).
 std::vector<ProcessResult> RunProgramOnNodes(const std::vector<int>& ranks_per_node,
                                              const std::string& program,
                                              const std::vector<std::string>& args,
