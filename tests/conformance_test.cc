@@ -1,235 +1,484 @@
-// GradSync conformance: every case of tests/conformance_helper.cc on worlds 2
-// and 3 against a single-process run on the whole global batch (max relative
-// error <= 1e-5 per parameter; bf16 parameters 1e-2), the failure scenarios'
-// errors on every rank, and the same cases against PyTorch's
-// DistributedDataParallel itself (tests/ddp_peer.py under the Python whose
-// torch matches this build: EVENSTEP_PEER_PYTHON; skipped with a message when
-// it has no torch).
+// GradSync conformance: every model case (tests/testing/conformance_models.h)
+// on worlds 2 and 3 trained through GradSync beside a single-process
+// reference on the whole global batch in the same rank, every parameter and
+// buffer compared after five steps (max relative error <= 1e-5; bf16
+// parameters 1e-2); PyTorch DDP's own test scenarios (unused and
+// rank-dependent parameters, kept gradients, create_graph, two synced
+// backwards, inference forwards, an exception inside backward, requires_grad
+// changed after Attach); the hierarchical sync under the same cases; and the
+// same cases against PyTorch's DistributedDataParallel itself
+// (tests/ddp_peer.py under the Python whose torch matches this build:
+// EVENSTEP_PEER_PYTHON; skipped with a message when it has no torch). Each
+// scenario runs on real ranks inside its TEST (RunOnRanks).
+#include <torch/torch.h>
+
 #include <fstream>
-#include <memory>
-#include <regex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "evenstep/grad_sync.h"
+#include "evenstep/sync_topology.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "tests/testing/subprocess.h"
+#include "tests/testing/conformance_models.h"
+#include "tests/testing/on_ranks.h"
 #include "torch/version.h"
 
 namespace evenstep {
 namespace {
 
-using ::evenstep::testing::Describe;
-using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::OnRanksOptions;
+using ::evenstep::testing::RanksDir;
+using ::evenstep::testing::RunOnRanks;
 using ::testing::HasSubstr;
+namespace conformance = ::evenstep::testing::conformance;
+using conformance::Tensor;
 
-std::vector<ProcessResult> RunCase(int world, const std::vector<std::string>& args) {
-  return evenstep::testing::RunProgramOnRanks(world, EVENSTEP_CONFORMANCE_HELPER, args);
+// One conformance run: a model case trained for `steps` optimizer steps of
+// `micro` micro-steps per rank (sync on the last) through GradSync.
+struct Scenario {
+  std::string case_name = "tied_adam";
+  int micro = 3;
+  int steps = 5;
+  uint64_t seed = 0;          // random's
+  int idle_rank = -1;         // no micro-batch in any step: joins through SyncNow
+  bool keep_grad = false;     // no zero_grad between steps (model and reference)
+  bool create_graph = false;  // every backward of the model with create_graph
+  bool inference = false;     // forwards under NoGradGuard and without backward before each
+                              // step (DDP's test_ddp_inference): they change nothing
+  bool two_backward = false;  // the sync on two backwards of every step: the second adds to
+                              // the reduced gradient, as in one process
+  // Rank 1's backward of step 3 throws: in the synced backward, or in the
+  // first (unsynced) one; the caller then calls AbandonStep never, if_needed
+  // (syncs_completed() did not advance) or always.
+  bool throw_at_3 = false;
+  bool throw_in_first = false;
+  std::string abandon = "if_needed";
+  // After step 2: reverse's l2.weight frozen ("unfreeze") or tied's frozen
+  // proj.weight made trainable ("thaw").
+  std::string change_requires_grad;
+  bool hierarchical = false;
+  std::string out;  // rank 0 writes its parameters and buffers there (JSON)
+};
+
+// What a rank saw: buckets launched during backward in step 1 and the last
+// step; each abandoned step's status.
+struct Outcome {
+  int launched_first = -1, launched_last = -1;
+  int64_t num_buckets = 0;
+  std::vector<std::string> abandoned;  // "step N: <status>"
+  std::vector<std::string> thrown;     // this rank's exceptions
+};
+
+// Every buffer equal to rank 0's.
+void ExpectBuffersEqualRankZeros(DistContext& dist, conformance::Case& model, int step) {
+  for (const auto& item : model.named_buffers()) {
+    Tensor root = item.value().detach().clone();
+    ASSERT_TRUE(dist.Broadcast(root, 0).ok());
+    EXPECT_TRUE(torch::equal(root, item.value()))
+        << "step " << step << ": buffer " << item.key() << " differs from rank 0's";
+  }
+}
+
+// Every parameter and buffer of `model` within its tolerance of `ref`'s.
+void ExpectEqualToReference(conformance::Case& model, conformance::Case& ref) {
+  auto mine = conformance::UniqueParams(model), want = conformance::UniqueParams(ref);
+  ASSERT_EQ(mine.size(), want.size());
+  for (size_t i = 0; i < mine.size(); ++i) {
+    EXPECT_LE(conformance::MaxRelError(mine[i].second, want[i].second),
+              model.Tolerance(mine[i].first))
+        << mine[i].first << "'s max relative error against one process";
+  }
+  auto ref_buffers = ref.named_buffers();
+  for (const auto& item : model.named_buffers()) {
+    EXPECT_LE(conformance::MaxRelError(item.value(), ref_buffers[item.key()]), 1e-5)
+        << "buffer " << item.key() << "'s max relative error against one process";
+  }
+}
+
+// Rank 0's parameters and buffers as JSON, for the comparison with DDP.
+void WriteParameters(conformance::Case& model, const std::string& path) {
+  nlohmann::json out;
+  auto flat = [](const Tensor& t) {
+    Tensor f = t.detach().to(torch::kDouble).contiguous().view({-1});
+    return std::vector<double>(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
+  };
+  for (const auto& [n, p] : conformance::UniqueParams(model)) out["params"][n] = flat(p);
+  for (const auto& item : model.named_buffers()) out["buffers"][item.key()] = flat(item.value());
+  std::ofstream(path) << out.dump();
+}
+
+// Rank `rank`'s micro-steps of one step; an exception is recorded in
+// `outcome` and, as the scenario's caller decides, AbandonStep called.
+// Returns whether the step was abandoned.
+bool MicroSteps(GradSync& sync, conformance::Case& model, const Scenario& s, int step, int rank,
+                const std::vector<std::vector<int64_t>>& mine, Outcome* outcome) {
+  const int64_t syncs_before = sync.syncs_completed();
+  const int n = static_cast<int>(mine.size());
+  try {
+    for (int m = 0; m < n; ++m) {
+      const bool last = m + 1 == n;
+      sync.set_sync_enabled(last || (s.two_backward && m == n - 2));
+      if (s.throw_at_3) {
+        static_cast<conformance::Reverse&>(model).fire_step =
+            (s.throw_in_first ? m == 0 : last) ? 3 : -1;
+      }
+      Tensor loss = model.Loss(mine[m], step, rank) / conformance::kN;
+      if (last) {
+        if (absl::Status st = sync.PrepareForBackward(loss); !st.ok()) {
+          throw std::runtime_error(st.ToString());
+        }
+      }
+      loss.backward({}, /*retain_graph=*/c10::nullopt, s.create_graph);
+    }
+    return false;
+  } catch (const std::exception& e) {
+    outcome->thrown.push_back(absl::StrCat("step ", step, ": ", e.what()));
+    if (s.abandon == "always" ||
+        (s.abandon == "if_needed" && sync.syncs_completed() == syncs_before)) {
+      sync.AbandonStep(absl::InternalError(e.what())).IgnoreError();  // its status is sync's
+    }
+    return true;
+  }
+}
+
+// The scenario on this rank, beside the reference on the whole global batch:
+// EXPECTs after each step that the buffers equal rank 0's and after the
+// last that every parameter and buffer equals the reference's; an abandoned
+// step leaves no gradient (the reference skips it).
+Outcome Train(DistContext& dist, const Scenario& s) {
+  const int world = dist.world_size(), rank = dist.rank();
+  auto model = conformance::MakeCase(s.case_name, s.seed);
+  auto ref = conformance::MakeCase(s.case_name, s.seed);
+  Outcome outcome;
+  if (model == nullptr) {
+    ADD_FAILURE() << "no case " << s.case_name;
+    return outcome;
+  }
+  if (s.throw_at_3) static_cast<conformance::Reverse&>(*model).fire_rank = 1;
+  GradSyncOptions options;
+  options.timeout = absl::Seconds(60);
+  options.bucket_cap_bytes = 256;  // several buckets even for these small models
+  options.first_bucket_cap_bytes = 64;
+  if (s.hierarchical) {
+    auto choice = ApplySyncTopology(dist, SyncTopology::kHierarchical, &options);
+    EXPECT_TRUE(choice.ok()) << choice.status();
+    if (choice.ok()) EXPECT_THAT(choice->line, HasSubstr("gradient sync: hierarchical ("));
+  }
+  auto sync = GradSync::Attach(*model, dist.data_group(), options);
+  EXPECT_TRUE(sync.ok()) << sync.status();
+  if (!sync.ok()) return outcome;
+  outcome.num_buckets = (*sync)->num_buckets();
+  auto opt = model->Optimizer();
+  auto ref_opt = ref->Optimizer();
+  auto split = conformance::Split(world, s.idle_rank, s.micro);
+  auto* random = dynamic_cast<conformance::Random*>(model.get());
+  for (int step = 1; step <= s.steps; ++step) {
+    if (random != nullptr) {  // this step's micro-steps per rank: 1-3, from the seed
+      for (int r = 0; r < world; ++r)
+        split[r] = conformance::Split(world, s.idle_rank, random->Micro(step, r))[r];
+    }
+    if (s.inference && rank != s.idle_rank) {
+      {
+        torch::NoGradGuard no_grad;
+        model->Loss(split[rank][0], step, rank);
+      }
+      model->Loss(split[rank][0], step, rank);  // a graph nobody runs backward on
+    }
+    if (step == 3 && s.change_requires_grad == "unfreeze") {
+      static_cast<conformance::Reverse&>(*model).l[1]->weight.set_requires_grad(false);
+    }
+    if (step == 3 && s.change_requires_grad == "thaw") {
+      static_cast<conformance::Tied&>(*model).proj->weight.set_requires_grad(true);
+    }
+    bool abandoned = false;
+    if (rank == s.idle_rank) {
+      const absl::Status joined = (*sync)->SyncNow();
+      abandoned = !joined.ok();
+      if (abandoned) outcome.thrown.push_back(absl::StrCat("step ", step, ": ", joined.ToString()));
+    } else {
+      abandoned = MicroSteps(**sync, *model, s, step, rank, split[rank], &outcome);
+    }
+    if (abandoned) {
+      outcome.abandoned.push_back(absl::StrCat("step ", step, ": ", (*sync)->status().ToString()));
+      for (auto& p : model->parameters()) {
+        EXPECT_FALSE(p.grad().defined()) << "a gradient left after abandoned step " << step;
+      }
+      if (!s.change_requires_grad.empty()) return outcome;
+      opt->zero_grad();
+      continue;  // the reference skips the step too
+    }
+    const SyncStats stats = (*sync)->last_stats();
+    if (step == 1) outcome.launched_first = stats.buckets_launched_during_backward;
+    outcome.launched_last = stats.buckets_launched_during_backward;
+    opt->step();
+    if (!s.keep_grad) opt->zero_grad();
+    conformance::ReferenceStep(*ref, *ref_opt, step, world, split, s.keep_grad);
+    ExpectBuffersEqualRankZeros(dist, *model, step);
+  }
+  EXPECT_TRUE(s.change_requires_grad.empty()) << "no step failed after requires_grad changed";
+  ExpectEqualToReference(*model, *ref);
+  if (rank == 0 && !s.out.empty()) WriteParameters(*model, s.out);
+  return outcome;
+}
+
+// Every abandoned step's and exception's text, for matching.
+std::string Errors(const Outcome& o) {
+  return absl::StrCat(absl::StrJoin(o.thrown, "\n"), "\n", absl::StrJoin(o.abandoned, "\n"));
 }
 
 struct Conf {
-  std::string name;
+  Scenario s;
   int world;
-  int micro;                       // micro-steps per rank per step, sync on the last
-  std::vector<std::string> extra;  // scenario flags
-  std::string label;               // the test name's suffix for the flags
+  std::string label;  // the test name's suffix for the scenario's switches
   friend void PrintTo(const Conf& c, std::ostream* os) {
-    *os << c.name << " world " << c.world << " micro " << c.micro;
-    for (const std::string& f : c.extra) *os << " " << f;
+    *os << c.s.case_name << " world " << c.world << " micro " << c.s.micro << c.label;
   }
 };
 
-class ConformanceTest : public ::testing::TestWithParam<Conf> {};
-
-TEST_P(ConformanceTest, ParametersEqualSingleProcessAfterFiveSteps) {
-  const Conf c = GetParam();
-  std::vector<std::string> args = {"--case_name=" + c.name, absl::StrCat("--micro=", c.micro)};
-  args.insert(args.end(), c.extra.begin(), c.extra.end());
-  auto results = RunCase(c.world, args);
-  for (const ProcessResult& r : results) {
-    EXPECT_EQ(r.exit_code, 0) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("conformance ok " + c.name)) << Describe(results);
-  }
+// Trains `c` on its world; every rank ends equal to one process, with no
+// step abandoned.
+void ExpectConforms(const Conf& c, const OnRanksOptions& options = {}) {
+  RunOnRanks(
+      c.world,
+      [c](DistContext& dist) {
+        const Outcome o = Train(dist, c.s);
+        EXPECT_TRUE(o.abandoned.empty()) << Errors(o);
+      },
+      options);
 }
+
+Conf Make(const char* name, int world, int micro, std::string label = "",
+          void (*set)(Scenario*) = nullptr) {
+  Conf c{Scenario{}, world, std::move(label)};
+  c.s.case_name = name;
+  c.s.micro = micro;
+  if (set != nullptr) set(&c.s);
+  return c;
+}
+
+void KeepGrad(Scenario* s) { s->keep_grad = true; }
+void KeepGradCreateGraph(Scenario* s) {
+  s->keep_grad = true;
+  s->create_graph = true;
+}
+void Inference(Scenario* s) { s->inference = true; }
+void TwoBackward(Scenario* s) { s->two_backward = true; }
 
 std::vector<Conf> AllCases() {
   std::vector<Conf> cases;
   for (int world : {2, 3}) {
     for (const char* name :
          {"tied_adam", "tied_sgd", "sparse", "batchnorm", "mixed", "layout", "reverse"}) {
-      cases.push_back({name, world, 3, {}, ""});
+      cases.push_back(Make(name, world, 3));
     }
     // One synced backward per step, and two: the used-parameter bitmap must
     // wait for the sparse gradient (it once rode in the last dense bucket,
     // launched before the embedding's hook ran: a silently local gradient).
     for (int micro : {1, 2}) {
       for (const char* name : {"sparse", "tied_adam", "control_flow"}) {
-        cases.push_back({name, world, micro, {}, ""});
+        cases.push_back(Make(name, world, micro));
       }
     }
     // DDP's scenarios: a layer used by one rank on odd steps and one never
     // used (no false error), one trainable parameter, gradients kept over
     // steps (no zero_grad), create_graph, two synced backwards in a step.
-    cases.push_back({"control_flow", world, 3, {}, ""});
-    cases.push_back({"zero_features", world, 3, {}, ""});
-    cases.push_back({"zero_features", world, 1, {"--keep_grad"}, "_keep_grad"});
-    cases.push_back({"reverse", world, 2, {"--inference"}, "_inference"});
+    cases.push_back(Make("control_flow", world, 3));
+    cases.push_back(Make("zero_features", world, 3));
+    cases.push_back(Make("zero_features", world, 1, "_keep_grad", KeepGrad));
+    cases.push_back(Make("reverse", world, 2, "_inference", Inference));
     for (int micro : {1, 3}) {
       for (const char* name : {"one_param", "tied_adam", "sparse", "control_flow"}) {
-        cases.push_back({name, world, micro, {"--keep_grad"}, "_keep_grad"});
+        cases.push_back(Make(name, world, micro, "_keep_grad", KeepGrad));
       }
-      cases.push_back({"one_param",
-                       world,
-                       micro,
-                       {"--keep_grad", "--create_graph"},
-                       "_keep_grad_create_graph"});
+      cases.push_back(
+          Make("one_param", world, micro, "_keep_grad_create_graph", KeepGradCreateGraph));
     }
     for (const char* name : {"reverse", "tied_adam", "one_param"}) {
-      cases.push_back({name, world, 3, {"--scenario=two_backward"}, "_two_backward"});
+      cases.push_back(Make(name, world, 3, "_two_backward", TwoBackward));
     }
   }
   return cases;
 }
 
+class ConformanceTest : public ::testing::TestWithParam<Conf> {};
+
+TEST_P(ConformanceTest, ParametersEqualSingleProcessAfterFiveSteps) { ExpectConforms(GetParam()); }
+
 INSTANTIATE_TEST_SUITE_P(Cases, ConformanceTest, ::testing::ValuesIn(AllCases()),
                          [](const auto& info) {
-                           return absl::StrCat(info.param.name, "_world", info.param.world,
-                                               "_micro", info.param.micro, info.param.label);
+                           return absl::StrCat(info.param.s.case_name, "_world", info.param.world,
+                                               "_micro", info.param.s.micro, info.param.label);
                          });
 
-TEST(ConformanceTest, RandomModelsEqualOneProcess) {
-  // Seeded random models (sparse or dense embedding, tied head or not, a
-  // frozen layer, a layer no rank uses on odd seeds), random subsets of
-  // layers per rank and step, 1-3 micro-steps per rank and step, gradients
-  // kept over steps on every third seed: after 5 steps every parameter
-  // equals a single process's. 16 seeds x 2 worlds, about 25 s.
+// Seeded random models (sparse or dense embedding, tied head or not, a
+// frozen layer, a layer no rank uses on odd seeds), random subsets of layers
+// per rank and step, 1-3 micro-steps per rank and step, gradients kept over
+// steps on every third seed, inference forwards on every fourth: after 5
+// steps every parameter equals a single process's. 16 seeds x 2 worlds.
+std::vector<Conf> RandomCases() {
+  std::vector<Conf> cases;
   for (int world : {2, 3}) {
     for (int seed = 1; seed <= 16; ++seed) {
-      std::vector<std::string> args = {"--case_name=random", absl::StrCat("--seed=", seed)};
-      if (seed % 3 == 0) args.push_back("--keep_grad");
-      if (seed % 4 == 1) args.push_back("--inference");
-      auto results = RunCase(world, args);
-      for (const ProcessResult& r : results) {
-        EXPECT_EQ(r.exit_code, 0) << "seed " << seed << " world " << world << Describe(results);
-        EXPECT_THAT(r.output, HasSubstr("conformance ok random"));
-      }
+      Conf c = Make("random", world, 3, absl::StrCat("_seed", seed));
+      c.s.seed = seed;
+      c.s.keep_grad = seed % 3 == 0;
+      c.s.inference = seed % 4 == 1;
+      cases.push_back(c);
     }
   }
+  return cases;
 }
+
+class RandomConformanceTest : public ::testing::TestWithParam<Conf> {};
+
+TEST_P(RandomConformanceTest, RandomModelsEqualOneProcess) { ExpectConforms(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Seeds, RandomConformanceTest, ::testing::ValuesIn(RandomCases()),
+                         [](const auto& info) {
+                           return absl::StrCat("world", info.param.world, info.param.label);
+                         });
 
 // The hierarchical sync under the same cases, on 2 nodes x 2 ranks
 // simulated on this host (GROUP_RANK): every parameter equals one process's
 // after five steps, as with the flat sync.
-TEST(ConformanceTest, TheHierarchicalSyncPassesTheSameCases) {
-  struct Run {
-    std::string name;
-    int micro;
-    std::vector<std::string> extra;
-  };
-  std::vector<Run> runs;
+std::vector<Conf> HierarchicalCases() {
+  std::vector<Conf> cases;
   for (const char* name : {"tied_adam", "tied_sgd", "sparse", "mixed", "layout", "reverse",
                            "control_flow", "zero_features"}) {
-    runs.push_back({name, 3, {}});
+    cases.push_back(Make(name, 4, 3));
   }
-  runs.push_back({"batchnorm", 1, {}});  // 3 micro-batches of 4 ranks' share: some of 1 sample
-  runs.push_back({"sparse", 1, {}});
-  runs.push_back({"one_param", 1, {"--keep_grad", "--create_graph"}});
-  runs.push_back({"tied_adam", 3, {"--scenario=two_backward"}});
+  cases.push_back(Make("batchnorm", 4, 1));  // 3 micro-batches of 4 ranks' share: some of 1 sample
+  cases.push_back(Make("sparse", 4, 1));
+  cases.push_back(Make("one_param", 4, 1, "_keep_grad_create_graph", KeepGradCreateGraph));
+  cases.push_back(Make("tied_adam", 4, 3, "_two_backward", TwoBackward));
   for (int seed = 1; seed <= 6; ++seed) {
-    runs.push_back({"random", 1 + seed % 3, {absl::StrCat("--seed=", seed)}});
-    if (seed % 3 == 0) runs.back().extra.push_back("--keep_grad");
+    Conf c = Make("random", 4, 1 + seed % 3, absl::StrCat("_seed", seed));
+    c.s.seed = seed;
+    c.s.keep_grad = seed % 3 == 0;
+    cases.push_back(c);
   }
-  for (const Run& run : runs) {
-    std::vector<std::string> args = {"--evenstep_sync_topology=hierarchical",
-                                     "--case_name=" + run.name,
-                                     absl::StrCat("--micro=", run.micro)};
-    args.insert(args.end(), run.extra.begin(), run.extra.end());
-    auto results = evenstep::testing::RunProgramOnNodes({2, 2}, EVENSTEP_CONFORMANCE_HELPER, args);
-    for (const ProcessResult& r : results) {
-      EXPECT_EQ(r.exit_code, 0) << absl::StrJoin(args, " ") << Describe(results);
-      EXPECT_THAT(r.output, HasSubstr("gradient sync: hierarchical (2 nodes x 2 ranks"));
-      EXPECT_THAT(r.output, HasSubstr("conformance ok " + run.name)) << Describe(results);
-    }
-  }
+  for (Conf& c : cases) c.s.hierarchical = true;
+  return cases;
 }
 
-TEST(ConformanceTest, AnIdleRankJoinsWithZeros) {
-  for (int world : {2, 3}) {
-    auto results = RunCase(world, {"--case_name=tied_adam", "--idle_rank=1"});
-    for (const ProcessResult& r : results) {
-      EXPECT_EQ(r.exit_code, 0) << Describe(results);
-      EXPECT_THAT(r.output, HasSubstr("conformance ok")) << Describe(results);
-    }
+class HierarchicalConformanceTest : public ::testing::TestWithParam<Conf> {};
+
+TEST_P(HierarchicalConformanceTest, TheHierarchicalSyncPassesTheSameCases) {
+  OnRanksOptions two_nodes;
+  two_nodes.nodes = {2, 2};
+  ExpectConforms(GetParam(), two_nodes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, HierarchicalConformanceTest,
+                         ::testing::ValuesIn(HierarchicalCases()), [](const auto& info) {
+                           return absl::StrCat(info.param.s.case_name, "_micro", info.param.s.micro,
+                                               info.param.label);
+                         });
+
+class IdleRankTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(IdleRankTest, AnIdleRankJoinsWithZeros) {
+  Conf c = Make("tied_adam", GetParam(), 3);
+  c.s.idle_rank = 1;
+  ExpectConforms(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, IdleRankTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return absl::StrCat("world", info.param); });
+
+TEST(ConformanceOrderTest, ReverseOrderOverlapsAfterTheRebuild) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const Outcome o = Train(dist, Make("reverse", 2, 3).s);
+    if (dist.rank() != 0) return;
+    // Step 1: registration order, the first bucket's gradients come last.
+    // Later steps: rank 0's ready order, buckets start during backward.
+    EXPECT_GE(o.num_buckets, 4);
+    EXPECT_LE(o.launched_first, 1) << "only the first layer's bucket can start before the end";
+    EXPECT_GE(o.launched_last, o.num_buckets - 1)
+        << "every bucket but the last starts during backward";
+  });
+}
+
+// Rank 1's backward throws in step 3 after some buckets started: every rank
+// abandons step 3 (no gradient left, no timeout) and the run goes on,
+// matching a reference that skips step 3, whether the caller calls
+// AbandonStep never (GradSync sees the engine drop the backward), only when
+// its sync did not complete, or always in its catch (it then starts nothing
+// more). Thrown in the first, unsynced backward of the step, the caller's
+// AbandonStep joins the sync for it.
+struct Thrown {
+  const char* abandon;
+  bool in_first;
+  int world, micro;
+  friend void PrintTo(const Thrown& t, std::ostream* os) {
+    *os << "abandon " << t.abandon << (t.in_first ? " in the first backward" : "") << " world "
+        << t.world << " micro " << t.micro;
   }
-}
+};
 
-TEST(ConformanceTest, ReverseOrderOverlapsAfterTheRebuild) {
-  auto results = RunCase(2, {"--case_name=reverse"});
-  ASSERT_EQ(results[0].exit_code, 0) << Describe(results);
-  // Step 1: registration order, the first bucket's gradients come last.
-  // Later steps: rank 0's ready order, buckets start during backward.
-  std::smatch m;
-  const std::regex pattern("launched during backward: step 1 ([0-9]+), last ([0-9]+) of ([0-9]+)");
-  ASSERT_TRUE(std::regex_search(results[0].output, m, pattern)) << Describe(results);
-  const int first = std::stoi(m[1]), last = std::stoi(m[2]), buckets = std::stoi(m[3]);
-  EXPECT_GE(buckets, 4);
-  EXPECT_LE(first, 1) << "only the first layer's bucket can start before the end";
-  EXPECT_GE(last, buckets - 1) << "every bucket but the last starts during backward";
-}
-
-TEST(ConformanceTest, AnExceptionInsideBackwardAbandonsTheStepOnEveryRank) {
-  // Rank 1's synced backward throws in step 3 after some buckets started:
-  // every rank abandons step 3 (no gradient left, no timeout) and the run
-  // goes on, matching a reference that skips step 3, whether the caller calls
-  // AbandonStep never (GradSync sees the engine drop the backward), only
-  // when its sync did not complete, or always in its catch (it then starts
-  // nothing more). Thrown in the first, unsynced backward of the step, the
-  // caller's AbandonStep joins the sync for it.
-  struct Way {
-    const char* abandon;
-    const char* throw_in;
-  };
-  for (const Way way : {Way{"never", "synced"}, Way{"if_needed", "synced"}, Way{"always", "synced"},
-                        Way{"if_needed", "first"}, Way{"always", "first"}}) {
+std::vector<Thrown> ThrownCases() {
+  std::vector<Thrown> cases;
+  for (const auto& [abandon, in_first] :
+       std::vector<std::pair<const char*, bool>>{{"never", false},
+                                                 {"if_needed", false},
+                                                 {"always", false},
+                                                 {"if_needed", true},
+                                                 {"always", true}}) {
     for (int world : {2, 3}) {
       for (int micro : {1, 3}) {
-        if (std::string(way.throw_in) == "first" && micro == 1) continue;  // the same backward
-        auto results = RunCase(
-            world,
-            {"--case_name=reverse", "--scenario=exception", absl::StrCat("--abandon=", way.abandon),
-             absl::StrCat("--throw_in=", way.throw_in), absl::StrCat("--micro=", micro)});
-        SCOPED_TRACE(absl::StrCat("--abandon=", way.abandon, " --throw_in=", way.throw_in,
-                                  " world ", world, " micro ", micro));
-        for (const ProcessResult& r : results) {
-          EXPECT_EQ(r.exit_code, 0) << Describe(results);
-          EXPECT_THAT(r.output, HasSubstr("step 3 abandoned")) << Describe(results);
-          EXPECT_THAT(r.output, HasSubstr("abandoned on every rank: rank(s) 1 failed"))
-              << Describe(results);
-          EXPECT_THAT(r.output, HasSubstr("conformance ok")) << Describe(results);
-        }
-        EXPECT_THAT(results[1].output, HasSubstr("injected failure inside backward"));
+        if (in_first && micro == 1) continue;  // the same backward
+        cases.push_back({abandon, in_first, world, micro});
       }
     }
   }
+  return cases;
 }
 
-TEST(ConformanceTest, RequiresGradChangedAfterAttachIsRefusedByName) {
-  auto results = RunCase(2, {"--case_name=reverse", "--scenario=unfreeze"});
-  for (const ProcessResult& r : results) {
-    EXPECT_EQ(r.exit_code, 4) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("parameter 'l2.weight' no longer requires grad"))
-        << Describe(results);
-  }
-  results = RunCase(2, {"--case_name=tied_sgd", "--scenario=thaw"});
-  for (const ProcessResult& r : results) {
-    EXPECT_EQ(r.exit_code, 4) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("parameter 'proj.weight' was frozen at GradSync::Attach and "
-                                    "requires grad now"))
-        << Describe(results);
-  }
+class ExceptionInBackwardTest : public ::testing::TestWithParam<Thrown> {};
+
+TEST_P(ExceptionInBackwardTest, AbandonsTheStepOnEveryRank) {
+  const Thrown t = GetParam();
+  RunOnRanks(t.world, [t](DistContext& dist) {
+    Scenario s = Make("reverse", t.world, t.micro).s;
+    s.throw_at_3 = true;
+    s.throw_in_first = t.in_first;
+    s.abandon = t.abandon;
+    const Outcome o = Train(dist, s);
+    ASSERT_EQ(o.abandoned.size(), 1u) << Errors(o);
+    EXPECT_THAT(o.abandoned[0], HasSubstr("step 3: ABORTED"));
+    EXPECT_THAT(o.abandoned[0], HasSubstr("abandoned on every rank: rank(s) 1 failed"));
+    if (dist.rank() == 1) EXPECT_THAT(Errors(o), HasSubstr("injected failure inside backward"));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ways, ExceptionInBackwardTest, ::testing::ValuesIn(ThrownCases()),
+                         [](const auto& info) {
+                           return absl::StrCat(info.param.abandon,
+                                               info.param.in_first ? "_first" : "_synced", "_world",
+                                               info.param.world, "_micro", info.param.micro);
+                         });
+
+TEST(ConformanceTest, FreezingAfterAttachIsRefusedByName) {
+  RunOnRanks(2, [](DistContext& dist) {
+    Scenario s = Make("reverse", 2, 3).s;
+    s.change_requires_grad = "unfreeze";
+    EXPECT_THAT(Errors(Train(dist, s)), HasSubstr("parameter 'l2.weight' no longer requires grad"));
+  });
+}
+
+TEST(ConformanceTest, ThawingAfterAttachIsRefusedByName) {
+  RunOnRanks(2, [](DistContext& dist) {
+    Scenario s = Make("tied_sgd", 2, 3).s;
+    s.change_requires_grad = "thaw";
+    EXPECT_THAT(Errors(Train(dist, s)),
+                HasSubstr("parameter 'proj.weight' was frozen at GradSync::Attach and requires "
+                          "grad now"));
+  });
 }
 
 // ---- against PyTorch DDP ----
@@ -247,46 +496,34 @@ nlohmann::json ReadJson(const std::string& path) {
   return j;
 }
 
-struct DdpCase {
-  std::string name;
-  int micro;
-  std::vector<std::string> flags;  // given to both sides
-  std::string label;
-  friend void PrintTo(const DdpCase& c, std::ostream* os) {
-    *os << c.name << " micro " << c.micro;
-    for (const std::string& f : c.flags) *os << " " << f;
-  }
-};
+class DdpTest : public ::testing::TestWithParam<Conf> {};
 
-class DdpTest : public ::testing::TestWithParam<DdpCase> {};
-
+// Rank 0's parameters and buffers after five steps on two ranks against
+// ddp_peer.py's, which trains the same case with the same split under
+// DistributedDataParallel.
 TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
-  if (!PythonHasTorch()) {
+  if (evenstep::testing::RankOfThisProcess() < 0 && !PythonHasTorch()) {
     GTEST_SKIP() << "no torch in " << EVENSTEP_PEER_PYTHON
                  << " (apt install python3-torch): the comparison with PyTorch DDP did not run";
   }
-  const DdpCase c = GetParam();
-  const std::string& name = c.name;
-  char dir_template[] = "/tmp/evenstep-ddp-XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
-  std::vector<std::string> args = {"--case_name=" + name, "--out=" + dir + "/evenstep.json",
-                                   absl::StrCat("--micro=", c.micro)};
-  args.insert(args.end(), c.flags.begin(), c.flags.end());
-  auto results = RunCase(2, args);
-  for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
-  std::string peer_flags;
-  for (const std::string& f : c.flags) absl::StrAppend(&peer_flags, " ", f);
+  const Conf c = GetParam();
+  RunOnRanks(2, [c](DistContext& dist) {
+    Scenario s = c.s;
+    s.out = RanksDir() + "/evenstep.json";
+    const Outcome o = Train(dist, s);
+    EXPECT_TRUE(o.abandoned.empty()) << Errors(o);
+  });
   auto [code, output] = evenstep::testing::RunShell(
       absl::StrCat(EVENSTEP_PEER_PYTHON, " ", EVENSTEP_SOURCE_DIR, "/tests/ddp_peer.py --case ",
-                   name, " --micro ", c.micro, peer_flags, " --out ", dir, "/ddp.json",
+                   c.s.case_name, " --micro ", c.s.micro, c.s.keep_grad ? " --keep_grad" : "",
+                   c.s.create_graph ? " --create_graph" : "", " --out ", RanksDir(), "/ddp.json",
                    // The peer zeroes gradients the way this build's libtorch
                    // does (2.x: zero_grad() resets them to undefined).
                    TORCH_VERSION_MAJOR >= 2 ? " --zero_grad_to_none" : "", " 2>&1"),
       evenstep::testing::HangBound(4));
   ASSERT_EQ(code, 0) << output;
-  const nlohmann::json ours = ReadJson(dir + "/evenstep.json");
-  const nlohmann::json ddp = ReadJson(dir + "/ddp.json");
+  const nlohmann::json ours = ReadJson(RanksDir() + "/evenstep.json");
+  const nlohmann::json ddp = ReadJson(RanksDir() + "/ddp.json");
   ASSERT_FALSE(ours.is_null());
   ASSERT_FALSE(ddp.is_null()) << output;
   for (const char* kind : {"params", "buffers"}) {
@@ -304,13 +541,8 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
         scale = std::max(scale, std::abs(b[i]));
         diff = std::max(diff, std::abs(a[i] - b[i]));
       }
-      EXPECT_LE(diff / scale, 1e-5) << name << " " << key;
+      EXPECT_LE(diff / scale, 1e-5) << c.s.case_name << " " << key;
     }
-  }
-  if (HasFailure()) {
-    std::cout << "kept " << dir << " (evenstep.json, ddp.json) for a look" << std::endl;
-  } else {
-    evenstep::testing::RunShell("rm -rf " + dir);
   }
 }
 
@@ -321,28 +553,29 @@ TEST_P(DdpTest, ParametersEqualPyTorchDdpAfterFiveSteps) {
 // 0.05 apart), so the comparison would test the optimizers, not the sync;
 // the single-process conformance case still covers it there.
 // sparse with one micro-step: one synced backward (the bitmap case);
-// one_param and control_flow: DDP's own scenarios; --keep_grad: no zero_grad
+// one_param and control_flow: DDP's own scenarios; keep_grad: no zero_grad
 // (DDP averages kept gradients back to themselves).
-std::vector<DdpCase> DdpCases() {
-  std::vector<DdpCase> cases;
+std::vector<Conf> DdpCases() {
+  std::vector<Conf> cases;
   for (const char* name :
        {"tied_adam", "sparse", "batchnorm", "layout", "reverse", "control_flow"}) {
-    cases.push_back({name, 3, {}, ""});
+    cases.push_back(Make(name, 2, 3));
   }
-  if (TORCH_VERSION_MAJOR < 2) cases.push_back({"tied_sgd", 3, {}, ""});
-  cases.push_back({"sparse", 1, {}, "_micro1"});
-  cases.push_back({"control_flow", 1, {}, "_micro1"});
+  if (TORCH_VERSION_MAJOR < 2) cases.push_back(Make("tied_sgd", 2, 3));
+  cases.push_back(Make("sparse", 2, 1, "_micro1"));
+  cases.push_back(Make("control_flow", 2, 1, "_micro1"));
   // Not zero_features: DDP 1.13 over Gloo fails in its first broadcast ("The
   // size of tensor a (6) must match the size of tensor b (0)"); GradSync
   // matches one process there (ConformanceTest zero_features_*).
-  cases.push_back({"one_param", 1, {"--keep_grad"}, "_micro1_keep_grad"});
-  cases.push_back({"one_param", 3, {"--keep_grad", "--create_graph"}, "_keep_grad_create_graph"});
-  cases.push_back({"sparse", 3, {"--keep_grad"}, "_keep_grad"});
+  cases.push_back(Make("one_param", 2, 1, "_micro1_keep_grad", KeepGrad));
+  cases.push_back(Make("one_param", 2, 3, "_keep_grad_create_graph", KeepGradCreateGraph));
+  cases.push_back(Make("sparse", 2, 3, "_keep_grad", KeepGrad));
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, DdpTest, ::testing::ValuesIn(DdpCases()),
-                         [](const auto& info) { return info.param.name + info.param.label; });
+INSTANTIATE_TEST_SUITE_P(Cases, DdpTest, ::testing::ValuesIn(DdpCases()), [](const auto& info) {
+  return info.param.s.case_name + info.param.label;
+});
 
 }  // namespace
 }  // namespace evenstep

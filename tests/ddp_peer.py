@@ -1,9 +1,9 @@
 #!/usr/bin/python3
-"""The conformance cases of tests/conformance_helper.cc through PyTorch's
-DistributedDataParallel (Gloo, 2 ranks on a FileStore: no port), for
-conformance_test.cc to compare with evenstep's GradSync. The models, initial
-values, data, split, loss and optimizers are the helper's formulas: change
-them together.
+"""The conformance cases of tests/testing/conformance_models.h through
+PyTorch's DistributedDataParallel (Gloo, 2 ranks on a FileStore: no port),
+for conformance_test.cc to compare with evenstep's GradSync. The models,
+initial values, data, split, loss and optimizers are that header's formulas:
+change them together.
 
   ddp_peer.py --case tied_adam --out ddp.json [--world 2 --steps 5 --micro 3]
 

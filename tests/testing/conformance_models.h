@@ -1,78 +1,41 @@
-// Rank program of the GradSync conformance suite (conformance_test.cc): one
-// model case trained for --steps optimizer steps of --micro micro-steps each
-// through GradSync, beside a single-process reference trained on the whole
-// global batch in the same process; every parameter (and buffer) is compared
-// at the end. The models, their initial values and the data are formulas
-// that tests/ddp_peer.py repeats in Python, so rank 0's --out file can be
-// compared with PyTorch DDP's.
+// The model cases of the GradSync conformance suite (conformance_test.cc):
+// each a model, its loss for one rank's samples at one step and its
+// optimizer. Their initial values and data are formulas that
+// tests/ddp_peer.py repeats in Python, so a run can be compared with PyTorch
+// DDP's. Included by conformance_test.cc alone.
 //
 // Cases: tied_adam, tied_sgd (tied embedding/output weight, a frozen layer, a
 // branch used on some steps by some ranks, a layer never used), sparse
 // (Embedding with sparse gradients), batchnorm, mixed (float64 + bf16
 // layers), layout (channels-last conv, a transposed and a non-dense
-// parameter), reverse (layers used in the reverse of their registration),
-// one_param (one trainable parameter beside a frozen layer: DDP's
-// test_ddp_ignore_params_arg), control_flow (a layer only rank 1 uses, on
-// odd steps, and one no rank uses: DDP's
-// test_ddp_control_flow_different_across_ranks and
-// test_ddp_unused_params_rebuild_buckets_exception with find_unused).
-// Scenarios (--scenario): train (default), two_backward (sync enabled on two
-// backwards of every step: the second adds to the reduced gradient, as in
-// one process), exception (rank 1's backward throws inside step 3: every
-// rank abandons step 3 and goes on; the reference skips it; --abandon says
-// when the caller calls AbandonStep: never, if_needed (syncs_completed()
-// did not advance) or always), unfreeze (reverse's l2.weight frozen
-// after step 2: every rank's step 3 fails naming it), thaw (tied's frozen
-// proj.weight made trainable after step 2: the same). --keep_grad: no
-// zero_grad anywhere (the gradients accumulate over steps, on both sides);
-// --create_graph: every backward with create_graph (DDP's
-// test_ddp_create_graph).
-// Output: "conformance ok ..." or MISMATCH lines. Exit codes: 0 passed,
-// 1 mismatch, 3 init failed, 4 the expected error.
+// parameter), reverse (layers used in the reverse of their registration; its
+// backward can throw on one rank at one step), one_param (one trainable
+// parameter beside a frozen layer: DDP's test_ddp_ignore_params_arg),
+// control_flow (a layer only rank 1 uses, on odd steps, and one no rank
+// uses: DDP's test_ddp_control_flow_different_across_ranks),
+// zero_features (a layer with no output features), random (shape, layers
+// used per rank and step, and micro-steps from a seed).
+#pragma once
+
 #include <torch/torch.h>
 
 #include <cmath>
-#include <fstream>
-#include <iostream>
+#include <cstdint>
+#include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "evenstep/dist_context.h"
-#include "evenstep/flags.h"
-#include "evenstep/grad_sync.h"
-#include "evenstep/sync_topology.h"
-#include "nlohmann/json.hpp"
 
-ABSL_FLAG(std::string, case_name, "tied_adam", "The model case.");
-ABSL_FLAG(std::string, scenario, "train", "train, two_backward, exception or unfreeze.");
-ABSL_FLAG(int, steps, 5, "Optimizer steps.");
-ABSL_FLAG(int, micro, 3, "Micro-steps per rank per step (sync on the last).");
-ABSL_FLAG(int, idle_rank, -1, "This rank has no micro-batch in any step (joins by SyncNow).");
-ABSL_FLAG(std::string, out, "", "Rank 0 writes its parameters and buffers there (JSON).");
-ABSL_FLAG(std::string, throw_in, "synced",
-          "exception scenario: rank 1 throws in step 3's synced backward, or in its first.");
-ABSL_FLAG(uint64_t, seed, 0,
-          "random case: the seed of the model's shape (sparse or dense embedding, tied head "
-          "or not), of the layers each rank uses at each step and of each rank's micro-steps "
-          "(1-3) per step.");
-ABSL_FLAG(bool, inference, false,
-          "Before every step, a forward of the model under NoGradGuard and one with autograd "
-          "whose graph is dropped (DDP's test_ddp_inference): neither may change anything.");
-ABSL_FLAG(bool, keep_grad, false, "No zero_grad between steps (model and reference).");
-ABSL_FLAG(bool, create_graph, false, "Every backward of the model with create_graph.");
-ABSL_FLAG(std::string, abandon, "if_needed",
-          "After an exception in a step: never, if_needed or always call AbandonStep.");
+namespace evenstep::testing::conformance {
 
-namespace {
-
-constexpr int kN = 18;  // samples per global batch
+inline constexpr int kN = 18;  // samples per global batch
 using torch::Tensor;
 
 // The same formulas as tests/ddp_peer.py.
-void InitParameters(torch::nn::Module& m) {
+inline void InitParameters(torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
   int k = 0;
   std::set<const c10::TensorImpl*> seen;
@@ -91,42 +54,38 @@ void InitParameters(torch::nn::Module& m) {
   }
 }
 
-Tensor Features(int step, int64_t s0, int64_t count, int dims) {
+inline Tensor Features(int step, int64_t s0, int64_t count, int dims) {
   Tensor s = torch::arange(s0, s0 + count, torch::kDouble).unsqueeze(1) + 100.0 * step;
   Tensor j = torch::arange(dims, torch::kDouble).unsqueeze(0);
   return torch::sin(0.37 * s + 0.91 * j).to(torch::kFloat);
 }
 
-struct Shard {
-  std::vector<int64_t> samples;
-};
-
 // Inputs of `samples` of step `step` for a model that takes `dims` features,
 // ids below `vocab`, or 2x4x4 images.
-Tensor Rows(const std::vector<int64_t>& samples, int step, int dims) {
+inline Tensor Rows(const std::vector<int64_t>& samples, int step, int dims) {
   std::vector<Tensor> rows;
   for (int64_t s : samples) rows.push_back(Features(step, s, 1, dims));
   return torch::cat(rows);
 }
 
-Tensor Ids(const std::vector<int64_t>& samples, int step, int vocab) {
+inline Tensor Ids(const std::vector<int64_t>& samples, int step, int vocab) {
   std::vector<int64_t> ids;
   for (int64_t s : samples) ids.push_back((step * 31 + s * 7) % vocab);
   return torch::tensor(ids, torch::kLong);
 }
 
-Tensor Targets(const std::vector<int64_t>& samples, int step, int classes) {
+inline Tensor Targets(const std::vector<int64_t>& samples, int step, int classes) {
   std::vector<int64_t> t;
   for (int64_t s : samples) t.push_back((step * 5 + s * 3) % classes);
   return torch::tensor(t, torch::kLong);
 }
 
-Tensor SumCE(const Tensor& logits, const Tensor& targets) {
+inline Tensor SumCE(const Tensor& logits, const Tensor& targets) {
   return torch::nn::functional::cross_entropy(
       logits, targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
 }
 
-std::vector<Tensor> UniqueTensors(const std::vector<Tensor>& all) {
+inline std::vector<Tensor> UniqueTensors(const std::vector<Tensor>& all) {
   std::vector<Tensor> out;
   std::set<const c10::TensorImpl*> seen;
   for (const Tensor& t : all) {
@@ -324,7 +283,7 @@ struct ControlFlow : Case {
 };
 
 // A deterministic hash of the seed and a few small numbers.
-uint64_t Mix(uint64_t seed, int64_t a, int64_t b = 0, int64_t c = 0) {
+inline uint64_t Mix(uint64_t seed, int64_t a, int64_t b = 0, int64_t c = 0) {
   uint64_t h = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
   for (int64_t v : {a, b, c}) {
     h ^= static_cast<uint64_t>(v) + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
@@ -380,7 +339,7 @@ struct Random : Case {
   Tensor head_weight;
 };
 
-std::shared_ptr<Case> MakeCase(const std::string& name) {
+inline std::shared_ptr<Case> MakeCase(const std::string& name, uint64_t seed = 0) {
   std::shared_ptr<Case> c;
   if (name == "tied_adam") c = std::make_shared<Tied>(true);
   if (name == "tied_sgd") c = std::make_shared<Tied>(false);
@@ -392,14 +351,14 @@ std::shared_ptr<Case> MakeCase(const std::string& name) {
   if (name == "one_param") c = std::make_shared<OneParam>();
   if (name == "control_flow") c = std::make_shared<ControlFlow>();
   if (name == "zero_features") c = std::make_shared<ZeroFeatures>();
-  if (name == "random") c = std::make_shared<Random>(absl::GetFlag(FLAGS_seed));
+  if (name == "random") c = std::make_shared<Random>(seed);
   if (c) InitParameters(*c);
   return c;
 }
 
 // samples[r][m]: rank r's micro-batch m of the global batch (same on every
 // rank, and in ddp_peer.py).
-std::vector<std::vector<std::vector<int64_t>>> Split(int world, int idle, int micro) {
+inline std::vector<std::vector<std::vector<int64_t>>> Split(int world, int idle, int micro) {
   std::vector<int> working;
   for (int r = 0; r < world; ++r) {
     if (r != idle) working.push_back(r);
@@ -414,9 +373,9 @@ std::vector<std::vector<std::vector<int64_t>>> Split(int world, int idle, int mi
   return out;
 }
 
-void ZeroGrad(torch::optim::Optimizer& o) { o.zero_grad(); }
+inline void ZeroGrad(torch::optim::Optimizer& o) { o.zero_grad(); }
 
-std::vector<std::pair<std::string, Tensor>> UniqueParams(torch::nn::Module& m) {
+inline std::vector<std::pair<std::string, Tensor>> UniqueParams(torch::nn::Module& m) {
   std::vector<std::pair<std::string, Tensor>> out;
   std::set<const c10::TensorImpl*> seen;
   for (auto& item : m.named_parameters()) {
@@ -427,7 +386,7 @@ std::vector<std::pair<std::string, Tensor>> UniqueParams(torch::nn::Module& m) {
   return out;
 }
 
-double MaxRelError(const Tensor& got, const Tensor& want) {
+inline double MaxRelError(const Tensor& got, const Tensor& want) {
   if (got.numel() == 0 && want.numel() == 0) return 0;  // zero output features
   const Tensor g = got.to(torch::kDouble), w = want.to(torch::kDouble);
   const double scale = std::max(w.abs().max().item<double>(), 1e-12);
@@ -437,8 +396,9 @@ double MaxRelError(const Tensor& got, const Tensor& want) {
 // One single-process step on the whole global batch: every rank's shards
 // with that rank's behaviour; BatchNorm buffers end as rank 0's (they run
 // last, from the buffers the step began with), as GradSync broadcasts them.
-void ReferenceStep(Case& ref, torch::optim::Optimizer& opt, int step, int world,
-                   const std::vector<std::vector<std::vector<int64_t>>>& split, bool keep_grad) {
+inline void ReferenceStep(Case& ref, torch::optim::Optimizer& opt, int step, int world,
+                          const std::vector<std::vector<std::vector<int64_t>>>& split,
+                          bool keep_grad) {
   std::vector<Tensor> start;
   for (auto& b : ref.buffers()) start.push_back(b.detach().clone());
   for (int r = world - 1; r >= 0; --r) {
@@ -461,191 +421,4 @@ void ReferenceStep(Case& ref, torch::optim::Optimizer& opt, int step, int world,
   if (!keep_grad) opt.zero_grad();
 }
 
-int Run(evenstep::DistContext& dist) {
-  const int world = dist.world_size(), rank = dist.rank();
-  const std::string name = absl::GetFlag(FLAGS_case_name);
-  const std::string scenario = absl::GetFlag(FLAGS_scenario);
-  const int steps = absl::GetFlag(FLAGS_steps), micro = absl::GetFlag(FLAGS_micro);
-  const int idle = absl::GetFlag(FLAGS_idle_rank);
-  const bool keep_grad = absl::GetFlag(FLAGS_keep_grad);
-  const bool create_graph = absl::GetFlag(FLAGS_create_graph);
-  const std::string abandon = absl::GetFlag(FLAGS_abandon);
-  auto model = MakeCase(name);
-  auto ref = MakeCase(name);
-  if (!model) {
-    std::cerr << "unknown case " << name << std::endl;
-    return 2;
-  }
-  if (scenario == "exception") static_cast<Reverse&>(*model).fire_rank = 1;
-  evenstep::GradSyncOptions options;
-  options.timeout = absl::Seconds(60);
-  options.bucket_cap_bytes = 256;  // several buckets even for these small models
-  options.first_bucket_cap_bytes = 64;
-  // --evenstep_sync_topology=hierarchical: the same cases through the
-  // hierarchical sync (nodes from GROUP_RANK).
-  if (absl::GetFlag(FLAGS_evenstep_sync_topology) != "auto") {
-    auto topology = evenstep::SyncTopologyByName(absl::GetFlag(FLAGS_evenstep_sync_topology));
-    auto choice = topology.ok() ? evenstep::ApplySyncTopology(dist, *topology, &options)
-                                : absl::StatusOr<evenstep::TopologyChoice>(topology.status());
-    if (!choice.ok()) {
-      std::cout << "topology refused: " << choice.status() << std::endl;
-      return 3;
-    }
-    std::cout << choice->line << std::endl;
-  }
-  auto sync = evenstep::GradSync::Attach(*model, dist.data_group(), options);
-  if (!sync.ok()) {
-    std::cout << "attach failed: " << sync.status() << std::endl;
-    return 3;
-  }
-  auto opt = model->Optimizer();
-  auto ref_opt = ref->Optimizer();
-  auto split = Split(world, idle, micro);
-  auto* random = dynamic_cast<Random*>(model.get());
-  int launched_first = -1, launched_last = -1;
-  for (int step = 1; step <= steps; ++step) {
-    if (random != nullptr) {
-      // This step's micro-steps, per rank: 1-3, from the seed.
-      for (int r = 0; r < world; ++r) {
-        const int m = random->Micro(step, r);
-        split[r] = Split(world, idle, m)[r];
-      }
-    }
-    const int my_micro = static_cast<int>(split[rank].size());
-    if (absl::GetFlag(FLAGS_inference) && rank != idle) {
-      {
-        torch::NoGradGuard no_grad;
-        model->Loss(split[rank][0], step, rank);
-      }
-      model->Loss(split[rank][0], step, rank);  // a graph nobody runs backward on
-    }
-    if (scenario == "unfreeze" && step == 3) {
-      static_cast<Reverse&>(*model).l[1]->weight.set_requires_grad(false);
-    }
-    if (scenario == "thaw" && step == 3) {
-      static_cast<Tied&>(*model).proj->weight.set_requires_grad(true);
-    }
-    bool abandoned = false;
-    const int64_t syncs_before = (*sync)->syncs_completed();
-    if (rank == idle) {
-      if (absl::Status s = (*sync)->SyncNow(); !s.ok()) {
-        std::cout << "step " << step << " failed: " << s << std::endl;
-        if (scenario == "train") return 1;
-        abandoned = true;
-      }
-    } else {
-      try {
-        for (int m = 0; m < my_micro; ++m) {
-          const bool last = m + 1 == my_micro;
-          (*sync)->set_sync_enabled(last || (scenario == "two_backward" && m == my_micro - 2));
-          if (scenario == "exception") {
-            // Step 3 throws inside the synced backward, or (--throw_in=first)
-            // in the first micro-step's, before any sync of the step.
-            const bool here = absl::GetFlag(FLAGS_throw_in) == "first" ? m == 0 : last;
-            static_cast<Reverse&>(*model).fire_step = here ? 3 : -1;
-          }
-          Tensor loss = model->Loss(split[rank][m], step, rank) / kN;
-          if (last) {
-            if (absl::Status s = (*sync)->PrepareForBackward(loss); !s.ok()) {
-              throw std::runtime_error(s.ToString());
-            }
-          }
-          loss.backward({}, /*retain_graph=*/c10::nullopt, create_graph);
-        }
-      } catch (const std::exception& e) {
-        std::cout << "step " << step << " failed: " << e.what() << std::endl;
-        if (abandon == "always" ||
-            (abandon == "if_needed" && (*sync)->syncs_completed() == syncs_before)) {
-          absl::Status joined = (*sync)->AbandonStep(absl::InternalError(e.what()));
-          std::cout << "joined with a failure mark: " << joined << std::endl;
-        }
-        abandoned = true;
-      }
-    }
-    if (abandoned) {
-      std::cout << "step " << step << " abandoned; status " << (*sync)->status() << std::endl;
-      for (auto& p : model->parameters()) {
-        if (p.grad().defined()) {
-          std::cout << "MISMATCH gradient left after the abandoned step" << std::endl;
-          return 1;
-        }
-      }
-      if (scenario == "unfreeze" || scenario == "thaw") return 4;
-      ZeroGrad(*opt);
-      continue;  // the reference skips the step too
-    }
-    const evenstep::SyncStats stats = (*sync)->last_stats();
-    if (step == 1) launched_first = stats.buckets_launched_during_backward;
-    launched_last = stats.buckets_launched_during_backward;
-    opt->step();
-    if (!keep_grad) ZeroGrad(*opt);
-    ReferenceStep(*ref, *ref_opt, step, world, split, keep_grad);
-    // Buffers: equal on every rank after each step.
-    for (const auto& item : model->named_buffers()) {
-      Tensor root = item.value().detach().clone();
-      if (!dist.Broadcast(root, 0).ok()) return 3;
-      if (!torch::equal(root, item.value())) {
-        std::cout << "MISMATCH step " << step << ": buffer " << item.key()
-                  << " differs from rank 0's" << std::endl;
-        return 1;
-      }
-    }
-  }
-  if (scenario == "unfreeze" || scenario == "thaw") {
-    std::cout << "UNEXPECTED: no error" << std::endl;
-    return 1;
-  }
-  // Compare with the reference.
-  int failures = 0;
-  double worst = 0;
-  auto mine = UniqueParams(*model), want = UniqueParams(*ref);
-  for (size_t i = 0; i < mine.size(); ++i) {
-    const double err = MaxRelError(mine[i].second, want[i].second);
-    worst = std::max(worst, err);
-    if (!(err <= model->Tolerance(mine[i].first))) {
-      std::cout << "MISMATCH " << mine[i].first << ": max relative error " << err << std::endl;
-      ++failures;
-    }
-  }
-  auto buffers = model->named_buffers(), ref_buffers = ref->named_buffers();
-  for (const auto& item : buffers) {
-    const double err = MaxRelError(item.value(), ref_buffers[item.key()]);
-    if (!(err <= 1e-5)) {
-      std::cout << "MISMATCH buffer " << item.key() << ": max relative error " << err << std::endl;
-      ++failures;
-    }
-  }
-  if (rank == 0 && !absl::GetFlag(FLAGS_out).empty()) {
-    nlohmann::json out;
-    for (const auto& [n, p] : mine) {
-      Tensor flat = p.detach().to(torch::kDouble).contiguous().view({-1});
-      out["params"][n] =
-          std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel());
-    }
-    for (const auto& item : buffers) {
-      Tensor flat = item.value().detach().to(torch::kDouble).contiguous().view({-1});
-      out["buffers"][item.key()] =
-          std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel());
-    }
-    std::ofstream(absl::GetFlag(FLAGS_out)) << out.dump();
-  }
-  if (failures > 0) return 1;
-  std::cout << "conformance ok " << name << " world " << world << " max relative error " << worst
-            << " launched during backward: step 1 " << launched_first << ", last " << launched_last
-            << " of " << (*sync)->num_buckets() << std::endl;
-  return 0;
-}
-
-}  // namespace
-
-int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  std::cout.setf(std::ios::unitbuf);
-  torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
-  if (!ctx.ok()) {
-    std::cout << "init failed: " << ctx.status() << std::endl;
-    return 3;
-  }
-  return Run(**ctx);
-}
+}  // namespace evenstep::testing::conformance
