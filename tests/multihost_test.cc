@@ -216,12 +216,9 @@ TEST_P(MultiHostSyncTest, AutoPicksTheHierarchicalSyncOverASlowLinkAndItIsExact)
   if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
   std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
   ASSERT_NE(store, nullptr);
-  std::vector<ProcessSpec> specs =
-      JobOnHosts(**cluster, per_host, store->port(), evenstep::testing::ThisTestAsRank(0).argv);
-  for (size_t r = 0; r < specs.size(); ++r) {
-    for (const auto& marker : evenstep::testing::ThisTestAsRank(r).env)
-      specs[r].env.push_back(marker);
-  }
+  const ProcessSpec self = evenstep::testing::ThisTestAsRank();
+  std::vector<ProcessSpec> specs = JobOnHosts(**cluster, per_host, store->port(), self.argv);
+  for (ProcessSpec& spec : specs) spec.env.insert(spec.env.end(), self.env.begin(), self.env.end());
   evenstep::testing::ExpectRanksPassed(
       evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2)));
 }

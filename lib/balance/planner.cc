@@ -14,24 +14,17 @@
 
 namespace evenstep {
 
+namespace {
+constexpr internal::Choices<BalanceMode> kBalanceModes = {{"static", BalanceMode::kStatic},
+                                                          {"work", BalanceMode::kWork},
+                                                          {"dynamic", BalanceMode::kDynamic}};
+}  // namespace
+
 absl::StatusOr<BalanceMode> BalanceModeByName(absl::string_view name, absl::string_view what) {
-  return internal::Choose<BalanceMode>(what, name,
-                                       {{"static", BalanceMode::kStatic},
-                                        {"work", BalanceMode::kWork},
-                                        {"dynamic", BalanceMode::kDynamic}});
+  return internal::Choose(what, name, kBalanceModes);
 }
 
-const char* BalanceModeName(BalanceMode mode) {
-  switch (mode) {
-    case BalanceMode::kStatic:
-      return "static";
-    case BalanceMode::kWork:
-      return "work";
-    case BalanceMode::kDynamic:
-      return "dynamic";
-  }
-  return "?";
-}
+const char* BalanceModeName(BalanceMode mode) { return internal::NameOf(mode, kBalanceModes); }
 
 std::vector<std::vector<int64_t>> SplitGlobalBatch(const Sampler& sampler, const GlobalBatch& batch,
                                                    const Plan& plan) {

@@ -21,23 +21,19 @@
 
 namespace evenstep {
 
+namespace {
+constexpr internal::Choices<SyncTopology> kSyncTopologies = {
+    {"auto", SyncTopology::kAuto},
+    {"flat", SyncTopology::kFlat},
+    {"hierarchical", SyncTopology::kHierarchical}};
+}  // namespace
+
 absl::StatusOr<SyncTopology> SyncTopologyByName(absl::string_view name) {
-  return internal::Choose<SyncTopology>("--evenstep_sync_topology", name,
-                                        {{"auto", SyncTopology::kAuto},
-                                         {"flat", SyncTopology::kFlat},
-                                         {"hierarchical", SyncTopology::kHierarchical}});
+  return internal::Choose("--evenstep_sync_topology", name, kSyncTopologies);
 }
 
 const char* SyncTopologyName(SyncTopology topology) {
-  switch (topology) {
-    case SyncTopology::kAuto:
-      return "auto";
-    case SyncTopology::kFlat:
-      return "flat";
-    case SyncTopology::kHierarchical:
-      return "hierarchical";
-  }
-  return "?";
+  return internal::NameOf(topology, kSyncTopologies);
 }
 
 namespace {
@@ -71,12 +67,6 @@ std::string Layout(const NodeLayout& nodes) {
                       nodes.ranks.front().size() == 1 ? "" : "s");
 }
 
-// This rank's place among its node's ranks.
-int PlaceInNode(const DistContext& ctx, const NodeLayout& nodes) {
-  const std::vector<int>& mine = nodes.ranks[nodes.node_of[ctx.rank()]];
-  return static_cast<int>(std::find(mine.begin(), mine.end(), ctx.rank()) - mine.begin());
-}
-
 // The subgroups of the hierarchical sync: within this rank's node
 // (scatter, gather) and across nodes (the ranks of its place). Names unique
 // per process and call (every rank makes the same calls in the same order).
@@ -86,7 +76,7 @@ absl::StatusOr<std::shared_ptr<TopologyGroups>> MakeGroups(DistContext& ctx,
   const std::string prefix = absl::StrCat("evenstep/sync_topology/", calls++, "/");
   const int node = nodes.node_of[ctx.rank()];
   const std::vector<int>& mine = nodes.ranks[node];
-  const int place = PlaceInNode(ctx, nodes);
+  const int place = nodes.place_of(ctx.rank());
   auto groups = std::make_shared<TopologyGroups>();
   if (mine.size() > 1) {
     EVENSTEP_ASSIGN_OR_RETURN(
@@ -161,7 +151,7 @@ absl::StatusOr<TopologyChoice> ApplySyncTopology(DistContext& ctx, SyncTopology 
   }
 
   const int node = nodes.node_of[ctx.rank()];
-  const int place = PlaceInNode(ctx, nodes);
+  const int place = nodes.place_of(ctx.rank());
   EVENSTEP_ASSIGN_OR_RETURN(std::shared_ptr<TopologyGroups> groups, MakeGroups(ctx, nodes));
   EVENSTEP_RETURN_IF_ERROR(MeasureBandwidths(ctx, *groups, &choice));
   const double within = choice.within_node_gbps, cross = choice.cross_node_gbps;

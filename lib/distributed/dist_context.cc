@@ -774,6 +774,11 @@ absl::StatusOr<double> MeasureBusBandwidth(int n, size_t bytes, int iters,
 // ---------------------------------------------------------------------------
 // Nodes
 
+int NodeLayout::place_of(int rank) const {
+  const std::vector<int>& mine = ranks[node_of[rank]];
+  return static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+}
+
 bool NodeLayout::even() const {
   for (const auto& members : ranks) {
     if (members.size() != ranks.front().size()) return false;

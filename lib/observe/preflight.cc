@@ -93,8 +93,7 @@ class PreflightRun {
         world_(ctx.world_size()),
         ns_(absl::StrCat("evenstep/preflight/", RunCounter(), "/")) {
     for (const auto& members : layout_.ranks) turns_ = std::max<int>(turns_, members.size());
-    const auto& mine = layout_.ranks[layout_.node_of[rank_]];
-    my_turn_ = static_cast<int>(std::find(mine.begin(), mine.end(), rank_) - mine.begin());
+    my_turn_ = layout_.place_of(rank_);
     for (const preflight::Metric& m : preflight::Metrics()) mine_[m.name] = preflight::kNaN;
     report_.world_size = world_;
     report_.nodes = layout_.names;

@@ -19,7 +19,8 @@
 namespace evenstep::testing {
 
 namespace {
-constexpr char kRankVar[] = "EVENSTEP_TEST_RANK";
+// Set in a rank's environment (its rank is the launcher's RANK).
+constexpr char kRankVar[] = "EVENSTEP_TEST_AS_RANK";
 constexpr char kDirVar[] = "EVENSTEP_TEST_RANKS_DIR";
 
 // The running test's full name, for the ranks' gtest filter.
@@ -54,9 +55,10 @@ std::string SelfPath() {
 }  // namespace
 
 int RankOfThisProcess() {
-  const char* v = std::getenv(kRankVar);
+  const char* marked = std::getenv(kRankVar);
+  const char* v = std::getenv("RANK");
   int rank = -1;
-  return v != nullptr && absl::SimpleAtoi(v, &rank) ? rank : -1;
+  return marked != nullptr && v != nullptr && absl::SimpleAtoi(v, &rank) ? rank : -1;
 }
 
 void RunHereIfRank(const RankBody& body, const OnRanksOptions& options) {
@@ -84,9 +86,8 @@ void RunHereIfRank(const RankBody& body, const OnRanksOptions& options) {
   std::_Exit(ok ? 0 : 1);
 }
 
-ProcessSpec ThisTestAsRank(int rank) {
-  return ProcessSpec{{SelfPath(), "--gtest_filter=" + CurrentTest()},
-                     {{kRankVar, std::to_string(rank)}}};
+ProcessSpec ThisTestAsRank() {
+  return ProcessSpec{{SelfPath(), "--gtest_filter=" + CurrentTest()}, {{kRankVar, "1"}}};
 }
 
 void ExpectRanksPassed(const std::vector<ProcessResult>& results) {
@@ -123,21 +124,10 @@ std::vector<ProcessResult> RunOnRanksAgain(int world, const OnRanksOptions& opti
     ADD_FAILURE() << "RunOnRanks(" << world << "): the nodes hold a different number of ranks";
     return {};
   }
-  auto server = internal::StoreServer::Start(0);
-  if (!server.ok()) {
-    ADD_FAILURE() << "could not host the store: " << server.status();
-    return {};
-  }
-  const ProcessSpec self = ThisTestAsRank(0);
-  std::vector<ProcessSpec> specs = TorchrunRanks(world, (*server)->port(), self.argv);
-  if (!options.nodes.empty()) PlaceOnNodes(options.nodes, &specs);
-  const std::string dir = RanksDir();
-  for (int r = 0; r < world; ++r) {
-    specs[r].env.emplace_back(kRankVar, std::to_string(r));
-    specs[r].env.emplace_back(kDirVar, dir);
-    specs[r].env.insert(specs[r].env.end(), options.env.begin(), options.env.end());
-  }
-  std::vector<ProcessResult> results = RunAll(specs, options.timeout);
+  std::vector<std::pair<std::string, std::string>> env = {{kRankVar, "1"}, {kDirVar, RanksDir()}};
+  env.insert(env.end(), options.env.begin(), options.env.end());
+  std::vector<ProcessResult> results =
+      RunRanks(world, ThisTestAsRank().argv, options.timeout, options.nodes, env);
   ExpectRanksPassed(results);
   return results;
 }

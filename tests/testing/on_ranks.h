@@ -1,6 +1,6 @@
 // Multi-rank scenarios written inside their TEST, with their EXPECTs: the
 // test binary runs itself again as each rank (a gtest filter naming the
-// running test, and EVENSTEP_TEST_RANK in the environment), as gtest's death
+// running test, and EVENSTEP_TEST_AS_RANK in the environment), as gtest's death
 // tests and gloo's MultiProcTest do.
 //
 //   TEST(GradSyncTest, AnUnusedParameterIsZeroOnEveryRank) {
@@ -74,11 +74,12 @@ std::vector<ProcessResult> RunOnRanksAgain(int world, const OnRanksOptions& opti
 std::string RanksDir();
 
 // For a test that starts its ranks itself (inside simulated hosts, under a
-// launcher's conventions): ThisTestAsRank is the command that runs the
-// current TEST as rank `rank`; the TEST calls RunHereIfRank(body) before it
+// launcher's conventions): ThisTestAsRank is the command (and the marker in
+// its environment) that runs the current TEST as a rank, whose rank is the
+// launcher's RANK; the TEST calls RunHereIfRank(body) before it
 // starts them (in a rank's process it runs `body` and exits, as RunOnRanks
 // does) and ExpectRanksPassed on their results.
-ProcessSpec ThisTestAsRank(int rank);
+ProcessSpec ThisTestAsRank();
 void RunHereIfRank(const RankBody& body, const OnRanksOptions& options = {});
 void ExpectRanksPassed(const std::vector<ProcessResult>& results);
 

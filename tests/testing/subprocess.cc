@@ -225,14 +225,18 @@ std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<st
 }
 
 std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& argv,
-                                    absl::Duration timeout) {
+                                    absl::Duration timeout, const std::vector<int>& nodes,
+                                    const std::vector<std::pair<std::string, std::string>>& env) {
   auto server = internal::StoreServer::Start(0);
   if (!server.ok()) {
     ProcessResult failed;
     failed.output = "could not host the store: " + server.status().ToString();
     return std::vector<ProcessResult>(world, failed);
   }
-  return RunAll(TorchrunRanks(world, (*server)->port(), argv), timeout);
+  std::vector<ProcessSpec> specs = TorchrunRanks(world, (*server)->port(), argv);
+  if (!nodes.empty()) PlaceOnNodes(nodes, &specs);
+  for (ProcessSpec& spec : specs) spec.env.insert(spec.env.end(), env.begin(), env.end());
+  return RunAll(specs, timeout);
 }
 
 std::vector<std::string> RankArgv(const std::string& program,
@@ -268,15 +272,7 @@ std::vector<ProcessResult> RunProgramOnNodes(const std::vector<int>& ranks_per_n
                                              absl::Duration timeout) {
   int world = 0;
   for (int n : ranks_per_node) world += n;
-  auto server = internal::StoreServer::Start(0);
-  if (!server.ok()) {
-    ProcessResult failed;
-    failed.output = "could not host the store: " + server.status().ToString();
-    return std::vector<ProcessResult>(world, failed);
-  }
-  std::vector<ProcessSpec> specs = TorchrunRanks(world, (*server)->port(), RankArgv(program, args));
-  PlaceOnNodes(ranks_per_node, &specs);
-  return RunAll(specs, timeout);
+  return RunRanks(world, RankArgv(program, args), timeout, ranks_per_node);
 }
 
 std::pair<int, std::string> RunShell(const std::string& command, absl::Duration timeout) {

@@ -78,9 +78,13 @@ std::vector<ProcessSpec> TorchrunRanks(int world, int port, const std::vector<st
                                        int declared_world = -1);
 
 // Hosts a c10d store on a port the OS picks, runs `world` ranks of `argv`
-// against it (TorchrunRanks) and waits for all under `timeout`.
-std::vector<ProcessResult> RunRanks(int world, const std::vector<std::string>& argv,
-                                    absl::Duration timeout = HangBound(2));
+// against it (TorchrunRanks; placed on simulated `nodes` when given, see
+// PlaceOnNodes; `env` added to every rank's) and waits for all under
+// `timeout`.
+std::vector<ProcessResult> RunRanks(
+    int world, const std::vector<std::string>& argv, absl::Duration timeout = HangBound(2),
+    const std::vector<int>& nodes = {},
+    const std::vector<std::pair<std::string, std::string>>& env = {});
 
 // `program`'s command line with evenstep's collective and rendezvous timeouts
 // (60 s) before `args`: a lost peer fails the ranks, naming it, well inside

@@ -1,7 +1,7 @@
 // One table per enumerated option (a string flag's values, a mode's names):
 // the value by its name, and an error that names the option and lists its
-// choices. Several names may share a value (aliases: "true" for "newest");
-// only the first name of each value is listed as a choice.
+// choices; a value's name from the same table (NameOf). Several names may share a value (aliases:
+// "true" for "newest"); only the first name of each value is listed as a choice.
 #pragma once
 
 #include <initializer_list>
@@ -39,6 +39,16 @@ absl::StatusOr<T> Choose(absl::string_view what, absl::string_view name, Choices
     absl::StrAppend(&choices, i == 0 ? "" : i + 1 == listed.size() ? " or " : ", ", listed[i]);
   }
   return absl::InvalidArgumentError(absl::StrCat(what, "=", name, ": expected ", choices));
+}
+
+// The first name of `value` in `table` (a literal, so null-terminated),
+// "?" for a value the table lacks.
+template <typename T>
+const char* NameOf(T value, Choices<T> table) {
+  for (const auto& [n, v] : table) {
+    if (v == value) return n.data();
+  }
+  return "?";
 }
 
 }  // namespace evenstep::internal

@@ -74,6 +74,8 @@ struct NodeLayout {
   // Per node: its ranks, ascending.
   std::vector<std::vector<int>> ranks;
   int nodes() const { return static_cast<int>(ranks.size()); }
+  // `rank`'s place among its node's ranks (0 for the node's first).
+  int place_of(int rank) const;
   // Every node holds the same number of ranks.
   bool even() const;
   // "node-0: 2 ranks (0,1); node-1: 2 ranks (2,3)".
