@@ -12,7 +12,7 @@
 //   - DeviceFeeder: pinned staging and side-stream copies into CUDA tensors.
 //   - TrainCheckpointer: the snapshot of CUDA parameters and Adam state holds
 //     the save step's values while later optimizer steps keep writing them;
-//     it loads into a CUDA model at another world size (ckpt_helper).
+//     it loads into a CUDA model at another world size (tests/testing/ckpt_model.h).
 //   - BalancedStep end to end on CUDA, its gradient checked against one
 //     process's every step (balance_helper), also when the real allocator
 //     runs out of memory under a memory limit, and the sample trainer with
@@ -35,6 +35,7 @@
 #include "evenstep/internal/micro_step_clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/ckpt_model.h"
 #include "tests/testing/mixed_tensors.h"
 #include "tests/testing/on_ranks.h"
 #include "tests/testing/subprocess.h"
@@ -267,11 +268,6 @@ TEST(CudaDeviceFeedTest, TensorsArriveOnTheDeviceThroughPinnedBuffers) {
 
 // --- TrainCheckpointer --------------------------------------------------
 
-std::string LineAfter(const std::string& output, const std::string& key) {
-  const size_t at = output.find(key);
-  return at == std::string::npos ? "" : output.substr(at, output.find('\n', at) - at);
-}
-
 struct CkptCase {
   int save_world, load_world;
   std::string optimizer;
@@ -288,34 +284,22 @@ class CudaCheckpointTest : public ::testing::TestWithParam<CkptCase> {};
 TEST_P(CudaCheckpointTest, SnapshotHoldsTheSaveStepWhileLaterStepsWriteAndLoadsAtAnotherWorld) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
   const CkptCase c = GetParam();
-  evenstep::testing::TempDir temp("evenstep_cuda_ckpt");
-  const std::vector<std::string> common = {"--evenstep_backend=gloo",
-                                           "--device=cuda",
-                                           "--evenstep_ckpt_dir=" + temp.path(),
-                                           "--evenstep_global_batch=24",
-                                           "--evenstep_micro_batch_samples=5",
-                                           "--optimizer=" + c.optimizer,
-                                           "--width=300000",
-                                           "--noncontiguous"};
-  std::vector<std::string> save = common, load = common;
-  save.insert(save.end(), {"--mode=save", "--steps_after_save=5"});
-  load.push_back("--mode=load");
-  auto saved = RunProgramOnRanks(c.save_world, EVENSTEP_CKPT_HELPER, save);
-  for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
-  const std::string at_save = LineAfter(saved[0].output, "digest ");
-  const std::string after = LineAfter(saved[0].output, "digest after ");
-  ASSERT_FALSE(at_save.empty()) << saved[0].output;
-  ASSERT_FALSE(after.empty()) << saved[0].output;
-  // The later steps did change the state the snapshot was taken of.
-  ASSERT_NE(after.substr(std::string("digest after ").size()),
-            at_save.substr(std::string("digest ").size()));
-  auto loaded = RunProgramOnRanks(c.load_world, EVENSTEP_CKPT_HELPER, load);
-  for (const ProcessResult& r : loaded) {
-    ASSERT_EQ(r.exit_code, 0) << Describe(loaded);
-    EXPECT_EQ(LineAfter(r.output, "digest "), at_save) << Describe(loaded);
-    EXPECT_THAT(r.output, HasSubstr("loaded step 3 user {\"note\":\"hello\"}"));
-    EXPECT_THAT(r.output, HasSubstr("sampler at epoch 0 step 3"));
-  }
+  evenstep::testing::OnRanksOptions save, load;
+  save.env = {{"CKPT_MODE", "save"}};
+  load.env = {{"CKPT_MODE", "load"}};
+  evenstep::testing::RunOnRanks(
+      c.save_world,
+      [c](DistContext& dist) {
+        evenstep::testing::CkptRun run;
+        run.optimizer = c.optimizer;
+        run.width = 300000;
+        run.noncontiguous = true;
+        run.device = torch::kCUDA;
+        run.steps_after_save = 5;
+        evenstep::testing::SaveOrLoadOnRank(dist, run);
+      },
+      save);
+  evenstep::testing::RunOnRanksAgain(c.load_world, load);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CudaCheckpointTest,

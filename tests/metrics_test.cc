@@ -97,9 +97,8 @@ TEST(MetricsTest, SessionEvaluateUsesEvalModeNoGradAndCappedMicroBatches) {
       {{"--evenstep_global_batch=20", "--evenstep_eval_micro_batch_tokens=100"}, 100 / 2, 100}};
   for (const Run& run : runs) {
     evenstep::testing::TempDir dir("evenstep_eval");
-    std::vector<std::string> args = {
-        EVENSTEP_CKPT_HELPER, "--mode=session", "--run_dir=" + dir.path(),
-        "--steps=2",          "--evaluate",     "--optimizer=sgd"};
+    std::vector<std::string> args = {EVENSTEP_CKPT_HELPER, "--run_dir=" + dir.path(), "--steps=2",
+                                     "--evaluate", "--optimizer=sgd"};
     args.insert(args.end(), run.flags.begin(), run.flags.end());
     auto results = evenstep::testing::RunRanks(2, args);
     for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
@@ -126,9 +125,9 @@ TEST(MetricsTest, SessionEvaluateUsesEvalModeNoGradAndCappedMicroBatches) {
   // the flag at Session::Create, before any step; one below the longest
   // evaluation sample (24 tokens) at the evaluation.
   evenstep::testing::TempDir dir("evenstep_eval");
-  auto results = evenstep::testing::RunRanks(
-      2, {EVENSTEP_CKPT_HELPER, "--mode=session", "--run_dir=" + dir.path(), "--steps=1",
-          "--evaluate", "--evenstep_eval_micro_batch_tokens=10"});
+  auto results =
+      evenstep::testing::RunRanks(2, {EVENSTEP_CKPT_HELPER, "--run_dir=" + dir.path(), "--steps=1",
+                                      "--evaluate", "--evenstep_eval_micro_batch_tokens=10"});
   for (const ProcessResult& r : results) {
     EXPECT_EQ(r.exit_code, 2) << Describe(results);
     EXPECT_THAT(r.output, HasSubstr("--evenstep_eval_micro_batch_tokens=10 is below the longest "
@@ -136,9 +135,9 @@ TEST(MetricsTest, SessionEvaluateUsesEvalModeNoGradAndCappedMicroBatches) {
     EXPECT_THAT(r.output, ::testing::Not(HasSubstr("step 1 loss")));
   }
   evenstep::testing::TempDir dir2("evenstep_eval");
-  results = evenstep::testing::RunRanks(
-      2, {EVENSTEP_CKPT_HELPER, "--mode=session", "--run_dir=" + dir2.path(), "--steps=1",
-          "--evaluate", "--evenstep_eval_micro_batch_tokens=20"});
+  results =
+      evenstep::testing::RunRanks(2, {EVENSTEP_CKPT_HELPER, "--run_dir=" + dir2.path(), "--steps=1",
+                                      "--evaluate", "--evenstep_eval_micro_batch_tokens=20"});
   for (const ProcessResult& r : results) {
     EXPECT_EQ(r.exit_code, 2) << Describe(results);
     EXPECT_THAT(r.output, HasSubstr("--evenstep_eval_micro_batch_tokens=20 is below the longest "

@@ -330,9 +330,9 @@ TEST(PreflightSessionTest, FailStopsNamingTheOutlierWarnGoesOnAndOffRunsNothing)
   for (const char* mode : {"fail", "warn", "off"}) {
     TempDir dir("evenstep_preflight_session");
     auto [code, output] = RunShell(absl::StrCat(
-        EVENSTEP_RUN, " -n 2 -- ", EVENSTEP_CKPT_HELPER,
-        " --mode=session --steps=2 --run_dir=", dir.path(), " --evenstep_preflight=", mode, " ",
-        Inject({"0=8", "1=2"}), " --evenstep_preflight_quick --evenstep_balance=dynamic 2>&1"));
+        EVENSTEP_RUN, " -n 2 -- ", EVENSTEP_CKPT_HELPER, " --steps=2 --run_dir=", dir.path(),
+        " --evenstep_preflight=", mode, " ", Inject({"0=8", "1=2"}),
+        " --evenstep_preflight_quick --evenstep_balance=dynamic 2>&1"));
     if (std::string(mode) == "fail") {
       EXPECT_NE(code, 0) << output;
       EXPECT_THAT(output, HasSubstr("preflight (--evenstep_preflight=fail) named "));
@@ -350,7 +350,7 @@ TEST(PreflightSessionTest, FailStopsNamingTheOutlierWarnGoesOnAndOffRunsNothing)
   // A bad mode is refused naming the flag.
   TempDir dir("evenstep_preflight_session");
   auto [code, output] = RunShell(absl::StrCat(EVENSTEP_RUN, " -n 1 -- ", EVENSTEP_CKPT_HELPER,
-                                              " --mode=session --steps=1 --run_dir=", dir.path(),
+                                              " --steps=1 --run_dir=", dir.path(),
                                               " --evenstep_preflight=sometimes 2>&1"));
   EXPECT_NE(code, 0);
   EXPECT_THAT(output,

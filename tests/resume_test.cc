@@ -1,5 +1,5 @@
 // What a training run does when its checkpoints are broken or cannot be
-// written, over real ranks (tests/ckpt_helper --mode=session: two processes,
+// written, over real ranks (tests/ckpt_helper: two processes,
 // evenstep::Session, real files):
 //   - every class of corrupt or hostile newest checkpoint stops the resume
 //     with an error naming the checkpoint and the reason, never a restart
@@ -71,7 +71,7 @@ std::vector<std::string> SessionArgs(const std::string& run_dir, int steps,
                                      const std::string& ckpt_dir = "") {
   std::vector<std::string> argv = evenstep::testing::RankArgv(
       EVENSTEP_CKPT_HELPER,
-      {"--mode=session", "--run_dir=" + run_dir,
+      {"--run_dir=" + run_dir,
        "--evenstep_ckpt_dir=" + (ckpt_dir.empty() ? run_dir + "/ckpt" : ckpt_dir),
        "--steps=" + std::to_string(steps), "--evenstep_ckpt_every=2", "--evenstep_global_batch=24",
        "--evenstep_micro_batch_samples=5", "--evenstep_log_every=1"});

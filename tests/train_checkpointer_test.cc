@@ -1,6 +1,10 @@
 // TrainCheckpointer over real ranks: a run saved at one world size loads at
-// another (reshard 2->3, 3->2, 4->1) with model, optimizer state (SGD, Adam,
-// AdamW, RMSprop, Adagrad), sampler position and user extras bit-identical.
+// another (reshard 2->3, 3->2, 4->1, ...) with model, optimizer state (SGD,
+// Adam, AdamW, RMSprop, Adagrad), sampler position and user extras
+// bit-identical; a shard whose HDF5 structure is damaged while its data
+// holds resumes and is named; PyTorch loads the checkpoint bit for bit. The
+// ranks' save and load (tests/testing/ckpt_model.h's SaveOrLoadOnRank) run
+// inside each TEST (RunOnRanks, then RunOnRanksAgain).
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -9,25 +13,35 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/testing/subprocess.h"
-#include "tests/testing/temp_dir.h"
+#include "tests/testing/ckpt_model.h"
+#include "tests/testing/on_ranks.h"
 
 namespace evenstep {
 namespace {
 
-using ::evenstep::testing::Describe;
-using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::CkptRun;
+using ::evenstep::testing::OnRanksOptions;
+using ::evenstep::testing::RanksDir;
+using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::RunOnRanksAgain;
 using ::testing::HasSubstr;
 
-std::string DigestLine(const std::string& output) {
-  const size_t at = output.find("digest ");
-  return at == std::string::npos ? "" : output.substr(at, output.find('\n', at) - at);
+OnRanksOptions Mode(const char* mode) {
+  OnRanksOptions options;
+  options.env = {{"CKPT_MODE", mode}};
+  return options;
+}
+
+std::string SavedDigest() {
+  std::string digest;
+  std::getline(std::ifstream(RanksDir() + "/saved_digest"), digest);
+  return digest;
 }
 
 struct Case {
   int save_world, load_world;
   std::string optimizer;
-  int64_t width = 300;  // hidden width of ckpt_helper's model
+  int64_t width = 300;  // the model's hidden width
   friend void PrintTo(const Case& c, std::ostream* os) {
     *os << c.save_world << "->" << c.load_world << " " << c.optimizer;
   }
@@ -37,42 +51,22 @@ class ReshardTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ReshardTest, LoadsBitIdenticalAtAnotherWorldSize) {
   const Case c = GetParam();
-  evenstep::testing::TempDir temp("evenstep_reshard");
-  const std::string dir = temp.path();
-  const std::vector<std::string> common = evenstep::testing::RankArgv(
-      EVENSTEP_CKPT_HELPER, {"--evenstep_ckpt_dir=" + dir, "--evenstep_ckpt_slice_mb=0.001",
-                             "--evenstep_global_batch=24", "--evenstep_micro_batch_samples=5",
-                             "--optimizer=" + c.optimizer, "--width=" + std::to_string(c.width)});
-  std::vector<std::string> save = common, load = common;
-  save.push_back("--mode=save");
-  // Wide tensors: 3 more steps run while the checkpoint is written; it must
-  // hold the save step's bytes (the digest is taken before the save).
-  if (c.width > 300) {
-    save.push_back("--steps_after_save=3");
-    // And a transposed parameter: saved from strided memory.
-    save.push_back("--noncontiguous");
-    load.push_back("--noncontiguous");
-  }
-  load.push_back("--mode=load");
-  auto saved = evenstep::testing::RunRanks(c.save_world, save);
-  for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
-  const std::string expected = DigestLine(saved[0].output);
-  ASSERT_FALSE(expected.empty()) << saved[0].output;
-  if (c.width > 300) {  // the later steps did change what was saved
-    EXPECT_THAT(saved[0].output, HasSubstr("digest after "));
-    EXPECT_THAT(saved[0].output, ::testing::Not(HasSubstr("digest after " + expected.substr(7))));
-  }
-  auto loaded = evenstep::testing::RunRanks(c.load_world, load);
-  for (const ProcessResult& r : loaded) {
-    ASSERT_EQ(r.exit_code, 0) << Describe(loaded);
-    EXPECT_EQ(DigestLine(r.output), expected) << Describe(loaded);
-    EXPECT_THAT(r.output, HasSubstr("loaded step 3 user {\"note\":\"hello\"}"));
-    EXPECT_THAT(r.output, HasSubstr("sampler at epoch 0 step 3"));
-  }
-  if (c.load_world > 1) {
-    // Each rank read only part of the bytes.
-    EXPECT_THAT(loaded[0].output, ::testing::Not(HasSubstr(" read 0 bytes")));
-  }
+  RunOnRanks(
+      c.save_world,
+      [c](DistContext& dist) {
+        CkptRun run;
+        run.optimizer = c.optimizer;
+        run.width = c.width;
+        run.slice_mb = 0.001;  // tensors sliced across the shards
+        // Wide tensors: 3 more steps run while the checkpoint is written; it
+        // must hold the save step's bytes. And a transposed parameter: saved
+        // from strided memory.
+        run.steps_after_save = c.width > 300 ? 3 : 0;
+        run.noncontiguous = c.width > 300;
+        evenstep::testing::SaveOrLoadOnRank(dist, run);
+      },
+      Mode("save"));
+  RunOnRanksAgain(c.load_world, Mode("load"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ReshardTest,
@@ -92,37 +86,26 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ReshardTest,
 // offset and says, on the rank that checked that shard, that h5py cannot
 // read it.
 TEST(ResumeTest, AShardWithADamagedHdf5StructureResumesAndIsNamed) {
-  evenstep::testing::TempDir temp("evenstep_h5damage");
-  const std::string dir = temp.path();
-  const std::vector<std::string> common = evenstep::testing::RankArgv(
-      EVENSTEP_CKPT_HELPER, {"--evenstep_ckpt_dir=" + dir, "--evenstep_global_batch=24",
-                             "--evenstep_micro_batch_samples=5"});
-  std::vector<std::string> save = common, load = common;
-  save.push_back("--mode=save");
-  load.push_back("--mode=load");
-  auto saved = evenstep::testing::RunRanks(2, save);
-  for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
+  RunOnRanks(
+      2, [](DistContext& dist) { evenstep::testing::SaveOrLoadOnRank(dist, CkptRun{}); },
+      Mode("save"));
+  const std::string dir = RanksDir() + "/ckpt";
   const std::string shard = dir + "/step-0000000003/shard-00001-of-00002.h5";
-  ASSERT_TRUE(std::filesystem::exists(shard)) << Describe(saved);
+  ASSERT_TRUE(std::filesystem::exists(shard));
   {
     std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(1);
     f.write("XYZ", 3);
   }
-  auto loaded = evenstep::testing::RunRanks(2, load);
-  for (const ProcessResult& r : loaded) {
-    ASSERT_EQ(r.exit_code, 0) << Describe(loaded);
-    EXPECT_EQ(DigestLine(r.output), DigestLine(saved[0].output)) << Describe(loaded);
-  }
+  auto loaded = RunOnRanksAgain(2, Mode("load"));
+  ASSERT_EQ(loaded.size(), 2u);
   // Shard 1 is rank 1's to check (i % world).
   EXPECT_THAT(loaded[1].output,
               HasSubstr("[evenstep] rank 1: resumed from " + dir +
                         "/step-0000000003, whose data checksums hold, but a shard's HDF5 "
                         "structure is damaged: " +
-                        shard))
-      << Describe(loaded);
-  EXPECT_THAT(loaded[0].output, ::testing::Not(HasSubstr("HDF5 structure is damaged")))
-      << Describe(loaded);
+                        shard));
+  EXPECT_THAT(loaded[0].output, ::testing::Not(HasSubstr("HDF5 structure is damaged")));
 }
 
 // tools/evenstep_ckpt_reader.py loads the checkpoint into a torch.nn.Module
@@ -132,21 +115,24 @@ TEST(ResumeTest, AShardWithADamagedHdf5StructureResumesAndIsNamed) {
 class PyTorchLoadTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PyTorchLoadTest, ModelAndOptimizerStateBitForBit) {
-  evenstep::testing::TempDir temp("evenstep_pytorch");
-  const std::string dir = temp.path();
-  auto saved = evenstep::testing::RunProgramOnRanks(
-      2, EVENSTEP_CKPT_HELPER,
-      {"--evenstep_ckpt_dir=" + dir, "--evenstep_ckpt_slice_mb=0.001", "--evenstep_global_batch=24",
-       "--optimizer=" + GetParam(), "--mode=save"});
-  for (const ProcessResult& r : saved) ASSERT_EQ(r.exit_code, 0) << Describe(saved);
-  const std::string expected = DigestLine(saved[0].output);
-  ASSERT_FALSE(expected.empty()) << saved[0].output;
+  const std::string optimizer = GetParam();
+  RunOnRanks(
+      2,
+      [optimizer](DistContext& dist) {
+        CkptRun run;
+        run.optimizer = optimizer;
+        run.slice_mb = 0.001;
+        evenstep::testing::SaveOrLoadOnRank(dist, run);
+      },
+      Mode("save"));
+  const std::string expected = SavedDigest();
+  ASSERT_FALSE(expected.empty());
   const auto python = evenstep::testing::RunAll(
-      {{{EVENSTEP_TORCH_PYTHON, EVENSTEP_TORCH_LOAD_CHECK, dir, GetParam()}, {}}},
+      {{{EVENSTEP_TORCH_PYTHON, EVENSTEP_TORCH_LOAD_CHECK, RanksDir() + "/ckpt", optimizer}, {}}},
       evenstep::testing::HangBound(2));
   ASSERT_EQ(python[0].exit_code, 0) << python[0].output;
   EXPECT_THAT(python[0].output, HasSubstr("torch "));
-  EXPECT_EQ(DigestLine(python[0].output), expected) << python[0].output;
+  EXPECT_THAT(python[0].output, HasSubstr("digest " + expected + "\n"));
   EXPECT_THAT(python[0].output, HasSubstr("mismatch named: optimizer/0/1/"));
 }
 
