@@ -28,8 +28,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "tests/testing/sync_net.h"
 
 namespace evenstep::testing::conformance {
+
+using ::evenstep::testing::MaxRelError;
 
 inline constexpr int kN = 18;  // samples per global batch
 using torch::Tensor;
@@ -384,13 +387,6 @@ inline std::vector<std::pair<std::string, Tensor>> UniqueParams(torch::nn::Modul
     }
   }
   return out;
-}
-
-inline double MaxRelError(const Tensor& got, const Tensor& want) {
-  if (got.numel() == 0 && want.numel() == 0) return 0;  // zero output features
-  const Tensor g = got.to(torch::kDouble), w = want.to(torch::kDouble);
-  const double scale = std::max(w.abs().max().item<double>(), 1e-12);
-  return (g - w).abs().max().item<double>() / scale;
 }
 
 // One single-process step on the whole global batch: every rank's shards

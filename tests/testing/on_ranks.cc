@@ -124,10 +124,11 @@ std::vector<ProcessResult> RunOnRanksAgain(int world, const OnRanksOptions& opti
     ADD_FAILURE() << "RunOnRanks(" << world << "): the nodes hold a different number of ranks";
     return {};
   }
-  std::vector<std::pair<std::string, std::string>> env = {{kRankVar, "1"}, {kDirVar, RanksDir()}};
-  env.insert(env.end(), options.env.begin(), options.env.end());
+  ProcessSpec self = ThisTestAsRank();
+  self.env.emplace_back(kDirVar, RanksDir());
+  self.env.insert(self.env.end(), options.env.begin(), options.env.end());
   std::vector<ProcessResult> results =
-      RunRanks(world, ThisTestAsRank().argv, options.timeout, options.nodes, env);
+      RunRanks(world, self.argv, options.timeout, options.nodes, self.env);
   ExpectRanksPassed(results);
   return results;
 }

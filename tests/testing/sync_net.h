@@ -38,6 +38,8 @@ SyncBatch GlobalSyncBatch(torch::Device device = torch::kCPU);
 torch::Tensor ScaledLoss(SyncNet& net, const SyncBatch& batch, const torch::Tensor& idx,
                          bool use_extra = false);
 
+// The largest difference relative to `want`'s largest magnitude, computed
+// in double (0 for two empty tensors); also the conformance suite's measure.
 double MaxRelError(const torch::Tensor& got, const torch::Tensor& want);
 
 // EXPECTs every parameter gradient of `net` within `tolerance` (relative to
