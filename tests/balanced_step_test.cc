@@ -2,53 +2,113 @@
 // equals the single-process gradient of the global batch's mean loss for
 // every mode, world sizes 1-4, uneven and measured splits; the loss
 // trajectory does not depend on the world size; failures name rank and step.
+// Every rank trains tests/testing/balance_trainer.h's model, which EXPECTs
+// each step's gradient against one process's; the TESTs below check what
+// else their scenario promises, inside each rank.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "evenstep/flags.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/testing/subprocess.h"
-#include "tests/testing/temp_dir.h"
+#include "tests/testing/balance_trainer.h"
+#include "tests/testing/on_ranks.h"
 
 namespace evenstep {
 namespace {
 
-using ::evenstep::testing::Describe;
+using ::evenstep::testing::BalanceRun;
+using ::evenstep::testing::BalanceScenario;
+using ::evenstep::testing::BalanceStepRecord;
+using ::evenstep::testing::ExpectAllStepsRan;
+using ::evenstep::testing::OnRanksOptions;
 using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::RanksDir;
+using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::RunOnRanksAgain;
+using ::evenstep::testing::StepLines;
+using ::evenstep::testing::TrainBalanced;
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-std::vector<ProcessResult> RunHelper(int world, const std::vector<std::string>& args) {
-  return evenstep::testing::RunProgramOnRanks(world, EVENSTEP_BALANCE_HELPER, args);
+// The environment variable that tells RunOnRanksAgain's runs apart.
+constexpr char kRunVar[] = "BALANCE_RUN";
+std::string RunName() {
+  const char* v = std::getenv(kRunVar);
+  return v != nullptr ? v : "";
+}
+OnRanksOptions RunNamed(const std::string& name) {
+  OnRanksOptions options;
+  options.env = {{kRunVar, name}};
+  return options;
 }
 
-// step -> loss printed by rank 0.
-std::map<int, double> Losses(const std::string& output) {
-  std::map<int, double> losses;
-  for (absl::string_view line : absl::StrSplit(output, '\n')) {
-    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    if (f.size() > 9 && f[0] == "step" && f[8] == "loss") {
-      int step = 0;
-      double loss = 0;
-      if (absl::SimpleAtoi(f[1], &step) && absl::SimpleAtod(f[9], &loss)) losses[step] = loss;
-    }
-  }
-  return losses;
+// Two runs of `body` on 2 ranks: "first", then "resumed" (RunName()).
+void SavedThenResumed(const evenstep::testing::RankBody& body) {
+  RunOnRanks(2, body, RunNamed("first"));
+  RunOnRanksAgain(2, RunNamed("resumed"));
+}
+
+// `s` saving a checkpoint after every step into RanksDir() (the run
+// "first"), or resumed from there for `resumed_steps` steps (the run
+// "resumed"); EXPECTs every step to have run.
+BalanceRun SaveOrResume(DistContext& ctx, BalanceScenario s, int resumed_steps) {
+  s.flags.push_back("--evenstep_ckpt_dir=" + RanksDir() + "/ckpt");
+  s.duty = BalanceScenario::Duty::kCheckpoint;
+  s.resume = RunName() == "resumed";
+  if (s.resume) s.steps = resumed_steps;
+  BalanceRun run = TrainBalanced(ctx, s);
+  ExpectAllStepsRan(run, s);
+  return run;
+}
+
+// A file in RanksDir(): written by a rank, read by the test's process.
+void WriteShared(const std::string& name, const std::string& text) {
+  std::ofstream(RanksDir() + "/" + name) << text;
+}
+std::string ReadShared(const std::string& name) {
+  std::ifstream in(RanksDir() + "/" + name);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// EXPECTs that `record` (a step that was abandoned) failed with its
+// gradients cleared, its error naming `failed_ranks`.
+void ExpectAbandoned(const BalanceRun& run, int step, const std::string& failed_ranks) {
+  const BalanceStepRecord* r = run.at(step);
+  ASSERT_NE(r, nullptr) << "rank " << run.rank << " never reached step " << step;
+  EXPECT_FALSE(r->status.ok()) << "rank " << run.rank << " step " << step;
+  EXPECT_TRUE(r->cleared) << "rank " << run.rank << " step " << step << ": gradients left over";
+  EXPECT_THAT(std::string(r->status.message()), HasSubstr("rank(s) " + failed_ranks + " failed"))
+      << "rank " << run.rank << " step " << step;
+}
+
+void ExpectStepRan(const BalanceRun& run, int step) {
+  const BalanceStepRecord* r = run.at(step);
+  ASSERT_NE(r, nullptr) << "rank " << run.rank << " never reached step " << step;
+  EXPECT_TRUE(r->status.ok()) << "rank " << run.rank << " step " << step << ": " << r->status;
 }
 
 struct Case {
   std::string mode;
   int world;
   std::string normalize;
-  std::string reduction = "sum";  // what the helper's loss function returns
-  std::vector<std::string> extra = {};
+  std::string reduction = "sum";  // what the loss function returns
+  std::vector<std::string> extra_flags = {};
+  int load_jitter_ms = 0;
   friend void PrintTo(const Case& c, std::ostream* os) {
     *os << c.mode << " world " << c.world << " " << c.normalize << " " << c.reduction;
   }
@@ -58,50 +118,47 @@ class BalancedStepExactTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BalancedStepExactTest, AppliedGradientEqualsSingleProcessGradient) {
   const Case c = GetParam();
-  // Uneven random shares with one idle rank for the first steps (warm-up),
-  // then the planner's own (measured) shares; several micro-batches per rank.
-  std::vector<std::string> args = {"--evenstep_balance=" + c.mode,
-                                   "--evenstep_normalize=" + c.normalize,
-                                   "--evenstep_loss_reduction=" + c.reduction,
-                                   "--evenstep_global_batch=37",
-                                   "--evenstep_micro_batch_samples=4",
-                                   "--evenstep_warmup_steps=1",
-                                   "--steps=4",
-                                   "--split_seed=" + std::to_string(7 * c.world + 1)};
-  args.insert(args.end(), c.extra.begin(), c.extra.end());
-  auto results = RunHelper(c.world, args);
-  for (const ProcessResult& r : results) {
-    ASSERT_EQ(r.exit_code, 0) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("balance ok"));
-  }
-  if (c.mode == "dynamic" && c.world > 1) {
-    // The seeded split left one rank without work in step 1 (it joined the
-    // sync with zeros).
-    bool idle = false;
-    for (const ProcessResult& r : results) {
-      idle |= r.output.find("step 1 rank") != std::string::npos &&
-              r.output.find(" micro 0 samples 0 ") != std::string::npos;
+  RunOnRanks(c.world, [&](DistContext& ctx) {
+    // Uneven random shares with one idle rank for the first steps (warm-up),
+    // then the planner's own (measured) shares; several micro-batches per rank.
+    BalanceScenario s;
+    s.flags = {"--evenstep_balance=" + c.mode,
+               "--evenstep_normalize=" + c.normalize,
+               "--evenstep_loss_reduction=" + c.reduction,
+               "--evenstep_global_batch=37",
+               "--evenstep_micro_batch_samples=4",
+               "--evenstep_warmup_steps=1"};
+    s.flags.insert(s.flags.end(), c.extra_flags.begin(), c.extra_flags.end());
+    s.steps = 4;
+    s.split_seed = 7 * c.world + 1;
+    s.load_jitter_ms = c.load_jitter_ms;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    if (c.mode == "dynamic" && c.world > 1 && ctx.rank() == s.split_seed % c.world) {
+      // The seeded split left this rank without work in step 1: it joined
+      // the sync with zeros.
+      ASSERT_FALSE(run.steps.empty());
+      EXPECT_EQ(run.steps[0].report.micro_batches, 0);
+      EXPECT_EQ(run.steps[0].report.samples, 0);
     }
-    EXPECT_TRUE(idle) << Describe(results);
-  }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Modes, BalancedStepExactTest,
-    ::testing::Values(
-        Case{"static", 1, "samples"}, Case{"static", 3, "samples"}, Case{"work", 2, "tokens"},
-        Case{"work", 4, "samples"}, Case{"dynamic", 1, "tokens"}, Case{"dynamic", 2, "samples"},
-        Case{"dynamic", 3, "tokens"}, Case{"dynamic", 4, "tokens"},
-        // A loss written as a MEAN over the micro-batch (the
-        // usual way) with --evenstep_loss_reduction=mean: the
-        // same gradient as the SUM form.
-        Case{"work", 3, "tokens", "mean"}, Case{"dynamic", 2, "samples", "mean"},
-        // Loading on 3 data workers, finishing out of order.
-        Case{"dynamic", 3, "tokens", "sum", {"--evenstep_data_workers=3", "--load_jitter_ms=3"}}),
+    ::testing::Values(Case{"static", 1, "samples"}, Case{"static", 3, "samples"},
+                      Case{"work", 2, "tokens"}, Case{"work", 4, "samples"},
+                      Case{"dynamic", 1, "tokens"}, Case{"dynamic", 2, "samples"},
+                      Case{"dynamic", 3, "tokens"}, Case{"dynamic", 4, "tokens"},
+                      // A loss written as a MEAN over the micro-batch (the usual way) with
+                      // --evenstep_loss_reduction=mean: the same gradient as the SUM form.
+                      Case{"work", 3, "tokens", "mean"}, Case{"dynamic", 2, "samples", "mean"},
+                      // Loading on 3 data workers, finishing out of order.
+                      Case{"dynamic", 3, "tokens", "sum", {"--evenstep_data_workers=3"}, 3}),
     [](const auto& info) {
       return absl::StrCat(info.param.mode, "_world", info.param.world, "_", info.param.normalize,
                           info.param.reduction == "sum" ? "" : "_mean",
-                          info.param.extra.empty() ? "" : "_prefetch");
+                          info.param.extra_flags.empty() ? "" : "_prefetch");
     });
 
 // Loading on data workers changes nothing but who loads: 0, 1 and 4 workers
@@ -111,228 +168,278 @@ INSTANTIATE_TEST_SUITE_P(
 // (--evenstep_data_workers=-1) a Loader loads on workers and a plain
 // function on the training thread; at most --evenstep_prefetch loaded
 // micro-batches wait per step loading (plus the one in use).
+struct PrefetchRun {
+  std::string workers;  // --evenstep_data_workers
+  bool owned;           // an evenstep::Loader
+  bool on_workers;      // every load runs on a worker (else none)
+  bool next_step;       // the next step's loads start early
+};
+const std::vector<PrefetchRun> kPrefetchRuns = {
+    {"0", false, false, false}, {"1", false, true, false}, {"4", false, true, false},
+    {"4", true, true, true},    {"-1", true, true, true},  {"-1", false, false, false},
+    {"0", true, false, false}};
+
 TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
-  struct Run {
-    std::string workers;  // --evenstep_data_workers
-    bool owned;           // an evenstep::Loader
-    bool on_workers;      // every load runs on a worker (else none)
-    bool next_step;       // the next step's loads start early
-  };
-  const std::vector<Run> runs = {{"0", false, false, false}, {"1", false, true, false},
-                                 {"4", false, true, false},  {"4", true, true, true},
-                                 {"-1", true, true, true},   {"-1", false, false, false},
-                                 {"0", true, false, false}};
-  std::vector<std::string> steps_of;
-  // 30 samples and a global batch of 11 make epochs of 3 steps, so steps
-  // cross epochs.
-  for (const Run& run : runs) {
-    const std::string what = absl::StrCat("workers ", run.workers, run.owned ? " Loader" : "");
-    auto results =
-        RunHelper(2, {"--evenstep_balance=work", "--evenstep_global_batch=11", "--samples=30",
-                      "--evenstep_micro_batch_samples=2", "--steps=7", "--load_jitter_ms=4",
-                      "--evenstep_data_workers=" + run.workers, "--evenstep_prefetch=2",
-                      absl::StrCat("--owned_loader=", run.owned)});
-    std::string steps;
-    for (const ProcessResult& r : results) {
-      ASSERT_EQ(r.exit_code, 0) << what << "\n" << Describe(results);
-      EXPECT_THAT(r.output, Not(HasSubstr("ORDER MISMATCH")));
-      const size_t at = r.output.find("max_ahead ");
-      ASSERT_NE(at, std::string::npos) << r.output;
-      int max_ahead = 0, loads = 0, on_workers = 0;
-      ASSERT_EQ(std::sscanf(r.output.c_str() + at, "max_ahead %d loads %d on workers %d",
-                            &max_ahead, &loads, &on_workers),
-                3);
-      // --evenstep_prefetch=2 waiting, plus as many for the next step when
-      // it is loaded ahead, plus the one in use.
-      EXPECT_LE(max_ahead, (run.next_step ? 2 * 2 : 2) + 1) << what;
-      if (!run.on_workers) EXPECT_EQ(max_ahead, 1) << what;
-      EXPECT_GT(loads, 0);
-      EXPECT_EQ(on_workers, run.on_workers ? loads : 0) << what;
-      // Each rank's step lines without the timing-dependent efficiency.
-      for (absl::string_view line : absl::StrSplit(r.output, '\n')) {
-        if (!absl::StartsWith(line, "step ") && !absl::StartsWith(line, "state ")) continue;
-        steps += std::string(line.substr(0, line.find(" eff "))) + "\n";
-      }
+  RunOnRanks(
+      2,
+      [](DistContext& ctx) {
+        const int index = std::stoi(RunName());
+        const PrefetchRun& p = kPrefetchRuns.at(index);
+        // 30 samples and a global batch of 11 make epochs of 3 steps, so
+        // steps cross epochs.
+        BalanceScenario s;
+        s.flags = {"--evenstep_balance=work", "--evenstep_global_batch=11",
+                   "--evenstep_micro_batch_samples=2", "--evenstep_data_workers=" + p.workers,
+                   "--evenstep_prefetch=2"};
+        s.samples = 30;
+        s.steps = 7;
+        s.load_jitter_ms = 4;
+        s.owned_loader = p.owned;
+        const BalanceRun run = TrainBalanced(ctx, s);
+        ExpectAllStepsRan(run, s);
+        const std::string what = absl::StrCat("workers ", p.workers, p.owned ? " Loader" : "");
+        // --evenstep_prefetch=2 waiting, plus as many for the next step when
+        // it is loaded ahead, plus the one in use.
+        EXPECT_LE(run.max_ahead, (p.next_step ? 2 * 2 : 2) + 1) << what;
+        if (!p.on_workers) EXPECT_EQ(run.max_ahead, 1) << what;
+        EXPECT_GT(run.loads, 0);
+        EXPECT_EQ(run.worker_loads, p.on_workers ? run.loads : 0) << what;
+        WriteShared(absl::StrCat("steps-", index, "-rank", ctx.rank()), StepLines(run));
+      },
+      RunNamed("0"));
+  for (size_t i = 1; i < kPrefetchRuns.size(); ++i) RunOnRanksAgain(2, RunNamed(std::to_string(i)));
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string first = ReadShared(absl::StrCat("steps-0-rank", rank));
+    for (size_t i = 1; i < kPrefetchRuns.size(); ++i) {
+      EXPECT_EQ(ReadShared(absl::StrCat("steps-", i, "-rank", rank)), first)
+          << "workers " << kPrefetchRuns[i].workers << " Loader " << kPrefetchRuns[i].owned;
     }
-    steps_of.push_back(steps);
+    // What a checkpoint would hold after the last step of epoch 0, planned
+    // ahead or not.
+    EXPECT_THAT(first, ContainsRegex(absl::StrCat("step 3 rank ", rank,
+                                                  " [^\n]*; state: epoch 0 "
+                                                  "batch 3 steps 3 next epoch 1\n")));
   }
-  for (size_t i = 1; i < runs.size(); ++i) {
-    EXPECT_EQ(steps_of[i], steps_of[0])
-        << "workers " << runs[i].workers << " Loader " << runs[i].owned;
-  }
-  // What a checkpoint would hold after the last step of epoch 0, planned
-  // ahead or not.
-  EXPECT_THAT(steps_of[0], HasSubstr("state after step 3: epoch 0 batch 3 steps 3 next epoch 1"));
 }
 
 // A load that throws on a data worker fails its step on every rank like a
 // throwing callback, naming the samples it was loading; the trainer may go on.
 TEST(BalancedStepTest, ALoadFailureOnAWorkerNamesItsSamplesAndEveryRankGoesOn) {
-  auto results = RunHelper(2, {"--fail_load_rank=1", "--steps=4", "--continue_after_failure",
-                               "--evenstep_micro_batch_samples=4", "--evenstep_data_workers=2"});
-  for (const auto& r : results) {
-    EXPECT_EQ(r.exit_code, 0) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("rank(s) 1 failed")) << Describe(results);
-    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 4 rank [01] micro")) << Describe(results);
-  }
-  EXPECT_THAT(results[1].output,
-              ::testing::ContainsRegex("rank 1, step 2, micro-batch [0-9]+ of [0-9]+: loading "
-                                       "samples \\[[0-9, .]+(in all)?\\] on a data worker: "
-                                       "injected failure in the load function"));
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_micro_batch_samples=4", "--evenstep_data_workers=2"};
+    s.steps = 4;
+    s.fail_load_rank = 1;
+    s.continue_after_failure = true;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAbandoned(run, 2, "1");
+    ExpectStepRan(run, 4);
+    if (ctx.rank() == 1) {
+      EXPECT_THAT(std::string(run.at(2)->status.message()),
+                  ContainsRegex("rank 1, step 2, micro-batch [0-9]+ of [0-9]+: loading samples "
+                                "\\[[0-9, .]+(in all)?\\] on a data worker: injected failure in "
+                                "the load function"));
+    }
+  });
 }
 
 // Online health: a rank whose micro-steps become 2.5x slower mid-run is named
 // against its own best (once), the steady rank never; the health figures
 // of the last step show who degraded. The micro-steps are timed on a virtual
-// clock that only the helper's 15 ms "work" advances: with wall-clock sleeps
+// clock that only the trainer's 15 ms "work" advances: with wall-clock sleeps
 // a loaded machine (ctest -j12 on 2 cores) hid the slowdown behind the load
 // falling away during the run.
 TEST(BalancedStepTest, ARankThatSlowsDownMidRunIsNamedAgainstItsOwnBest) {
-  auto results =
-      RunHelper(2, {"--steps=30", "--sleep_ms_per_micro=15", "--degrade=1:14:2.5", "--virtual_time",
-                    "--evenstep_micro_batch_samples=8", "--evenstep_balance=static"});
-  for (const auto& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
-  const std::string& out = results[0].output;
-  int alerts = 0;
-  for (absl::string_view line : absl::StrSplit(out, '\n')) {
-    if (!absl::StartsWith(line, "HEALTH ")) continue;
-    ++alerts;
-    EXPECT_THAT(std::string(line), HasSubstr("HEALTH rank 1's micro-steps take 2.50x its own best"))
-        << out;
-  }
-  EXPECT_EQ(alerts, 1) << out;
-  // The last step: rank 0 at its best, rank 1 at 1/2.5 of it.
-  const size_t last = out.rfind("step 30 rank 0");
-  ASSERT_NE(last, std::string::npos) << out;
-  const std::string line = out.substr(last, out.find('\n', last) - last);
-  std::vector<std::string> f = absl::StrSplit(line.substr(line.find(" health ") + 8), ' ');
-  ASSERT_EQ(f.size(), 2u) << line;
-  double h0 = 0, h1 = 0;
-  ASSERT_TRUE(absl::SimpleAtod(f[0], &h0) && absl::SimpleAtod(f[1], &h1)) << line;
-  EXPECT_NEAR(h0, 1.0, 1e-3) << line;
-  EXPECT_NEAR(h1, 0.4, 1e-3) << line;
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_micro_batch_samples=8", "--evenstep_balance=static"};
+    s.steps = 30;
+    s.sleep_ms_per_micro = 15;
+    s.degrade = {1, 14, 2.5};
+    s.virtual_time = true;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    if (ctx.rank() != 0) return;
+    std::vector<std::string> alerts;
+    for (const BalanceStepRecord& r : run.steps) {
+      alerts.insert(alerts.end(), r.report.health_alerts.begin(), r.report.health_alerts.end());
+    }
+    ASSERT_EQ(alerts.size(), 1u) << absl::StrJoin(alerts, "\n");
+    EXPECT_THAT(alerts[0], HasSubstr("rank 1's micro-steps take 2.50x its own best"));
+    // The last step: rank 0 at its best, rank 1 at 1/2.5 of it.
+    const std::vector<double>& health = run.steps.back().report.rank_health;
+    ASSERT_EQ(health.size(), 2u);
+    EXPECT_NEAR(health[0], 1.0, 1e-3);
+    EXPECT_NEAR(health[1], 0.4, 1e-3);
+  });
 }
 
+// Same global batches and exact gradients at every world size: only float
+// summation order differs.
 TEST(BalancedStepTest, LossTrajectoryIsTheSameForWorldSizes1To3) {
-  std::vector<std::map<int, double>> runs;
+  RunOnRanks(1, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_balance=dynamic", "--evenstep_global_batch=40",
+               "--evenstep_micro_batch_samples=5"};
+    s.steps = 6;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    if (ctx.rank() != 0) return;
+    std::string losses;
+    for (const BalanceStepRecord& r : run.steps)
+      absl::StrAppendFormat(&losses, "%.9g\n", r.report.loss);
+    WriteShared(absl::StrCat("losses-world", ctx.world_size()), losses);
+  });
+  RunOnRanksAgain(2, {});
+  RunOnRanksAgain(3, {});
+  std::vector<std::vector<double>> runs;
   for (int world : {1, 2, 3}) {
-    auto results = RunHelper(world, {"--evenstep_balance=dynamic", "--evenstep_global_batch=40",
-                                     "--evenstep_micro_batch_samples=5", "--steps=6"});
-    ASSERT_EQ(results[0].exit_code, 0) << Describe(results);
-    runs.push_back(Losses(results[0].output));
-    ASSERT_EQ(runs.back().size(), 6u) << results[0].output;
+    runs.emplace_back();
+    for (absl::string_view line :
+         absl::StrSplit(ReadShared(absl::StrCat("losses-world", world)), '\n', absl::SkipEmpty())) {
+      runs.back().push_back(std::stod(std::string(line)));
+    }
+    ASSERT_EQ(runs.back().size(), 6u) << "world " << world;
   }
-  // Same global batches and exact gradients: only float summation order
-  // differs between world sizes.
   for (size_t w = 1; w < runs.size(); ++w) {
-    for (const auto& [step, loss] : runs[0]) {
-      EXPECT_NEAR(runs[w][step], loss, 1e-5 * std::abs(loss))
-          << "world " << w + 1 << " step " << step;
+    for (size_t step = 0; step < runs[0].size(); ++step) {
+      EXPECT_NEAR(runs[w][step], runs[0][step], 1e-5 * std::abs(runs[0][step]))
+          << "world " << w + 1 << " step " << step + 1;
     }
   }
 }
 
-TEST(BalancedStepTest, CallbackFailureNamesRankStepAndMicroBatchOnEveryRank) {
-  // Rank 1's callback throws in step 2: it joins the step's gradient sync
-  // with a failure mark, so rank 0 learns it in the same step (no timeout).
-  for (int fail_micro : {1, 3}) {
-    auto results = RunHelper(2, {"--fail_rank=1", "--steps=3", "--evenstep_micro_batch_samples=4",
-                                 absl::StrCat("--fail_micro_batch=", fail_micro)});
-    for (const auto& r : results) {
-      EXPECT_EQ(r.exit_code, 2) << Describe(results);
-      EXPECT_THAT(r.output, HasSubstr("ABORTED")) << Describe(results);
-      EXPECT_THAT(r.output, HasSubstr("step 2, micro-batch ")) << Describe(results);
-      EXPECT_THAT(r.output, HasSubstr("abandoned on every rank: rank(s) 1 failed"))
-          << Describe(results);
+// Rank 1's callback throws in step 2 (in its first or third micro-batch): it
+// joins the step's gradient sync with a failure mark, so rank 0 learns it in
+// the same step (no timeout).
+class CallbackFailureTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CallbackFailureTest, NamesRankStepAndMicroBatchOnEveryRank) {
+  const int fail_micro = GetParam();
+  RunOnRanks(2, [&](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_micro_batch_samples=4"};
+    s.fail_at = {{1, 2}};
+    s.fail_micro_batch = fail_micro;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    EXPECT_EQ(run.status.code(), absl::StatusCode::kAborted) << run.status;
+    EXPECT_EQ(run.steps.size(), 2u) << "the run stops at the failed step";
+    const std::string message(run.status.message());
+    EXPECT_THAT(message, HasSubstr("step 2, micro-batch "));
+    EXPECT_THAT(message, HasSubstr("abandoned on every rank: rank(s) 1 failed"));
+    if (ctx.rank() == 1) {
+      EXPECT_THAT(message, HasSubstr("injected failure in the loss callback"));
+      EXPECT_THAT(message, HasSubstr("rank 1, step 2, micro-batch "));
     }
-    EXPECT_THAT(results[1].output, HasSubstr("injected failure in the loss callback"));
-    EXPECT_THAT(results[1].output, HasSubstr("rank 1, step 2, micro-batch "));
-  }
+  });
 }
 
+INSTANTIATE_TEST_SUITE_P(MicroBatches, CallbackFailureTest, ::testing::Values(1, 3),
+                         [](const auto& info) { return absl::StrCat("micro", info.param); });
+
+// Rank 1 dies in step 2: rank 0's step fails naming it as never arrived
+// within --evenstep_timeout, and rank 0 reports and exits (a signal, SIGPIPE
+// from writing to the dead peer's socket, would end it without a word).
 TEST(BalancedStepTest, APeerThatDiesIsNamedAsNeverArrived) {
-  auto results = RunHelper(2, {"--fail_rank=1", "--fail_by_exit", "--steps=3",
-                               "--evenstep_timeout=10s",  // after RankArgv's 60 s: this one holds
-                               "--evenstep_micro_batch_samples=4"});
-  EXPECT_EQ(results[1].exit_code, 5) << Describe(results);
-  EXPECT_NE(results[0].exit_code, 0) << Describe(results);
-  EXPECT_FALSE(results[0].timed_out);
-  // The survivor reports and exits: a signal (SIGPIPE from writing to the
-  // dead peer's socket) would end it without a word.
-  EXPECT_EQ(results[0].signal, 0) << Describe(results);
-  EXPECT_THAT(results[0].output, HasSubstr("rank 0: all_reduce of gradient bucket"))
-      << Describe(results);
-  EXPECT_THAT(results[0].output,
-              ::testing::ContainsRegex("rank\\(s\\) 1 \\(last at #[0-9]+\\) never arrived"))
-      << Describe(results);
+  OnRanksOptions options;
+  options.collective_timeout = absl::Seconds(10);
+  options.exit_codes = {{1, 5}};
+  RunOnRanks(
+      2,
+      [](DistContext& ctx) {
+        BalanceScenario s;
+        s.flags = {"--evenstep_micro_batch_samples=4"};
+        s.fail_at = {{1, 2}};
+        s.fail_by_exit = true;
+        const BalanceRun run = TrainBalanced(ctx, s);
+        ASSERT_EQ(ctx.rank(), 0) << "rank 1 exits in step 2";
+        const std::string message(run.status.message());
+        EXPECT_FALSE(run.status.ok());
+        EXPECT_THAT(message, HasSubstr("rank 0: all_reduce of gradient bucket"));
+        EXPECT_THAT(message, ContainsRegex("rank\\(s\\) 1 \\(last at #[0-9]+\\) never arrived"));
+      },
+      options);
 }
 
+// A trainer that catches the error and goes on: on both ranks step 2 is
+// abandoned with its gradients cleared, and steps 3-4 run with the reference
+// gradient (a leftover of step 2 would fail the trainer's check).
 TEST(BalancedStepTest, EveryRankAbandonsTheSameStepAndGoesOn) {
-  // A trainer that catches the error and goes on: on both ranks step 2 is
-  // abandoned with its gradients cleared, and steps 3-4 run with the
-  // reference gradient (the helper checks every step's gradient against a
-  // single process: a leftover of step 2 would fail it).
-  auto results = RunHelper(2, {"--fail_rank=0", "--fail_micro_batch=3", "--steps=4",
-                               "--continue_after_failure", "--evenstep_micro_batch_samples=4"});
-  for (const auto& r : results) {
-    EXPECT_EQ(r.exit_code, 0) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("rank(s) 0 failed")) << Describe(results);
-    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 3 rank [01] micro")) << Describe(results);
-    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 4 rank [01] micro")) << Describe(results);
-  }
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_micro_batch_samples=4"};
+    s.steps = 4;
+    s.fail_at = {{0, 2}};
+    s.fail_micro_batch = 3;
+    s.continue_after_failure = true;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAbandoned(run, 2, "0");
+    ExpectStepRan(run, 3);
+    ExpectStepRan(run, 4);
+  });
 }
 
+// Step 2: rank 1 fails in its first micro-batch, rank 0 learns it inside its
+// synchronised backward. Step 3: rank 0 fails before its synchronisation.
+// Rank 0 once carried step 2's failure over and did not join step 3's
+// synchronisation: rank 1 reduced its step 3 with rank 0's step 4, the steps
+// shifted by one from there (found by bench/oom's skip row, the way fairseq
+// skips a batch). Both must abandon steps 2 and 3 and run 4-5 with the
+// reference gradient.
 TEST(BalancedStepTest, ARankThatFailsBeforeItsSyncAfterAStepItOnlyWitnessedStillAbandonsItsOwn) {
-  // Step 2: rank 1 fails in its first micro-batch, rank 0 learns it inside
-  // its synchronised backward. Step 3: rank 0 fails before its
-  // synchronisation. Rank 0 once carried step 2's failure over and did not
-  // join step 3's synchronisation: rank 1 reduced its step 3 with rank 0's
-  // step 4, the steps shifted by one from there (found by bench/oom's skip
-  // row, the way fairseq skips a batch). Both must abandon steps 2 and 3
-  // and run 4-5 with the reference gradient.
-  auto results = RunHelper(2, {"--fail_at=1:2,0:3", "--fail_micro_batch=1", "--steps=5",
-                               "--continue_after_failure", "--evenstep_micro_batch_samples=4"});
-  for (const auto& r : results) {
-    EXPECT_FALSE(r.timed_out) << Describe(results);
-    EXPECT_EQ(r.exit_code, 0) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("step 2 failed; gradients cleared")) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("step 3 failed; gradients cleared")) << Describe(results);
-    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 4 rank [01] micro")) << Describe(results);
-    EXPECT_THAT(r.output, ::testing::ContainsRegex("step 5 rank [01] micro")) << Describe(results);
-  }
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_micro_batch_samples=4"};
+    s.steps = 5;
+    s.fail_at = {{1, 2}, {0, 3}};
+    s.continue_after_failure = true;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAbandoned(run, 2, "1");
+    ExpectAbandoned(run, 3, "0");
+    ExpectStepRan(run, 4);
+    ExpectStepRan(run, 5);
+  });
 }
 
-TEST(BalancedStepTest, ASparseEmbeddingWithOneMicroBatchPerRankGetsTheGlobalGradient) {
-  // One micro-batch per rank (no cap): the only backward is the synced one.
-  // The used-parameter bitmap once launched before the embedding's hook ran,
-  // and every rank kept its own sparse gradient (0.7-0.9 % off per step).
-  // The helper checks every step's gradient against one process.
-  for (int world : {2, 3}) {
-    auto results = RunHelper(world, {"--sparse_embedding", "--steps=4",
-                                     "--evenstep_global_batch=37", "--evenstep_balance=static"});
-    for (const auto& r : results) {
-      EXPECT_EQ(r.exit_code, 0) << Describe(results);
-      EXPECT_THAT(r.output, ::testing::ContainsRegex("step 4 rank [0-9] micro 1 "))
-          << Describe(results);
+// One micro-batch per rank (no cap): the only backward is the synced one.
+// The used-parameter bitmap once launched before the embedding's hook ran,
+// and every rank kept its own sparse gradient (0.7-0.9 % off per step). The
+// trainer checks every step's gradient against one process.
+class SparseEmbeddingTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(SparseEmbeddingTest, OneMicroBatchPerRankGetsTheGlobalGradient) {
+  RunOnRanks(GetParam(), [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_global_batch=37", "--evenstep_balance=static"};
+    s.steps = 4;
+    s.sparse_embedding = true;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    for (const BalanceStepRecord& r : run.steps) {
+      EXPECT_EQ(r.report.micro_batches, 1) << "rank " << ctx.rank() << " step " << r.step;
     }
-  }
+  });
 }
 
+INSTANTIATE_TEST_SUITE_P(Worlds, SparseEmbeddingTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return absl::StrCat("world", info.param); });
+
+// Rank 0 alone runs a backward through the model between steps (a GAN
+// generator's loss through the discriminator): its gradients are its own (a
+// collective started from the hooks would wait for rank 1 until the
+// timeout), and after zero_grad every step's gradient is still exact.
 TEST(BalancedStepTest, ABackwardOutsideAStepStaysLocalAndStartsNoCollective) {
-  // Rank 0 alone runs a backward through the model between steps (a GAN
-  // generator's loss through the discriminator): its gradients are its own
-  // (a collective started from the hooks would wait for rank 1 until the
-  // timeout), and after zero_grad every step's gradient is still exact.
-  auto results = RunHelper(2, {"--outside_backward", "--steps=3", "--evenstep_timeout=60s",
-                               "--evenstep_micro_batch_samples=4"});
-  for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
-  EXPECT_THAT(results[0].output, HasSubstr("outside backward: local gradient, difference 0"))
-      << Describe(results);
-  EXPECT_THAT(results[0].output, ::testing::ContainsRegex("step 3 rank 0 micro"));
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_micro_batch_samples=4"};
+    s.outside_backward = true;
+    ExpectAllStepsRan(TrainBalanced(ctx, s), s);
+  });
 }
 
+// Each bad value is refused with a message naming the flag, before any rank
+// starts (flags_test tries every invalid value of every flag; these are the
+// messages BalancedStep's users see).
 TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--evenstep_balance=fast", "--evenstep_balance=fast: expected static, work or dynamic"},
@@ -346,9 +453,14 @@ TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
        "--evenstep_memory_limit_mb=-0.5: expected MiB > 0, 0 (the device's) or -1 (off)"},
   };
   for (const auto& [flag, message] : cases) {
-    auto results = RunHelper(1, {flag});
-    EXPECT_EQ(results[0].exit_code, 3) << flag << "\n" << Describe(results);
-    EXPECT_THAT(results[0].output, HasSubstr(message)) << flag;
+    absl::FlagSaver saver;
+    std::string program = "trainer", arg = flag;
+    char* argv[] = {program.data(), arg.data()};
+    int argc = 2;
+    absl::Status status = ParseEvenstepFlags(&argc, argv);
+    if (status.ok()) status = BalanceConfig::FromFlags().status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << flag << ": " << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(message)) << flag;
   }
 }
 
@@ -358,255 +470,250 @@ TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
 // function, in an unsynchronised backward after the last layers' gradients
 // accumulated, or in the synchronised backward (every rank abandons that
 // synchronisation and all run the part again). Every step's applied
-// gradient equals one process's over the whole global batch (the helper
-// checks it after every sync: max relative error <= 5e-5, exit 1
-// otherwise), each recovery is said once, and after the first recovery the
-// rank's learned cap keeps every later micro-batch under the budget: no
-// out-of-memory after the step of the first.
+// gradient equals one process's over the whole global batch (the trainer
+// checks it after every sync), each recovery is said once, and after the
+// first recovery the rank's learned cap keeps every later micro-batch under
+// the budget: no out-of-memory after the step of the first.
 struct OomCase {
   std::string where;
   int world;
   std::string mode;
-  std::vector<std::string> extra = {};
+  bool owned_loader = false;
+  std::string reduction = "sum";
   friend void PrintTo(const OomCase& c, std::ostream* os) {
     *os << c.where << " world " << c.world << " " << c.mode;
   }
 };
 
-class OutOfMemoryTest : public ::testing::TestWithParam<OomCase> {};
-
-// The steps of the "injected oom step S ..." lines of `output`.
-std::vector<int> InjectedSteps(const std::string& output) {
-  std::vector<int> steps;
-  for (absl::string_view line : absl::StrSplit(output, '\n')) {
-    int step = 0;
-    if (std::sscanf(std::string(line).c_str(), "injected oom step %d", &step) == 1) {
-      steps.push_back(step);
-    }
-  }
-  return steps;
+// The scenario of the out-of-memory tests: rank 1 holds 24 padded tokens.
+BalanceScenario OomScenario(int steps) {
+  BalanceScenario s;
+  s.flags = {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4"};
+  s.steps = steps;
+  s.oom.rank = 1;
+  s.oom.tokens = 24;
+  return s;
 }
+
+class OutOfMemoryTest : public ::testing::TestWithParam<OomCase> {};
 
 TEST_P(OutOfMemoryTest, TheMicroBatchIsSplitAndRetriedWithTheExactGradient) {
   const OomCase& c = GetParam();
-  std::vector<std::string> args = {"--evenstep_balance=" + c.mode,
-                                   "--evenstep_global_batch=37",
-                                   "--evenstep_micro_batch_samples=4",
-                                   "--steps=5",
-                                   "--oom_rank=1",
-                                   "--oom_tokens=24",
-                                   "--oom_where=" + c.where};
-  args.insert(args.end(), c.extra.begin(), c.extra.end());
-  auto results = RunHelper(c.world, args);
-  for (const ProcessResult& r : results) {
-    ASSERT_EQ(r.exit_code, 0) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr("balance ok"));
+  const std::vector<ProcessResult> results = RunOnRanks(c.world, [&](DistContext& ctx) {
+    BalanceScenario s = OomScenario(5);
+    s.flags.push_back("--evenstep_balance=" + c.mode);
+    s.flags.push_back("--evenstep_loss_reduction=" + c.reduction);
+    s.oom.where = c.where;
+    s.owned_loader = c.owned_loader;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    ASSERT_EQ(run.steps.size(), 5u);
     // Every rank knows rank 1's learned cap (the budget or below).
-    EXPECT_THAT(r.output, ::testing::ContainsRegex("memory caps after step 5: 0 (1[0-9]|2[0-4])"))
-        << Describe(results);
-  }
-  const std::string& oom_rank = results[1].output;
-  EXPECT_THAT(oom_rank, ::testing::ContainsRegex(
-                            "\\[evenstep\\] rank 1, step 1: out of memory in micro-batch [0-9]+ "
-                            "of [0-9]+ \\([0-9]+ samples, [0-9]+ padded tokens\\): split in "))
-      << Describe(results);
-  const std::vector<int> injected = InjectedSteps(oom_rank);
-  ASSERT_FALSE(injected.empty()) << Describe(results);
-  for (int step : injected) EXPECT_EQ(step, injected.front()) << Describe(results);
-  // Rank 0 says every rank's recovery, once: one line, for rank 1's step.
-  std::vector<std::string> said;
-  for (absl::string_view line : absl::StrSplit(results[0].output, '\n')) {
-    if (absl::StartsWith(line, "OOM ")) said.emplace_back(line);
-  }
-  ASSERT_EQ(said.size(), 1u) << Describe(results);
-  EXPECT_THAT(said[0], ::testing::ContainsRegex(absl::StrCat(
-                           "^OOM rank 1, step ", injected.front(),
-                           ": [0-9]+ micro-batch\\(es\\) ran out of memory \\(the largest [0-9]+ "
-                           "padded tokens\\) and were split and retried within the step; rank 1's "
-                           "micro-batches are now capped at (1[0-9]|2[0-4]) padded tokens$")))
-      << Describe(results);
+    const std::vector<int64_t>& caps = run.steps.back().state.memory_caps;
+    ASSERT_EQ(static_cast<int>(caps.size()), c.world);
+    EXPECT_EQ(caps[0], 0);
+    EXPECT_GE(caps[1], 10);
+    EXPECT_LE(caps[1], 24);
+    // Every rank says every recovery, once: one line, for rank 1's step.
+    std::vector<std::string> said;
+    for (const BalanceStepRecord& r : run.steps) {
+      said.insert(said.end(), r.report.oom_recoveries.begin(), r.report.oom_recoveries.end());
+    }
+    ASSERT_EQ(said.size(), 1u) << absl::StrJoin(said, "\n");
+    if (ctx.rank() != 1) return;
+    const std::vector<int>& injected = run.injected_oom_steps;
+    ASSERT_FALSE(injected.empty());
+    for (int step : injected) EXPECT_EQ(step, injected.front()) << "an out-of-memory after the cap";
+    EXPECT_THAT(said[0],
+                ContainsRegex(absl::StrCat(
+                    "^rank 1, step ", injected.front(),
+                    ": [0-9]+ micro-batch\\(es\\) ran out of memory \\(the largest [0-9]+ "
+                    "padded tokens\\) and were split and retried within the step; rank 1's "
+                    "micro-batches are now capped at (1[0-9]|2[0-4]) padded tokens$")));
+  });
+  ASSERT_EQ(static_cast<int>(results.size()), c.world);
+  // What the library logs on rank 1 at its first recovery.
+  EXPECT_THAT(results[1].output,
+              ContainsRegex("\\[evenstep\\] rank 1, step 1: out of memory in micro-batch [0-9]+ "
+                            "of [0-9]+ \\([0-9]+ samples, [0-9]+ padded tokens\\): split in "));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Placements, OutOfMemoryTest,
-    ::testing::Values(
-        OomCase{"forward", 2, "static"}, OomCase{"forward", 3, "dynamic"},
-        OomCase{"backward", 2, "static"}, OomCase{"backward", 3, "dynamic"},
-        OomCase{"synced", 3, "static"}, OomCase{"synced", 3, "dynamic"},
-        // An evenstep::Loader on data workers, loading ahead
-        // (the next step's micro-batches packed again under
-        // the cap), and a MEAN loss.
-        OomCase{"backward", 2, "work", {"--owned_loader"}},
-        OomCase{"forward", 2, "work", {"--owned_loader", "--evenstep_loss_reduction=mean"}}),
+    ::testing::Values(OomCase{"forward", 2, "static"}, OomCase{"forward", 3, "dynamic"},
+                      OomCase{"backward", 2, "static"}, OomCase{"backward", 3, "dynamic"},
+                      OomCase{"synced", 3, "static"}, OomCase{"synced", 3, "dynamic"},
+                      // An evenstep::Loader on data workers, loading ahead (the
+                      // next step's micro-batches packed again under the cap),
+                      // and a MEAN loss.
+                      OomCase{"backward", 2, "work", true},
+                      OomCase{"forward", 2, "work", true, "mean"}),
     [](const auto& info) {
       return absl::StrCat(info.param.where, "_world", info.param.world, "_", info.param.mode,
-                          info.param.extra.empty() ? "" : "_loader",
-                          info.param.extra.size() > 1 ? "_mean" : "");
+                          info.param.owned_loader ? "_loader" : "",
+                          info.param.reduction == "mean" ? "_mean" : "");
     });
 
 // A sample that does not fit even alone stops the run on every rank, named
-// with its length and rank; --evenstep_oom=fail abandons the step at once.
-TEST(OutOfMemoryTest, ASampleThatDoesNotFitAloneOrTheFailPolicyStopsTheRunNamingIt) {
-  auto alone = RunHelper(2, {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
-                             "--steps=2", "--oom_rank=1", "--oom_tokens=10"});
-  for (const ProcessResult& r : alone) {
-    EXPECT_FALSE(r.timed_out) << Describe(alone);
-    EXPECT_EQ(r.exit_code, 2) << Describe(alone);
-  }
-  EXPECT_THAT(alone[1].output,
-              ::testing::ContainsRegex("out of memory with sample [0-9]+ \\(length [0-9]+\\) "
-                                       "alone on rank 1: it does not fit even by itself"))
-      << Describe(alone);
-  EXPECT_THAT(alone[0].output, HasSubstr("rank(s) 1 failed")) << Describe(alone);
-  auto fail = RunHelper(2, {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
-                            "--steps=2", "--oom_rank=1", "--oom_tokens=24", "--evenstep_oom=fail"});
-  for (const ProcessResult& r : fail) EXPECT_EQ(r.exit_code, 2) << Describe(fail);
-  EXPECT_THAT(fail[1].output, HasSubstr("out of memory: injected: out of memory in the loss "
-                                        "(--evenstep_oom=fail)"))
-      << Describe(fail);
+// with its length and rank.
+TEST(OutOfMemoryTest, ASampleThatDoesNotFitAloneStopsTheRunNamingIt) {
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s = OomScenario(2);
+    s.oom.tokens = 10;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    EXPECT_FALSE(run.status.ok());
+    const std::string message(run.status.message());
+    if (ctx.rank() == 1) {
+      EXPECT_THAT(message, ContainsRegex("out of memory with sample [0-9]+ \\(length [0-9]+\\) "
+                                         "alone on rank 1: it does not fit even by itself"));
+    } else {
+      EXPECT_THAT(message, HasSubstr("rank(s) 1 failed"));
+    }
+  });
+}
+
+// --evenstep_oom=fail abandons the step at once.
+TEST(OutOfMemoryTest, TheFailPolicyStopsTheRunAtTheFirstOutOfMemory) {
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s = OomScenario(2);
+    s.flags.push_back("--evenstep_oom=fail");
+    const BalanceRun run = TrainBalanced(ctx, s);
+    EXPECT_FALSE(run.status.ok());
+    if (ctx.rank() == 1) {
+      EXPECT_THAT(std::string(run.status.message()),
+                  HasSubstr("out of memory: injected: out of memory in the loss "
+                            "(--evenstep_oom=fail)"));
+    }
+  });
 }
 
 // The learned cap is part of the checkpoint: resumed, rank 1 is never again
 // given a micro-batch above its budget.
 TEST(OutOfMemoryTest, TheLearnedCapSurvivesAResume) {
-  evenstep::testing::TempDir dir("evenstep_oom");
-  const std::vector<std::string> common = {"--evenstep_global_batch=37",
-                                           "--evenstep_micro_batch_samples=4",
-                                           "--oom_rank=1",
-                                           "--oom_tokens=24",
-                                           "--duty=evenstep",
-                                           "--evenstep_ckpt_dir=" + dir.path()};
-  std::vector<std::string> first = common;
-  first.push_back("--steps=2");
-  auto before = RunHelper(2, first);
-  for (const ProcessResult& r : before) ASSERT_EQ(r.exit_code, 0) << Describe(before);
-  ASSERT_FALSE(InjectedSteps(before[1].output).empty()) << Describe(before);
-  std::vector<std::string> second = common;
-  second.push_back("--steps=3");
-  second.push_back("--resume");
-  auto after = RunHelper(2, second);
-  for (const ProcessResult& r : after) {
-    ASSERT_EQ(r.exit_code, 0) << Describe(after);
-    EXPECT_THAT(r.output, ::testing::ContainsRegex("resumed from step 2 memory caps: 0 [1-9]"))
-        << Describe(after);
-  }
-  EXPECT_TRUE(InjectedSteps(after[1].output).empty()) << Describe(after);
+  SavedThenResumed([](DistContext& ctx) {
+    const bool resume = RunName() == "resumed";
+    const BalanceRun run = SaveOrResume(ctx, OomScenario(2), 3);
+    if (!resume) {
+      if (ctx.rank() == 1) EXPECT_FALSE(run.injected_oom_steps.empty());
+      return;
+    }
+    EXPECT_EQ(run.resumed_step, 2);
+    ASSERT_EQ(run.resumed_memory_caps.size(), 2u);
+    EXPECT_EQ(run.resumed_memory_caps[0], 0);
+    EXPECT_GE(run.resumed_memory_caps[1], 1);
+    EXPECT_TRUE(run.injected_oom_steps.empty()) << "rank " << ctx.rank();
+  });
 }
 
 // Caps predicted from measured peaks (BalanceConfig::memory_limit_bytes).
 // Rank 1's micro-steps report 100 MiB + 2 MiB per padded token, as a device
 // allocator would (scripted: the CPU has no such figure), under a limit of
 // 200 MiB: 90 % of it holds 40 padded tokens.
-
-// The step at which `rank` said its predicted cap, and the cap (0, 0: never).
-std::pair<int, int64_t> PredictedCap(const std::string& output, int rank) {
-  const std::string prefix = absl::StrCat("[evenstep] rank ", rank, ", step ");
-  for (absl::string_view line : absl::StrSplit(output, '\n')) {
-    int step = 0;
-    long long cap = 0;
-    if (absl::StartsWith(line, prefix) &&
-        std::sscanf(std::string(line.substr(prefix.size())).c_str(),
-                    "%d: micro-batches capped at %lld padded tokens, predicted", &step,
-                    &cap) == 2) {
-      return {step, cap};
-    }
-  }
-  return {0, 0};
+BalanceScenario ScriptedMemoryScenario(int steps) {
+  BalanceScenario s;
+  s.flags = {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
+             "--evenstep_memory_limit_mb=200"};
+  s.steps = steps;
+  s.scripted_memory = {1, 100, 2};
+  return s;
 }
 
-// Each step's largest micro-batch (padded tokens) from the "memory step S
-// ... largest N" lines, by step.
-std::map<int, int64_t> LargestMicroBatches(const std::string& output) {
-  std::map<int, int64_t> largest;
-  for (absl::string_view line : absl::StrSplit(output, '\n')) {
-    int step = 0, device = 0;
-    double peak = 0;
-    long long n = 0;
-    if (std::sscanf(std::string(line).c_str(), "memory step %d peak_mb %lf device %d largest %lld",
-                    &step, &peak, &device, &n) == 4) {
-      largest[step] = n;
-    }
+// The first step after which rank 1's cap is known (0: never).
+int CapKnownAt(const BalanceRun& run) {
+  for (const BalanceStepRecord& r : run.steps) {
+    if (r.state.memory_caps.size() > 1 && r.state.memory_caps[1] > 0) return r.step;
   }
-  return largest;
+  return 0;
 }
-
-const std::vector<std::string> kScriptedMemory = {
-    "--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4", "--scripted_memory_rank=1",
-    "--scripted_memory=100,2", "--evenstep_memory_limit_mb=200"};
 
 // Once rank 1's fit is identified (step 2: six micro-steps) it says its cap;
 // every later micro-batch there holds at most that many padded tokens, every
-// step's gradient stays exact (the helper checks it), and every rank knows
+// step's gradient stays exact (the trainer checks it), and every rank knows
 // the cap. Rank 0, without figures, gets none. Static and dynamic balance.
-TEST(PredictedMemoryCapTest, ARankIsCappedWhereItsMeasuredPeaksPredictItsLimit) {
-  for (const char* mode : {"static", "dynamic"}) {
-    std::vector<std::string> args = kScriptedMemory;
-    args.push_back(absl::StrCat("--evenstep_balance=", mode));
-    args.push_back("--steps=6");
-    auto results = RunHelper(mode == std::string("static") ? 2 : 3, args);
-    for (const ProcessResult& r : results) {
-      ASSERT_EQ(r.exit_code, 0) << mode << Describe(results);
-      EXPECT_THAT(r.output, HasSubstr("balance ok"));
-      EXPECT_THAT(r.output, ::testing::ContainsRegex("memory caps after step 6: 0 40( 0)?\n"))
-          << mode << Describe(results);
+class PredictedMemoryCapTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PredictedMemoryCapTest, ARankIsCappedWhereItsMeasuredPeaksPredictItsLimit) {
+  const std::string mode = GetParam();
+  const int world = mode == "static" ? 2 : 3;
+  const std::vector<ProcessResult> results = RunOnRanks(world, [&](DistContext& ctx) {
+    BalanceScenario s = ScriptedMemoryScenario(6);
+    s.flags.push_back("--evenstep_balance=" + mode);
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    ASSERT_EQ(run.steps.size(), 6u);
+    std::vector<int64_t> want(world, 0);
+    want[1] = 40;
+    EXPECT_EQ(run.steps.back().state.memory_caps, want);
+    const int at = CapKnownAt(run);
+    EXPECT_GE(at, 1);
+    EXPECT_LE(at, 3);
+    if (ctx.rank() != 1) return;
+    EXPECT_GT(run.steps[0].report.largest_micro_batch, 40)
+        << "the cap binds: micro-batches of 4 samples exceed it";
+    for (const BalanceStepRecord& r : run.steps) {
+      if (r.step > at) EXPECT_LE(r.report.largest_micro_batch, 40) << "step " << r.step;
     }
-    const auto [at, cap] = PredictedCap(results[1].output, 1);
-    EXPECT_EQ(cap, 40) << mode << Describe(results);
-    ASSERT_GE(at, 1) << mode << Describe(results);
-    EXPECT_LE(at, 3) << mode << Describe(results);
-    EXPECT_THAT(results[1].output,
-                HasSubstr("predicted from this rank's peak memory (100.0 MiB + 2.000 MiB per "
-                          "padded token, within 90 % of a 200.0 MiB limit)"));
-    const std::map<int, int64_t> largest = LargestMicroBatches(results[1].output);
-    ASSERT_EQ(largest.size(), 6u) << mode << Describe(results);
-    EXPECT_GT(largest.at(1), 40) << "the cap binds: micro-batches of 4 samples exceed it";
-    for (const auto& [step, tokens] : largest) {
-      if (step > at) EXPECT_LE(tokens, 40) << mode << " step " << step << Describe(results);
-    }
-    EXPECT_EQ(PredictedCap(results[0].output, 0).second, 0) << mode << Describe(results);
-  }
+  });
+  ASSERT_EQ(static_cast<int>(results.size()), world);
+  EXPECT_THAT(results[1].output,
+              ContainsRegex("\\[evenstep\\] rank 1, step [1-3]: micro-batches capped at 40 padded "
+                            "tokens, predicted from this rank's peak memory \\(100.0 MiB \\+ "
+                            "2.000 MiB per padded token, within 90 % of a 200.0 MiB limit\\)"));
+  EXPECT_THAT(results[0].output, Not(HasSubstr("micro-batches capped at")));
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, PredictedMemoryCapTest, ::testing::Values("static", "dynamic"));
 
 // The predicted cap is in the checkpoint: a resumed rank 1 keeps its
 // micro-batches under it from the first step.
 TEST(PredictedMemoryCapTest, TheCapSurvivesAResume) {
-  evenstep::testing::TempDir dir("evenstep_predicted_cap");
-  std::vector<std::string> first = kScriptedMemory;
-  first.insert(first.end(), {"--duty=evenstep", "--evenstep_ckpt_dir=" + dir.path(), "--steps=3"});
-  auto before = RunHelper(2, first);
-  for (const ProcessResult& r : before) ASSERT_EQ(r.exit_code, 0) << Describe(before);
-  ASSERT_EQ(PredictedCap(before[1].output, 1).second, 40) << Describe(before);
-  std::vector<std::string> second = first;
-  second.back() = "--steps=4";
-  second.push_back("--resume");
-  auto after = RunHelper(2, second);
-  for (const ProcessResult& r : after) {
-    ASSERT_EQ(r.exit_code, 0) << Describe(after);
-    EXPECT_THAT(r.output, HasSubstr("resumed from step 3 memory caps: 0 40")) << Describe(after);
-  }
-  const std::map<int, int64_t> largest = LargestMicroBatches(after[1].output);
-  ASSERT_EQ(largest.count(4), 1u) << Describe(after);
-  EXPECT_LE(largest.at(4), 40) << Describe(after);
+  SavedThenResumed([](DistContext& ctx) {
+    const bool resume = RunName() == "resumed";
+    const BalanceRun run = SaveOrResume(ctx, ScriptedMemoryScenario(3), 4);
+    ASSERT_FALSE(run.steps.empty());
+    if (!resume) {
+      EXPECT_EQ(run.steps.back().state.memory_caps, (std::vector<int64_t>{0, 40}));
+      return;
+    }
+    EXPECT_EQ(run.resumed_step, 3);
+    EXPECT_EQ(run.resumed_memory_caps, (std::vector<int64_t>{0, 40}));
+    if (ctx.rank() != 1) return;
+    for (const BalanceStepRecord& r : run.steps) {
+      EXPECT_LE(r.report.largest_micro_batch, 40) << "resumed step " << r.step;
+    }
+  });
 }
 
 // Nothing is predicted with --evenstep_memory_limit_mb=-1, nor from the
 // CPU's own figures (no per-micro-step peak) under a limit.
-TEST(PredictedMemoryCapTest, NothingIsPredictedWhenOffOrWithoutDeviceFigures) {
-  std::vector<std::string> off = kScriptedMemory;
-  off.back() = "--evenstep_memory_limit_mb=-1";
-  off.push_back("--steps=4");
-  std::vector<std::string> cpu = {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
-                                  "--evenstep_memory_limit_mb=1", "--steps=4"};
-  for (const auto& args : {off, cpu}) {
-    auto results = RunHelper(2, args);
-    for (const ProcessResult& r : results) {
-      ASSERT_EQ(r.exit_code, 0) << Describe(results);
-      EXPECT_THAT(r.output, ::testing::Not(HasSubstr("predicted from this rank's peak memory")))
-          << Describe(results);
-      EXPECT_THAT(r.output, ::testing::Not(HasSubstr("memory caps after"))) << Describe(results);
+class NoPredictedCapTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(NoPredictedCapTest, NothingIsPredictedWhenOffOrWithoutDeviceFigures) {
+  const bool scripted = GetParam();
+  const std::vector<ProcessResult> results = RunOnRanks(2, [&](DistContext& ctx) {
+    BalanceScenario s;
+    if (scripted) {
+      s = ScriptedMemoryScenario(4);
+      s.flags.back() = "--evenstep_memory_limit_mb=-1";
+    } else {
+      s.flags = {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
+                 "--evenstep_memory_limit_mb=1"};
+      s.steps = 4;
     }
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    for (const BalanceStepRecord& r : run.steps) {
+      EXPECT_TRUE(r.state.memory_caps.empty()) << "step " << r.step;
+    }
+  });
+  for (const ProcessResult& r : results) {
+    EXPECT_THAT(r.output, Not(HasSubstr("predicted from this rank's peak memory")));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Figures, NoPredictedCapTest, ::testing::Bool(), [](const auto& info) {
+  return info.param ? "ScriptedButOff" : "CpuUnderALimit";
+});
 
 }  // namespace
 }  // namespace evenstep

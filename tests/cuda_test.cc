@@ -14,7 +14,7 @@
 //     the save step's values while later optimizer steps keep writing them;
 //     it loads into a CUDA model at another world size (tests/testing/ckpt_model.h).
 //   - BalancedStep end to end on CUDA, its gradient checked against one
-//     process's every step (balance_helper), also when the real allocator
+//     process's every step (tests/testing/balance_trainer.h), also when the real allocator
 //     runs out of memory under a memory limit, and the sample trainer with
 //     --device=cuda: it learns, resumes after a SIGKILL and follows the CPU
 //     run's losses.
@@ -35,6 +35,7 @@
 #include "evenstep/internal/micro_step_clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/balance_trainer.h"
 #include "tests/testing/ckpt_model.h"
 #include "tests/testing/mixed_tensors.h"
 #include "tests/testing/on_ranks.h"
@@ -52,23 +53,19 @@
 namespace evenstep {
 namespace {
 
-using ::evenstep::testing::Describe;
+using ::evenstep::testing::BalanceRun;
+using ::evenstep::testing::BalanceScenario;
+using ::evenstep::testing::BalanceStepRecord;
+using ::evenstep::testing::ExpectAllStepsRan;
 using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::TrainBalanced;
 using ::testing::HasSubstr;
 
 #define EVENSTEP_SKIP_WITHOUT_CUDA()                                                  \
   if (!torch::cuda::is_available())                                                   \
   GTEST_SKIP() << "no CUDA device in this process (or a libtorch without CUDA): the " \
                   "CUDA path is not run here; scripts/gpu_check.sh runs it on a GPU"
-
-using ::evenstep::testing::RunProgramOnRanks;
-
-void ExpectAllPassed(const std::vector<ProcessResult>& results, const std::string& text) {
-  for (const ProcessResult& r : results) {
-    EXPECT_EQ(r.exit_code, 0) << Describe(results);
-    EXPECT_THAT(r.output, HasSubstr(text)) << Describe(results);
-  }
-}
 
 // --- GradSync -----------------------------------------------------------
 
@@ -317,38 +314,52 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CudaCheckpointTest,
 // pinned buffers (each checked to arrive intact, then used by the loss).
 TEST(CudaBalancedStepTest, TwoRanksOnTheGpuGetTheSingleProcessGradientEveryStep) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
-  auto results = RunProgramOnRanks(
-      2, EVENSTEP_BALANCE_HELPER,
-      {"--evenstep_backend=gloo", "--device=cuda", "--steps=6", "--split_seed=3",
-       "--evenstep_balance=dynamic", "--evenstep_data_workers=2", "--load_tensors"});
-  ExpectAllPassed(results, "balance ok");
-  EXPECT_THAT(results[0].output, HasSubstr("step 6 rank 0")) << Describe(results);
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_balance=dynamic", "--evenstep_data_workers=2"};
+    s.device = "cuda";
+    s.steps = 6;
+    s.split_seed = 3;
+    s.load_tensors = true;
+    ExpectAllStepsRan(TrainBalanced(ctx, s), s);
+  });
 }
 
 // The real allocator runs out of memory: rank 1's loss allocates 32 MiB per
 // padded token under a per-process memory limit (the caching allocator's
 // memory fraction) of 24 tokens' worth + 160 MiB. Its larger micro-batches
 // throw CUDA's own c10::OutOfMemoryError; each is split and retried within
-// its step, every step's gradient equals one process's (the helper checks),
+// its step, every step's gradient equals one process's (the trainer checks),
 // rank 1 learns a cap, and the step's peak memory comes from the device
 // allocator.
 TEST(CudaBalancedStepTest, TheRealAllocatorsOutOfMemoryIsSplitAndRetriedWithTheExactGradient) {
   EVENSTEP_SKIP_WITHOUT_CUDA();
-  auto results =
-      RunProgramOnRanks(2, EVENSTEP_BALANCE_HELPER,
-                        {"--evenstep_backend=gloo", "--device=cuda", "--steps=5",
-                         "--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4",
-                         "--oom_rank=1", "--oom_tokens=24", "--cuda_oom_mb_per_token=32"});
-  ExpectAllPassed(results, "balance ok");
-  EXPECT_THAT(results[1].output, HasSubstr("cuda memory limit 928 MiB")) << Describe(results);
+  const std::vector<ProcessResult> results = RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_global_batch=37", "--evenstep_micro_batch_samples=4"};
+    s.device = "cuda";
+    s.steps = 5;
+    s.oom.rank = 1;
+    s.oom.tokens = 24;
+    s.oom.cuda_mb_per_token = 32;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    ASSERT_EQ(run.steps.size(), 5u);
+    int recoveries = 0;
+    for (const BalanceStepRecord& r : run.steps) {
+      recoveries += static_cast<int>(r.report.oom_recoveries.size());
+    }
+    EXPECT_GE(recoveries, 1) << "rank 1 never said it split a micro-batch";
+    const std::vector<int64_t>& caps = run.steps.back().state.memory_caps;
+    ASSERT_EQ(caps.size(), 2u);
+    EXPECT_GT(caps[1], 0) << "rank 1 learned no cap";
+    if (ctx.rank() == 1) EXPECT_TRUE(run.steps.back().report.memory.device);
+  });
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_THAT(results[1].output, HasSubstr("cuda memory limit 928 MiB"));
   EXPECT_THAT(results[1].output,
               ::testing::ContainsRegex("\\[evenstep\\] rank 1, step [0-9]+: out of memory in "
-                                       "micro-batch [0-9]+ of [0-9]+ .*: split in "))
-      << Describe(results);
-  EXPECT_THAT(results[0].output, ::testing::ContainsRegex("OOM rank 1, step [0-9]+: "))
-      << Describe(results);
-  EXPECT_THAT(results[1].output, ::testing::ContainsRegex("memory step 5 peak_mb [0-9.]+ device 1"))
-      << Describe(results);
+                                       "micro-batch [0-9]+ of [0-9]+ .*: split in "));
 }
 
 #if EVENSTEP_TEST_SAMPLE

@@ -18,14 +18,23 @@
 #include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/balance_trainer.h"
+#include "tests/testing/on_ranks.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
 
+using ::evenstep::testing::BalanceRun;
+using ::evenstep::testing::BalanceScenario;
 using ::evenstep::testing::Describe;
+using ::evenstep::testing::ExpectAllStepsRan;
 using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::RanksDir;
+using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::RunOnRanksAgain;
+using ::evenstep::testing::TrainBalanced;
 using ::testing::HasSubstr;
 
 std::vector<nlohmann::json> ReadLines(const std::string& path) {
@@ -37,13 +46,17 @@ std::vector<nlohmann::json> ReadLines(const std::string& path) {
 }
 
 TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
-  evenstep::testing::TempDir temp("evenstep_metrics");
-  const std::string dir = temp.path();
-  auto results = evenstep::testing::RunProgramOnRanks(3, EVENSTEP_BALANCE_HELPER,
-                                                      {"--steps=6", "--metrics_dir=" + dir});
-  for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
-  // Rank 1 reached step 4's boundary only after rank 0 had returned from it.
-  EXPECT_THAT(results[0].output, HasSubstr("after EndStep: reduction in flight 1"));
+  RunOnRanks(3, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.steps = 6;
+    s.metrics_dir = RanksDir();
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    // Rank 1 reached step 4's boundary only after rank 0 had returned from
+    // it, so the reduction was still in flight when rank 0 went on.
+    if (ctx.rank() == 0) EXPECT_TRUE(run.reduction_in_flight_after_step4);
+  });
+  const std::string dir = RanksDir();
   for (int r = 0; r < 3; ++r) {
     const auto own = ReadLines(absl::StrFormat("%s/metrics-%05d.jsonl", dir, r));
     ASSERT_EQ(own.size(), 18u) << "rank " << r;  // 6 steps x 3 names
@@ -59,26 +72,31 @@ TEST(MetricsTest, LogNeverWaitsShardsAndRotatingAggregate) {
   }
 }
 
+// Evaluate splits the held-out set by work: the same loss sum and token
+// count on 1, 2 and 3 ranks (only float summation order differs).
 TEST(MetricsTest, EvaluateIsTheSameAtAnyWorldSize) {
-  std::vector<std::string> lines;
+  RunOnRanks(1, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.steps = 2;
+    s.evaluate = true;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    if (ctx.rank() != 0) return;
+    std::ofstream(absl::StrCat(RanksDir(), "/eval-world", ctx.world_size()))
+        << absl::StrFormat("%.9g %.0f", run.eval_loss_sum, run.eval_tokens);
+  });
+  RunOnRanksAgain(2, {});
+  RunOnRanksAgain(3, {});
+  std::vector<std::pair<double, double>> results;
   for (int world : {1, 2, 3}) {
-    auto results = evenstep::testing::RunProgramOnRanks(world, EVENSTEP_BALANCE_HELPER,
-                                                        {"--steps=2", "--evaluate"});
-    for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
-    const std::string& out = results[0].output;
-    const size_t at = out.find("eval loss_sum ");
-    ASSERT_NE(at, std::string::npos) << out;
-    lines.push_back(out.substr(at, out.find('\n', at) - at));
+    std::ifstream in(absl::StrCat(RanksDir(), "/eval-world", world));
+    double loss_sum = 0, tokens = 0;
+    ASSERT_TRUE(in >> loss_sum >> tokens) << "world " << world;
+    results.emplace_back(loss_sum, tokens);
   }
-  auto parse = [](const std::string& line) {
-    double loss = 0;
-    std::vector<std::string> f = absl::StrSplit(line, ' ');
-    EXPECT_TRUE(absl::SimpleAtod(f[2], &loss)) << line;
-    return std::make_pair(loss, f[4]);
-  };
-  for (size_t w = 1; w < lines.size(); ++w) {
-    EXPECT_NEAR(parse(lines[w]).first, parse(lines[0]).first, 1e-6 * parse(lines[0]).first);
-    EXPECT_EQ(parse(lines[w]).second, parse(lines[0]).second);  // same token count
+  for (size_t w = 1; w < results.size(); ++w) {
+    EXPECT_NEAR(results[w].first, results[0].first, 1e-6 * results[0].first) << "world " << w + 1;
+    EXPECT_EQ(results[w].second, results[0].second) << "world " << w + 1;  // same token count
   }
 }
 

@@ -21,15 +21,20 @@
 #include "evenstep/timeline.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/balance_trainer.h"
+#include "tests/testing/on_ranks.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/temp_dir.h"
 
 namespace evenstep {
 namespace {
 
-using ::evenstep::testing::Describe;
-using ::evenstep::testing::ProcessResult;
+using ::evenstep::testing::BalanceScenario;
+using ::evenstep::testing::ExpectAllStepsRan;
+using ::evenstep::testing::RanksDir;
+using ::evenstep::testing::RunOnRanks;
 using ::evenstep::testing::TempDir;
+using ::evenstep::testing::TrainBalanced;
 using ::testing::HasSubstr;
 
 std::string RunReport(const std::string& dir) {
@@ -111,19 +116,25 @@ void ScriptedRun(const std::string& dir, Duty duty, bool background = false,
   for (auto& t : timelines) EXPECT_TRUE(t->Close().ok());
 }
 
-void TraceRun(const std::string& dir) {
-  auto results = evenstep::testing::RunProgramOnRanks(
-      3, EVENSTEP_BALANCE_HELPER,
-      {"--evenstep_balance=static", "--evenstep_global_batch=24",
-       "--evenstep_micro_batch_samples=4", "--steps=6", "--sleep_ms_per_micro=5", "--duty=rank0",
-       "--duty_ms=20", "--trace_dir=" + dir, "--evenstep_ckpt_dir=" + dir + "/ckpt"});
-  for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
+// Three real ranks write their traces into RanksDir(): rank 0 blocks 20 ms
+// after every step (a synchronous save on rank 0).
+void TraceRun() {
+  RunOnRanks(3, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_balance=static", "--evenstep_global_batch=24",
+               "--evenstep_micro_batch_samples=4"};
+    s.steps = 6;
+    s.sleep_ms_per_micro = 5;
+    s.duty = BalanceScenario::Duty::kRank0;
+    s.duty_ms = 20;
+    s.trace_dir = RanksDir();
+    ExpectAllStepsRan(TrainBalanced(ctx, s), s);
+  });
 }
 
 TEST(ReportTest, RealRanksWriteTracesThatMergeIntoOneChromeTraceWithPictures) {
-  const TempDir temp("evenstep_report");
-  const std::string& dir = temp.path();
-  TraceRun(dir);
+  TraceRun();
+  const std::string dir = RanksDir();
   const std::string out = RunReport(dir);
   EXPECT_THAT(out, HasSubstr("peak MB"));
   {
@@ -287,14 +298,17 @@ TEST(ReportTest, NamesNoMemoryImbalanceWhereTheWorkExplainsItOrMemoryIsEven) {
 // ranks' own measurements (plumbing: the resident set per step reaches the
 // verdict).
 TEST(ReportTest, NamesARealRankHoldingAnExtraBuffer) {
-  const TempDir temp("evenstep_report");
-  const std::string& dir = temp.path();
-  auto results = evenstep::testing::RunProgramOnRanks(
-      3, EVENSTEP_BALANCE_HELPER,
-      {"--evenstep_balance=static", "--evenstep_global_batch=24",
-       "--evenstep_micro_batch_samples=4", "--steps=4", "--trace_dir=" + dir,
-       "--extra_buffer_rank=1", "--extra_buffer_mb=768"});
-  for (const ProcessResult& r : results) ASSERT_EQ(r.exit_code, 0) << Describe(results);
+  RunOnRanks(3, [](DistContext& ctx) {
+    BalanceScenario s;
+    s.flags = {"--evenstep_balance=static", "--evenstep_global_batch=24",
+               "--evenstep_micro_batch_samples=4"};
+    s.steps = 4;
+    s.trace_dir = RanksDir();
+    s.extra_buffer_rank = 1;
+    s.extra_buffer_mb = 768;
+    ExpectAllStepsRan(TrainBalanced(ctx, s), s);
+  });
+  const std::string dir = RanksDir();
   const std::string out = RunReport(dir);
   EXPECT_THAT(
       out, ::testing::ContainsRegex("memory: rank 1 peaks at [0-9.]+x the median rank's "

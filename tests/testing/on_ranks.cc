@@ -90,11 +90,15 @@ ProcessSpec ThisTestAsRank() {
   return ProcessSpec{{SelfPath(), "--gtest_filter=" + CurrentTest()}, {{kRankVar, "1"}}};
 }
 
-void ExpectRanksPassed(const std::vector<ProcessResult>& results) {
+void ExpectRanksPassed(const std::vector<ProcessResult>& results,
+                       const std::map<int, int>& exit_codes) {
   const int world = static_cast<int>(results.size());
   for (int r = 0; r < world; ++r) {
     const ProcessResult& p = results[r];
-    if (p.exit_code == 0 && !p.timed_out) continue;
+    const auto expected = exit_codes.find(r);
+    if (p.exit_code == (expected == exit_codes.end() ? 0 : expected->second) && !p.timed_out) {
+      continue;
+    }
     ADD_FAILURE() << "rank " << r << " of " << world << " failed ("
                   << (p.timed_out     ? std::string("timed out")
                       : p.signal != 0 ? absl::StrCat("signal ", p.signal)
@@ -129,7 +133,7 @@ std::vector<ProcessResult> RunOnRanksAgain(int world, const OnRanksOptions& opti
   self.env.insert(self.env.end(), options.env.begin(), options.env.end());
   std::vector<ProcessResult> results =
       RunRanks(world, self.argv, options.timeout, options.nodes, self.env);
-  ExpectRanksPassed(results);
+  ExpectRanksPassed(results, options.exit_codes);
   return results;
 }
 

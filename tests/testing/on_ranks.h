@@ -35,6 +35,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,6 +55,9 @@ struct OnRanksOptions {
   CommBackend backend = CommBackend::kGloo;
   absl::Duration collective_timeout = absl::Seconds(60);
   absl::Duration timeout = HangBound(2);
+  // Ranks that end on purpose with another exit code than 0 (a rank that
+  // dies mid-step): rank -> the code it must end with.
+  std::map<int, int> exit_codes;
 };
 
 using RankBody = std::function<void(DistContext&)>;
@@ -81,7 +85,9 @@ std::string RanksDir();
 // does) and ExpectRanksPassed on their results.
 ProcessSpec ThisTestAsRank();
 void RunHereIfRank(const RankBody& body, const OnRanksOptions& options = {});
-void ExpectRanksPassed(const std::vector<ProcessResult>& results);
+// `exit_codes`: OnRanksOptions::exit_codes.
+void ExpectRanksPassed(const std::vector<ProcessResult>& results,
+                       const std::map<int, int>& exit_codes = {});
 
 // This process is one of RunOnRanks' ranks: its rank, else -1.
 int RankOfThisProcess();
