@@ -140,8 +140,12 @@ TEST(PreflightTest, ASlowRanksComputeIsNamedOnTwoAndFourRanks) {
   EXPECT_TRUE(found) << Describe(four);
 }
 
+// Each rank measures its own checkpoint directory (rank 1 the disk under the
+// temp dir, the others tmpfs): plumbing only. How far apart the two measure
+// depends on the machine's load: beside ctest -j4 and two busy loops rank
+// 1's cold read measured 0.69x the median, above the 0.5x threshold, and
+// nothing was named. The verdict is judged on injected figures.
 TEST(PreflightTest, ASlowCheckpointFilesystemIsNamed) {
-  // Rank 1 checkpoints to the disk under the temp dir, the others to tmpfs.
   TempDir disk("evenstep_preflight_disk");
   TempDir fast("evenstep_preflight_shm", TempDir::Where::kMemory);
   if (!absl::StartsWith(fast.path(), "/dev/shm")) GTEST_SKIP() << "no writable /dev/shm (tmpfs)";
@@ -153,17 +157,26 @@ TEST(PreflightTest, ASlowCheckpointFilesystemIsNamed) {
        << "/$RANK; fi\nexec " << EVENSTEP_PREFLIGHT << " --evenstep_ckpt_dir=$d \"$@\"\n";
   }
   std::filesystem::permissions(wrap, std::filesystem::perms::owner_all);
-  const ToolRun run = Preflight(4, "--quick", "", wrap);
-  EXPECT_EQ(run.exit_code, 3) << Describe(run);
-  // The cold read always shows the contrast (page cache dropped on the disk,
-  // memory on tmpfs); a small write + fsync may land in the disk's cache.
-  // Only rank 1's checkpoint directory is named among the disk figures (a
-  // compute figure of this shared 2-core machine is not what is planted
-  // here; the symmetric test judges those).
-  const std::vector<std::string> named = About(run, "checkpoint dir");
-  ASSERT_FALSE(named.empty()) << Describe(run);
-  for (const std::string& o : named) EXPECT_THAT(o, HasSubstr("rank 1: ")) << Describe(run);
-  EXPECT_THAT(run.output, HasSubstr("OUTLIER rank 1: checkpoint dir cold read 0."));
+  const ToolRun real = Preflight(4, "--quick", "", wrap);
+  EXPECT_TRUE(real.exit_code == 0 || real.exit_code == 3) << Describe(real);
+  ASSERT_TRUE(real.json.is_object()) << Describe(real);
+  for (const char* figure : {"ckpt_write_gbps", "ckpt_read_gbps"}) {
+    ASSERT_EQ(real.json["per_rank"][figure].size(), 4u) << figure << "\n" << Describe(real);
+    for (const auto& v : real.json["per_rank"][figure]) {
+      EXPECT_GT(v.get<double>(), 0) << figure << "\n" << Describe(real);
+    }
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(disk.path())) << "rank 1's test file is gone";
+  // Rank 1's directory reads back at 0.4x the others' (writes even): only
+  // its cold read is named.
+  const ToolRun injected =
+      Preflight(4,
+                "--quick '--evenstep_preflight_inject=ckpt_write_gbps:0,1,2,3=3;"
+                "ckpt_read_gbps:0,2,3=2;ckpt_read_gbps:1=0.8'");
+  EXPECT_EQ(injected.exit_code, 3) << Describe(injected);
+  const std::vector<std::string> named = About(injected, "checkpoint dir");
+  ASSERT_EQ(named.size(), 1u) << Describe(injected);
+  EXPECT_THAT(named[0], HasSubstr("rank 1: checkpoint dir cold read 0.40x the median"));
 }
 
 TEST(PreflightTest, ARankWithLittleFreeMemoryIsNamed) {
