@@ -20,9 +20,29 @@ message(STATUS "evenstep: C++${EVENSTEP_CXX_STANDARD} (libtorch ${Torch_VERSION}
 
 set(_checks "${CMAKE_CURRENT_LIST_DIR}/compat_checks")
 separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
-foreach(_dir IN LISTS TORCH_INCLUDE_DIRS)
+# A CUDA torch's headers (ProcessGroupNCCL.hpp reaches <cuda.h>) also need the
+# CUDA toolkit's, which its CMake package finds (CUDAToolkit, or the older
+# FindCUDA) and gives its targets but not TORCH_INCLUDE_DIRS.
+foreach(_dir IN LISTS TORCH_INCLUDE_DIRS CUDAToolkit_INCLUDE_DIRS CUDA_INCLUDE_DIRS)
   list(APPEND _torch_flags "-I${_dir}")
 endforeach()
+
+# A CUDA torch wheel's NCCL header lives in its nvidia-nccl package
+# (site-packages/nvidia/nccl/include), outside the include directories its
+# CMake package names, and ProcessGroupNCCL.hpp includes <nccl.h>: without
+# it the NCCL probe below fails and a CUDA build runs without NCCL (found on
+# a lent H200 with torch 2.11.0+cu130, whose CUDA toolkit has no nccl.h).
+get_filename_component(_torch_site "${Torch_DIR}/../../../.." ABSOLUTE)
+file(GLOB _wheel_nccl "${_torch_site}/nvidia/nccl/include/nccl.h"
+     "${_torch_site}/nvidia/*/include/nccl.h")
+if(_wheel_nccl)
+  list(GET _wheel_nccl 0 _wheel_nccl)
+  get_filename_component(EVENSTEP_WHEEL_NCCL_INCLUDE "${_wheel_nccl}" DIRECTORY)
+  message(STATUS "evenstep: NCCL's header from the torch wheel: ${EVENSTEP_WHEEL_NCCL_INCLUDE}")
+  list(APPEND _torch_flags "-I${EVENSTEP_WHEEL_NCCL_INCLUDE}")
+  set_property(TARGET torch APPEND PROPERTY INTERFACE_INCLUDE_DIRECTORIES
+                                            "${EVENSTEP_WHEEL_NCCL_INCLUDE}")
+endif()
 
 function(evenstep_torch_probe var source)
   if(DEFINED ${var})

@@ -19,6 +19,7 @@
 #include <torch/version.h>
 
 #include <chrono>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -70,15 +71,16 @@ inline StorePtr MakePrefixStore(const std::string& prefix, StorePtr store) {
 }
 
 // Wraps a backend into a ProcessGroup on 2.x; the identity on 1.x.
+// `devices`: the device types whose tensors the backend reduces.
 template <typename BackendT>
 ProcessGroupPtr AsProcessGroup(const StorePtr& store, int rank, int size,
-                               c10::intrusive_ptr<BackendT> backend, c10::DeviceType device,
-                               const char* name) {
+                               c10::intrusive_ptr<BackendT> backend,
+                               std::initializer_list<c10::DeviceType> devices, const char* name) {
 #if EVENSTEP_GLOO_IS_PROCESS_GROUP
   (void)store;
   (void)rank;
   (void)size;
-  (void)device;
+  (void)devices;
   (void)name;
   return backend;
 #else
@@ -90,7 +92,7 @@ ProcessGroupPtr AsProcessGroup(const StorePtr& store, int rank, int size,
 #endif
   const auto type = std::string(name) == "nccl" ? ::c10d::ProcessGroup::BackendType::NCCL
                                                 : ::c10d::ProcessGroup::BackendType::GLOO;
-  group->setBackend(device, type, backend);
+  for (const c10::DeviceType device : devices) group->setBackend(device, type, backend);
 #if !EVENSTEP_PG_CTOR_TAKES_OPTIONS
   group->setDefaultBackend(type);
 #endif
@@ -115,7 +117,12 @@ inline ProcessGroupPtr MakeGlooGroup(const StorePtr& store, int rank, int size,
     options->devices.push_back(::c10d::ProcessGroupGloo::createDefaultDevice());
   }
   auto gloo = c10::make_intrusive<::c10d::ProcessGroupGloo>(store, rank, size, options);
-  return AsProcessGroup(store, rank, size, gloo, c10::DeviceType::CPU, "gloo");
+  // CUDA tensors too, as init_process_group("gloo") registers it: ranks
+  // that share one GPU reduce over Gloo (NCCL refuses two ranks on one
+  // device). Without it a CUDA tensor's collective fails with "No backend
+  // type associated with device type cuda".
+  return AsProcessGroup(store, rank, size, gloo, {c10::DeviceType::CPU, c10::DeviceType::CUDA},
+                        "gloo");
 }
 
 #if EVENSTEP_HAVE_NCCL
@@ -124,7 +131,7 @@ inline ProcessGroupPtr MakeNcclGroup(const StorePtr& store, int rank, int size,
   auto options = ::c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   auto nccl = c10::make_intrusive<::c10d::ProcessGroupNCCL>(store, rank, size, options);
-  return AsProcessGroup(store, rank, size, nccl, c10::DeviceType::CUDA, "nccl");
+  return AsProcessGroup(store, rank, size, nccl, {c10::DeviceType::CUDA}, "nccl");
 }
 #endif
 
