@@ -8,9 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -23,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/balance_trainer.h"
+#include "tests/testing/flag_args.h"
 #include "tests/testing/on_ranks.h"
 
 namespace evenstep {
@@ -35,10 +34,12 @@ using ::evenstep::testing::ExpectAllStepsRan;
 using ::evenstep::testing::OnRanksOptions;
 using ::evenstep::testing::ProcessResult;
 using ::evenstep::testing::RanksDir;
+using ::evenstep::testing::ReadRanksFile;
 using ::evenstep::testing::RunOnRanks;
 using ::evenstep::testing::RunOnRanksAgain;
 using ::evenstep::testing::StepLines;
 using ::evenstep::testing::TrainBalanced;
+using ::evenstep::testing::WriteRanksFile;
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -72,17 +73,6 @@ BalanceRun SaveOrResume(DistContext& ctx, BalanceScenario s, int resumed_steps) 
   BalanceRun run = TrainBalanced(ctx, s);
   ExpectAllStepsRan(run, s);
   return run;
-}
-
-// A file in RanksDir(): written by a rank, read by the test's process.
-void WriteShared(const std::string& name, const std::string& text) {
-  std::ofstream(RanksDir() + "/" + name) << text;
-}
-std::string ReadShared(const std::string& name) {
-  std::ifstream in(RanksDir() + "/" + name);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 // EXPECTs that `record` (a step that was abandoned) failed with its
@@ -204,14 +194,14 @@ TEST(BalancedStepTest, PrefetchGivesTheSameStepsForAnyNumberOfWorkers) {
         if (!p.on_workers) EXPECT_EQ(run.max_ahead, 1) << what;
         EXPECT_GT(run.loads, 0);
         EXPECT_EQ(run.worker_loads, p.on_workers ? run.loads : 0) << what;
-        WriteShared(absl::StrCat("steps-", index, "-rank", ctx.rank()), StepLines(run));
+        WriteRanksFile(absl::StrCat("steps-", index, "-rank", ctx.rank()), StepLines(run));
       },
       RunNamed("0"));
   for (size_t i = 1; i < kPrefetchRuns.size(); ++i) RunOnRanksAgain(2, RunNamed(std::to_string(i)));
   for (int rank = 0; rank < 2; ++rank) {
-    const std::string first = ReadShared(absl::StrCat("steps-0-rank", rank));
+    const std::string first = ReadRanksFile(absl::StrCat("steps-0-rank", rank));
     for (size_t i = 1; i < kPrefetchRuns.size(); ++i) {
-      EXPECT_EQ(ReadShared(absl::StrCat("steps-", i, "-rank", rank)), first)
+      EXPECT_EQ(ReadRanksFile(absl::StrCat("steps-", i, "-rank", rank)), first)
           << "workers " << kPrefetchRuns[i].workers << " Loader " << kPrefetchRuns[i].owned;
     }
     // What a checkpoint would hold after the last step of epoch 0, planned
@@ -288,15 +278,15 @@ TEST(BalancedStepTest, LossTrajectoryIsTheSameForWorldSizes1To3) {
     std::string losses;
     for (const BalanceStepRecord& r : run.steps)
       absl::StrAppendFormat(&losses, "%.9g\n", r.report.loss);
-    WriteShared(absl::StrCat("losses-world", ctx.world_size()), losses);
+    WriteRanksFile(absl::StrCat("losses-world", ctx.world_size()), losses);
   });
   RunOnRanksAgain(2, {});
   RunOnRanksAgain(3, {});
   std::vector<std::vector<double>> runs;
   for (int world : {1, 2, 3}) {
     runs.emplace_back();
-    for (absl::string_view line :
-         absl::StrSplit(ReadShared(absl::StrCat("losses-world", world)), '\n', absl::SkipEmpty())) {
+    for (absl::string_view line : absl::StrSplit(ReadRanksFile(absl::StrCat("losses-world", world)),
+                                                 '\n', absl::SkipEmpty())) {
       runs.back().push_back(std::stod(std::string(line)));
     }
     ASSERT_EQ(runs.back().size(), 6u) << "world " << world;
@@ -454,10 +444,7 @@ TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
   };
   for (const auto& [flag, message] : cases) {
     absl::FlagSaver saver;
-    std::string program = "trainer", arg = flag;
-    char* argv[] = {program.data(), arg.data()};
-    int argc = 2;
-    absl::Status status = ParseEvenstepFlags(&argc, argv);
+    absl::Status status = evenstep::testing::ParseEvenstepArgs({flag});
     if (status.ok()) status = BalanceConfig::FromFlags().status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << flag << ": " << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr(message)) << flag;

@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/train_checkpointer.h"
+#include "tests/testing/flag_args.h"
 
 namespace evenstep {
 namespace {
@@ -36,17 +37,8 @@ class FlagsTest : public ::testing::Test {
   }
   // Runs ParseEvenstepFlags over `args` (argv[0] added) and returns what is left.
   absl::Status Parse(std::vector<std::string> args, std::vector<std::string>* rest) {
-    storage_ = std::move(args);
-    storage_.insert(storage_.begin(), "trainer");
-    std::vector<char*> argv;
-    for (auto& a : storage_) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int argc = static_cast<int>(storage_.size());
-    absl::Status s = ParseEvenstepFlags(&argc, argv.data());
-    rest->assign(argv.begin() + 1, argv.begin() + argc);
-    return s;
+    return testing::ParseEvenstepArgs(std::move(args), rest);
   }
-  std::vector<std::string> storage_;
 };
 
 TEST_F(FlagsTest, TakesEvenstepFlagsAndLeavesTheRest) {

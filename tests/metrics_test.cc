@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -32,9 +33,11 @@ using ::evenstep::testing::Describe;
 using ::evenstep::testing::ExpectAllStepsRan;
 using ::evenstep::testing::ProcessResult;
 using ::evenstep::testing::RanksDir;
+using ::evenstep::testing::ReadRanksFile;
 using ::evenstep::testing::RunOnRanks;
 using ::evenstep::testing::RunOnRanksAgain;
 using ::evenstep::testing::TrainBalanced;
+using ::evenstep::testing::WriteRanksFile;
 using ::testing::HasSubstr;
 
 std::vector<nlohmann::json> ReadLines(const std::string& path) {
@@ -82,14 +85,14 @@ TEST(MetricsTest, EvaluateIsTheSameAtAnyWorldSize) {
     const BalanceRun run = TrainBalanced(ctx, s);
     ExpectAllStepsRan(run, s);
     if (ctx.rank() != 0) return;
-    std::ofstream(absl::StrCat(RanksDir(), "/eval-world", ctx.world_size()))
-        << absl::StrFormat("%.9g %.0f", run.eval_loss_sum, run.eval_tokens);
+    WriteRanksFile(absl::StrCat("eval-world", ctx.world_size()),
+                   absl::StrFormat("%.9g %.0f", run.eval_loss_sum, run.eval_tokens));
   });
   RunOnRanksAgain(2, {});
   RunOnRanksAgain(3, {});
   std::vector<std::pair<double, double>> results;
   for (int world : {1, 2, 3}) {
-    std::ifstream in(absl::StrCat(RanksDir(), "/eval-world", world));
+    std::istringstream in(ReadRanksFile(absl::StrCat("eval-world", world)));
     double loss_sum = 0, tokens = 0;
     ASSERT_TRUE(in >> loss_sum >> tokens) << "world " << world;
     results.emplace_back(loss_sum, tokens);

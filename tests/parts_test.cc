@@ -24,7 +24,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -33,6 +32,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "evenstep/flags.h"
 #include "evenstep/session.h"
 #include "gmock/gmock.h"
@@ -262,9 +262,9 @@ INSTANTIATE_TEST_SUITE_P(Worlds, PartsWorldTest, ::testing::Values(1, 2, 3),
 
 // Rank 0's lines of the run named `name` (written by the ranks into RanksDir()).
 std::vector<std::string> LinesOf(const std::string& name) {
-  std::ifstream in(RanksDir() + "/" + name + ".txt");
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::vector<std::string> lines =
+      absl::StrSplit(evenstep::testing::ReadRanksFile(name + ".txt"), '\n');
+  if (lines.back().empty()) lines.pop_back();  // after the last line's newline
   return lines;
 }
 
@@ -288,9 +288,9 @@ TEST(PartsTest, APreemptedRunResumesBothPartsSchedulesRandomStreamsAndLoopState)
         EXPECT_EQ(run.preempted, name == "preempted");
         EXPECT_EQ(run.first_step, name == "resumed" ? 5 : 1);
         if (dist.rank() != 0) return;
-        std::ofstream out(RanksDir() + "/" + name + ".txt");
-        for (const std::string& line : run.lines) out << line << "\n";
-        out << run.final_line << "\n";
+        std::string text;
+        for (const std::string& line : run.lines) absl::StrAppend(&text, line, "\n");
+        evenstep::testing::WriteRanksFile(name + ".txt", absl::StrCat(text, run.final_line, "\n"));
       },
       whole);
   OnRanksOptions preempted, resumed;

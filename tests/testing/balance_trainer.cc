@@ -21,6 +21,8 @@
 #include "evenstep/timeline.h"
 #include "evenstep/train_checkpointer.h"
 #include "gtest/gtest.h"
+#include "tests/testing/flag_args.h"
+#include "tests/testing/sync_net.h"
 #if EVENSTEP_HAVE_NCCL  // a CUDA libtorch
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -138,14 +140,11 @@ torch::Tensor LossMean(torch::nn::Sequential& model, const Data& d,
   return torch::cat(parts).mean();
 }
 
+// The scenario's --evenstep_* flags; anything else in them is an error.
 absl::Status SetFlags(const std::vector<std::string>& flags) {
-  std::vector<std::string> args = {"rank"};
-  args.insert(args.end(), flags.begin(), flags.end());
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  int argc = static_cast<int>(argv.size());
-  EVENSTEP_RETURN_IF_ERROR(ParseEvenstepFlags(&argc, argv.data()));
-  if (argc != 1) return absl::InvalidArgumentError(absl::StrCat("not a flag: ", argv[1]));
+  std::vector<std::string> rest;
+  EVENSTEP_RETURN_IF_ERROR(ParseEvenstepArgs(flags, &rest));
+  if (!rest.empty()) return absl::InvalidArgumentError(absl::StrCat("not a flag: ", rest[0]));
   return absl::OkStatus();
 }
 
@@ -291,10 +290,8 @@ void Trainer::CheckAgainstOneProcess() {
   }
   auto dense = [](const torch::Tensor& g) { return g.is_sparse() ? g.to_dense() : g; };
   for (size_t i = 0; i < params.size(); ++i) {
-    const torch::Tensor ref = dense(ref_params[i].grad());
-    const double scale = ref.abs().max().item<double>();
-    const double err = (dense(params[i].grad()) - ref).abs().max().item<double>() / scale;
-    max_err_ = std::max(max_err_, err);
+    max_err_ =
+        std::max(max_err_, MaxRelError(dense(params[i].grad()), dense(ref_params[i].grad())));
   }
 }
 
@@ -506,8 +503,7 @@ absl::Status Trainer::AfterStep(int s, const StepReport& report) {
   if (s_.outside_backward && rank_ == 0) CheckOutsideBackward();
   if (metrics_) EVENSTEP_RETURN_IF_ERROR(LogMetrics(s, report));
   const absl::Time duty_begin = absl::Now();
-  const bool duty_now = s % s_.duty_every == 0;
-  if (s_.duty == BalanceScenario::Duty::kRank0 && rank_ == 0 && duty_now) {
+  if (s_.duty == BalanceScenario::Duty::kRank0 && rank_ == 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(s_.duty_ms));
   } else if (s_.duty == BalanceScenario::Duty::kCheckpoint) {
     EVENSTEP_RETURN_IF_ERROR(
@@ -515,7 +511,7 @@ absl::Status Trainer::AfterStep(int s, const StepReport& report) {
             ->Save(s + run_.resumed_step, {model_.ptr().get(), &optimizer_, step_.get(), "{}"})
             .status());
   }
-  if (timeline_ && s_.duty != BalanceScenario::Duty::kNone && duty_now) {
+  if (timeline_ && s_.duty != BalanceScenario::Duty::kNone) {
     timeline_->Span("checkpoint", duty_begin, absl::Now(), s);
   }
   return absl::OkStatus();
@@ -530,10 +526,7 @@ void Trainer::Print(const BalanceStepRecord& record) const {
 }
 
 absl::Status Trainer::Finish() {
-  if (metrics_) {
-    EVENSTEP_RETURN_IF_ERROR(metrics_->Close());
-    run_.metric_means = metrics_->last_means();
-  }
+  if (metrics_) EVENSTEP_RETURN_IF_ERROR(metrics_->Close());
   if (s_.evaluate) {
     // A held-out set: the last 100 samples; metrics = (loss sum, tokens).
     std::vector<int64_t> eval_lengths(data_.lengths.end() - 100, data_.lengths.end());

@@ -21,7 +21,6 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,7 +92,7 @@ struct BalanceScenario {
     kCheckpoint,  // every rank saves its share through TrainCheckpointer
   };
   Duty duty = Duty::kNone;
-  int duty_ms = 60, duty_every = 1;
+  int duty_ms = 60;         // after every step
   bool resume = false;      // kCheckpoint: load the newest checkpoint first
   std::string metrics_dir;  // log loss and rank through a MetricsLogger
   bool evaluate = false;    // evaluate a held-out set after the last step
@@ -127,7 +126,6 @@ struct BalanceRun {
   std::vector<int64_t> resumed_memory_caps;
   std::vector<int> injected_oom_steps;           // this rank's injected errors
   bool reduction_in_flight_after_step4 = false;  // rank 0 with metrics_dir
-  std::map<std::string, double> metric_means;
   double eval_loss_sum = 0, eval_tokens = 0;
   int max_ahead = 0, loads = 0, worker_loads = 0;
 

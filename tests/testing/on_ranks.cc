@@ -4,9 +4,11 @@
 
 #include <climits>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -116,6 +118,17 @@ std::string RanksDir() {
   TestRanks& ranks = TestRanks::Get();
   if (ranks.dir == nullptr) ranks.dir = std::make_unique<TempDir>("evenstep_ranks");
   return ranks.dir->path();
+}
+
+void WriteRanksFile(const std::string& name, const std::string& text) {
+  std::ofstream(RanksDir() + "/" + name) << text;
+}
+
+std::string ReadRanksFile(const std::string& name) {
+  std::ifstream in(RanksDir() + "/" + name);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 std::vector<ProcessResult> RunOnRanksAgain(int world, const OnRanksOptions& options) {

@@ -77,6 +77,11 @@ std::vector<ProcessResult> RunOnRanksAgain(int world, const OnRanksOptions& opti
 // test ends.
 std::string RanksDir();
 
+// A file `name` in RanksDir(): written by a rank, read by the test's process
+// after the ranks ended ("" when no rank wrote it).
+void WriteRanksFile(const std::string& name, const std::string& text);
+std::string ReadRanksFile(const std::string& name);
+
 // For a test that starts its ranks itself (inside simulated hosts, under a
 // launcher's conventions): ThisTestAsRank is the command (and the marker in
 // its environment) that runs the current TEST as a rank, whose rank is the
