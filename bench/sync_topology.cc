@@ -140,8 +140,10 @@ absl::Status Worker() {
   std::unique_ptr<evenstep::GradSync> syncs[2];
   EVENSTEP_ASSIGN_OR_RETURN(syncs[0],
                             evenstep::GradSync::Attach(*models[0], dist.data_group(), options));
+  // A second sync needs connections of its own (GradSync refuses a shared group).
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<evenstep::Subgroup> second, dist.NewDataGroup());
   EVENSTEP_ASSIGN_OR_RETURN(
-      syncs[1], evenstep::GradSync::Attach(*models[1], dist.data_group(), hierarchical));
+      syncs[1], evenstep::GradSync::Attach(*models[1], second->process_group(), hierarchical));
   torch::optim::SGD opt0(models[0]->parameters(), torch::optim::SGDOptions(1e-4));
   torch::optim::SGD opt1(models[1]->parameters(), torch::optim::SGDOptions(1e-4));
   torch::optim::SGD* opts[2] = {&opt0, &opt1};

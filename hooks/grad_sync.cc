@@ -6,12 +6,26 @@
 //   2. the dense buckets, in index order, each once all its gradients are
 //      ready (from a hook while backward runs, or at the end);
 //   3. one sparse all_reduce per sparse parameter, in parameter order;
-//   4. the control all_reduce (failure flags per rank, then a used count per
+//   4. the control all_reduce (failure flags per rank, each rank's
+//      synchronisation number in its own slot, then a used count per
 //      parameter), unless it rides in the last bucket's tail (built-in hooks);
 //   5. once, after the first successful one: the broadcast of rank 0's ready
 //      order, from which every rank rebuilds the same buckets.
 // A rank that fails locally still issues all of them (zeros and its failure
 // flag), so every rank learns of the failure in the same synchronisation.
+//
+// Pairing. c10d pairs collectives by their order on a group, so a bucket can
+// only be reduced with a bucket of another synchronisation when a rank issued
+// another sequence of collectives on the group. Two guards: a group carries
+// one GradSync (internal::ClaimGroupForSync at Attach), and every rank's
+// synchronisation number rides in the control values, checked by every rank
+// before anything is written back: ranks at different synchronisations end
+// it with the same FailedPrecondition naming each rank's number, their
+// gradients reset, and the group marked broken (internal::MarkGroupBroken)
+// so no later collective of any component pairs with a late peer. Every
+// payload's size and layout is fixed by the agreed bucket layout, and
+// sparse gradients are brought to one layout (sparse_dim 1) before their
+// all_reduce, so no rank hands Gloo a message its peer does not expect.
 #include "evenstep/grad_sync.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -37,6 +51,7 @@
 #include "absl/time/clock.h"
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/group_registry.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -62,6 +77,12 @@ struct ParamSlot {
   int64_t written_version = -1;
   bool touched = false;  // the kept-gradient check ran since the last write
   at::Tensor base;       // the kept reduced gradient, when it was kept
+  // The gradient as this rank's last accumulation (or the last write) left
+  // it: a gradient found otherwise was zeroed, set to none, replaced or
+  // changed in place by the program since, and what was recorded about it
+  // (its use, its kept copy) no longer holds (Revalidate).
+  const c10::TensorImpl* seen_impl = nullptr;
+  int64_t seen_version = -1;
   // std::shared_ptr<Node> in libtorch 1.13 to 2.11, c10::intrusive_ptr<Node> by 2.15.
   decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>())) accumulator;
   uintptr_t hook_key = 0;
@@ -119,7 +140,9 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   at::Tensor control;
   c10::intrusive_ptr<c10d::Work> control_work;
 
-  int64_t control_numel() const { return world + static_cast<int64_t>(params.size()); }
+  // Failure flags, synchronisation numbers (one slot per rank each), then a
+  // used flag per parameter.
+  int64_t control_numel() const { return 2 * world + static_cast<int64_t>(params.size()); }
   bool control_in_bucket() const {
     return !buckets.empty() && IsZeroPreservingHook(options.comm_hook);
   }
@@ -129,6 +152,9 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   void OnGradReady(int index);
   void OnGradAccumulating(int index);
   void CheckKept(ParamSlot& p);
+  void Revalidate(ParamSlot& p);
+  void Seen(ParamSlot& p);
+  absl::Status CheckPairing(const double* agreed) const;
   void OnBackwardEnded(int64_t sync, bool completed);
   void CopyIn(ParamSlot& p);
   void LaunchReady();
@@ -382,19 +408,106 @@ absl::Status GradSyncState::AbandonStale() {
   return Finish();
 }
 
-// This rank's control vector: its failure flag, then a used flag per
-// parameter.
+// A synchronisation number as it rides in the control values: small enough
+// that a bf16 bucket holds it exactly (every slot holds one rank's value and
+// zeros elsewhere, so the sum, and an averaging hook's uniform scaling, keep
+// equal numbers equal).
+constexpr int kSeqModulus = 251;
+int32_t SeqSlotValue(int64_t seq) { return static_cast<int32_t>(seq % kSeqModulus) + 1; }
+
+// This rank's control vector: its failure flag, its synchronisation number
+// (each in this rank's slot), then a used flag per parameter.
 std::vector<int32_t> GradSyncState::ControlValues() const {
   std::vector<int32_t> values(control_numel(), 0);
   if (!local_failure.ok()) values[rank] = 1;
-  for (size_t i = 0; i < params.size(); ++i) values[world + i] = params[i].used ? 1 : 0;
+  values[world + rank] = SeqSlotValue(seq);
+  for (size_t i = 0; i < params.size(); ++i) values[2 * world + i] = params[i].used ? 1 : 0;
   return values;
+}
+
+// Every rank reduced the same synchronisation: the number slots all hold
+// one value (a rank at another issued its buckets with this one's, so the
+// sums mix two steps' gradients and must not be written back).
+absl::Status GradSyncState::CheckPairing(const double* agreed) const {
+  const double mine = agreed[world + rank];
+  bool same = true;
+  for (int r = 0; r < world; ++r) same &= agreed[world + r] == mine;
+  if (same) return absl::OkStatus();
+  // Undo a uniform scaling (an averaging hook) to name each rank's number.
+  const double scale = mine / SeqSlotValue(seq);
+  std::vector<std::string> where;
+  for (int r = 0; r < world; ++r) {
+    const double v = scale > 0 ? agreed[world + r] / scale : 0;
+    where.push_back(r == rank ? absl::StrCat("rank ", r, " (here) at #", seq)
+                    : v < 0.5 ? absl::StrCat("rank ", r, " at none")
+                              : absl::StrFormat("rank %d at another (#%d modulo %d)", r,
+                                                static_cast<int64_t>(std::lround(v)) - 1,
+                                                kSeqModulus));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", rank, ": gradient synchronisation #", seq,
+      " was reduced together with another synchronisation on some rank (",
+      absl::StrJoin(where, ", "),
+      "): a rank skipped a synchronisation (a step it left after an exception before its "
+      "synchronised backward, without GradSync::AbandonStep) or ran one more; nothing of it was "
+      "applied, the step's gradients were reset, and this GradSync stops here (its process "
+      "group cannot be trusted to pair any more)"));
 }
 
 void GradSyncState::Fail(absl::Status why) {
   if (local_failure.ok()) {
     local_failure = Annotate(std::move(why), absl::StrCat("rank ", rank));
   }
+}
+
+void GradSyncState::Seen(ParamSlot& p) {
+  const at::Tensor& grad = p.param.grad();
+  p.seen_impl = grad.defined() ? grad.unsafeGetTensorImpl() : nullptr;
+  p.seen_version = grad.defined() ? grad._version() : -1;
+}
+
+namespace {
+bool AllZero(const at::Tensor& grad) {
+  at::NoGradGuard no_grad;
+  if (grad.is_sparse()) return grad._nnz() == 0 || !grad._values().ne(0).any().item<bool>();
+  return !grad.ne(0).any().item<bool>();
+}
+}  // namespace
+
+// What a backward recorded about `p` since the last synchronisation (its
+// use; its kept copy, when it found the gradient as the last one wrote it)
+// holds only while the gradient is as that backward left it. Set to none or
+// zeroed since (zero_grad after an input-gradient probe, a GAN loop that
+// clears D's gradients after G's backward through D): forgotten, as one
+// process forgets them. Replaced by another tensor: the kept copy no longer
+// applies, the new value is this rank's own. Changed in place while a kept
+// copy is recorded (scaled, clipped): refused by name, since no rank can
+// tell its own part of the result from the kept one. Checks values (a pass
+// over the gradient) only where a backward without a synchronisation was
+// followed by a change of its gradient, never on a plain training step.
+void GradSyncState::Revalidate(ParamSlot& p) {
+  if (!p.used && !p.base.defined()) return;
+  const at::Tensor& grad = p.param.grad();
+  if (grad.defined() && grad.unsafeGetTensorImpl() == p.seen_impl &&
+      grad._version() == p.seen_version) {
+    return;
+  }
+  const bool replaced = grad.defined() && grad.unsafeGetTensorImpl() != p.seen_impl;
+  if (!grad.defined() || (!replaced && AllZero(grad))) {
+    p.used = false;
+    p.base = at::Tensor();
+  } else if (replaced) {
+    p.base = at::Tensor();
+  } else if (p.base.defined()) {
+    Fail(absl::FailedPreconditionError(absl::StrCat(
+        "the gradient of '", p.name, "' was kept from synchronisation #", seq,
+        " (no zero_grad), then a backward added to it and the program changed it in place (",
+        "scaled or clipped) before the next synchronisation: no rank can tell its own part "
+        "from the kept one. Zero it or set it to none between synchronisations, or change it "
+        "only after the synchronisation it belongs to")));
+    p.base = at::Tensor();
+  }
+  Seen(p);
 }
 
 // Before the first accumulation into `p` since the last synchronisation wrote
@@ -416,6 +529,7 @@ void GradSyncState::CheckKept(ParamSlot& p) {
 
 void GradSyncState::OnGradAccumulating(int index) {
   std::lock_guard<std::mutex> lock(mu);
+  Revalidate(params[index]);
   CheckKept(params[index]);
 }
 
@@ -423,6 +537,7 @@ void GradSyncState::CopyIn(ParamSlot& p) {
   if (p.ready) return;
   p.ready = true;
   ++params_ready;
+  Revalidate(p);
   CheckKept(p);
   if (p.sparse) return;  // reduced after the buckets
   at::NoGradGuard no_grad;
@@ -486,6 +601,7 @@ void GradSyncState::OnGradReady(int index) {
   std::unique_lock<std::mutex> lock(mu);
   ParamSlot& p = params[index];
   p.used = true;
+  Seen(p);
   if (!sync_enabled) return;
   // Never a silently unsynchronised gradient after a failed collective.
   if (!fatal.ok()) throw std::runtime_error(fatal.ToString());
@@ -579,28 +695,56 @@ absl::Status GradSyncState::Finish() {
     ResetGradients();
     local_failure = absl::OkStatus();
     last = fatal;
-    return fatal;
+  } else {
+    last = Conclude();
   }
-  return Conclude();
+  // A failed, timed-out or mispaired collective leaves the group unusable
+  // for every component (DistContext's collectives check it too).
+  if (!fatal.ok()) MarkGroupBroken(group, fatal);
+  return last;
 }
 
+namespace {
+
+// No rows: what a rank without a gradient contributes.
+at::Tensor EmptyRows(const at::Tensor& param) {
+  std::vector<int64_t> values_shape = param.sizes().vec();
+  values_shape[0] = 0;
+  return at::sparse_coo_tensor(at::zeros({1, 0}, param.options().dtype(at::kLong)),
+                               at::zeros(values_shape, param.options()), param.sizes())
+      .coalesce();
+}
+
+// The one layout every rank's sparse payload has: COO over the first
+// dimension (sparse_dim 1, rows of dense values), coalesced, in the
+// parameter's dtype. A gradient in another layout (libtorch 1.13's
+// zero_grad() leaves a sparse gradient with every dimension sparse and no
+// rows; a dense gradient set by the program) is converted, so the ranks'
+// all_reduce never disagrees on the shape of what it exchanges.
+at::Tensor RowSparse(const at::Tensor& grad, const at::Tensor& param) {
+  at::NoGradGuard no_grad;
+  at::Tensor g = grad.scalar_type() == param.scalar_type() ? grad : grad.to(param.scalar_type());
+  if (!g.is_sparse()) return g.to_sparse(1).coalesce();
+  if (g._nnz() == 0) return EmptyRows(param);
+  if (g.sparse_dim() != 1) return g.coalesce().to_dense().to_sparse(1).coalesce();
+  return g.coalesce();
+}
+
+}  // namespace
+
 void GradSyncState::LaunchSparse() {
-  // 3. Sparse gradients, coalesced; an empty one where this rank has none.
+  // 3. Sparse gradients, in one layout; an empty one where this rank has none.
   for (int i : sparse) {
     ParamSlot& p = params[i];
     at::Tensor grad = p.param.grad();
     at::Tensor mine;
     if (grad.defined() && local_failure.ok()) {
       at::NoGradGuard no_grad;
-      at::Tensor added = grad.is_sparse() ? grad : grad.to_sparse(1);
-      if (p.base.defined()) added = added - (p.base.is_sparse() ? p.base : p.base.to_sparse(1));
+      at::Tensor added = RowSparse(grad, p.param);
+      if (p.base.defined()) added = added - RowSparse(p.base, p.param);
       mine = added.coalesce().clone();
     } else {
-      std::vector<int64_t> values_shape = p.param.sizes().vec();
-      values_shape[0] = 0;
-      mine = at::sparse_coo_tensor(at::zeros({1, 0}, p.param.options().dtype(at::kLong)),
-                                   at::zeros(values_shape, p.param.options()), p.param.sizes())
-                 .coalesce();
+      mine = EmptyRows(p.param);
     }
     if (fatal.ok() && world > 1) {
       std::vector<at::Tensor> v{mine};
@@ -664,7 +808,14 @@ absl::Status GradSyncState::Conclude() {
     if (a[r] != 0) failed.push_back(r);
   }
   std::vector<char> used_anywhere(params.size());
-  for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = a[world + i] != 0;
+  for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = a[2 * world + i] != 0;
+  if (absl::Status pairing = CheckPairing(a); !pairing.ok()) {
+    fatal = pairing;
+    ResetGradients();
+    local_failure = absl::OkStatus();
+    last = fatal;
+    return fatal;
+  }
 
   if (!failed.empty()) {
     ResetGradients();
@@ -739,7 +890,8 @@ void GradSyncState::WriteBack(const std::vector<char>& used_anywhere) {
   for (auto& [tensor, work] : sparse_work) {
     ParamSlot& p = params[sparse[s++]];
     if (!written[&p - params.data()]) continue;
-    p.param.mutable_grad() = p.base.defined() ? (tensor + p.base).coalesce() : tensor.coalesce();
+    p.param.mutable_grad() =
+        p.base.defined() ? (tensor + RowSparse(p.base, p.param)).coalesce() : tensor.coalesce();
   }
   for (size_t i = 0; i < params.size(); ++i) {
     ParamSlot& p = params[i];
@@ -956,6 +1108,7 @@ std::vector<NamedTensor> Unique(std::vector<NamedTensor> tensors) {
 GradSync::GradSync(std::shared_ptr<internal::GradSyncState> state) : state_(std::move(state)) {}
 
 GradSync::~GradSync() {
+  internal::ReleaseGroupForSync(state_->group);
   for (internal::ParamSlot& p : state_->params) {
     if (!p.accumulator) continue;
     p.accumulator->del_post_hook(p.hook_key);
@@ -1030,6 +1183,23 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
     }
   }
   const at::Device device = trainable.front().second.device();
+  if (absl::Status broken = internal::GroupBroken(&group); !broken.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, ": GradSync::Attach: this process group cannot be used any more (",
+                     broken.message(), ")"));
+  }
+  // Every rank claims the group (or fails) the same way: Attach is collective.
+  EVENSTEP_RETURN_IF_ERROR(
+      internal::ClaimGroupForSync(
+          &group, absl::StrCat("the GradSync of ", trainable.size(), " parameters from '",
+                               trainable.front().first, "'")),
+      "rank ", rank, ": GradSync::Attach");
+  struct Unclaim {
+    c10d::ProcessGroup* group;
+    ~Unclaim() {
+      if (group != nullptr) internal::ReleaseGroupForSync(group);
+    }
+  } unclaim{&group};
   // Names, dtypes, shapes and devices of everything that is broadcast must
   // match across ranks (trainable first, so their indices are as before).
   std::vector<NamedTensor> to_broadcast = trainable;
@@ -1066,6 +1236,7 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
   state->Layout(order);
   state->reachable.assign(state->params.size(), 1);
   std::unique_ptr<GradSync> sync(new GradSync(state));
+  unclaim.group = nullptr;  // the GradSync releases it
   for (int i = 0; i < static_cast<int>(state->params.size()); ++i) {
     internal::ParamSlot& p = state->params[i];
     p.accumulator = torch::autograd::impl::grad_accumulator(p.param);

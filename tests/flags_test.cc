@@ -122,8 +122,8 @@ struct BadValues {
 const std::vector<BadValues>& FlagTable() {
   static const std::vector<BadValues> table = {
       {"evenstep_backend", {"foo", ""}},
-      {"evenstep_timeout", {"0s", "-1s", "inf", "ten"}},
-      {"evenstep_rendezvous_timeout", {"0s", "-5m", "inf"}},
+      {"evenstep_timeout", {"0s", "-1s", "inf", "ten", "1ns", "999ms"}},
+      {"evenstep_rendezvous_timeout", {"0s", "-5m", "inf", "10ms"}},
       {"evenstep_comm_hook", {"foo", ""}},
       {"evenstep_sync_topology", {"tree", "", "Flat"}},
       {"evenstep_oom", {"skip", "", "Split"}},

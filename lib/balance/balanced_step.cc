@@ -71,8 +71,58 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
 
 namespace {
 
+// Up to four names, then how many more.
+std::string SomeNames(const std::vector<std::string>& names) {
+  std::vector<std::string> shown(names.begin(), names.begin() + std::min<size_t>(names.size(), 4));
+  return absl::StrCat("'", absl::StrJoin(shown, "', '"), "'",
+                      names.size() > 4 ? absl::StrCat(" and ", names.size() - 4, " more") : "");
+}
+
+// A part's optimizer steps exactly the part's trainable parameters: one it
+// lacks would be synchronised and never stepped; one from outside the part
+// (an optimizer over two modules) would be stepped without ever being
+// synchronised, and the ranks' copies drift apart without a word.
+absl::Status CheckOptimizer(const ModelPart& part) {
+  std::map<const c10::TensorImpl*, std::string> in_module;
+  for (const auto& p : part.module->named_parameters(/*recurse=*/true)) {
+    in_module.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  }
+  std::set<const c10::TensorImpl*> stepped;
+  int64_t extra = 0;
+  for (const auto& group : part.optimizer->param_groups()) {
+    for (const at::Tensor& t : group.params()) {
+      stepped.insert(t.unsafeGetTensorImpl());
+      extra += in_module.count(t.unsafeGetTensorImpl()) == 0 ? 1 : 0;
+    }
+  }
+  std::vector<std::string> missing;
+  for (const auto& p : part.module->named_parameters(/*recurse=*/true)) {
+    if (p.value().requires_grad() && stepped.count(p.value().unsafeGetTensorImpl()) == 0) {
+      missing.push_back(p.key());
+    }
+  }
+  if (missing.empty() && extra == 0) return absl::OkStatus();
+  const std::string fix =
+      "one optimizer over several modules goes with one module that holds them all (register "
+      "both as submodules of a container module and pass that), or give each module its own "
+      "model part and optimizer";
+  if (extra > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BalancedStep: the optimizer of model part '", part.name, "' steps ", extra,
+        " tensor(s) that are not parameters of its module: they would be stepped on every rank "
+        "without ever being synchronised, and the replicas would drift apart",
+        missing.empty() ? "" : absl::StrCat("; it also lacks ", SomeNames(missing)), ". ", fix));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "BalancedStep: the optimizer of model part '", part.name, "' lacks ", missing.size(),
+      " trainable parameter(s) of its module: ", SomeNames(missing),
+      ". Give the optimizer every parameter that trains (module.parameters()), or freeze the "
+      "ones that do not (requires_grad(false)) before creating the step"));
+}
+
 absl::Status CheckParts(const std::vector<ModelPart>& parts) {
   if (parts.empty()) return absl::InvalidArgumentError("BalancedStep: no model part");
+  std::map<const torch::optim::Optimizer*, std::string> optimizers;
   std::map<const c10::TensorImpl*, std::string> owner;  // parameter -> "part 'P' (name)"
   std::set<std::string> names;
   for (const ModelPart& part : parts) {
@@ -90,6 +140,14 @@ absl::Status CheckParts(const std::vector<ModelPart>& parts) {
           absl::StrCat("BalancedStep: model part '", part.name, "' has no ",
                        part.module == nullptr ? "module" : "optimizer"));
     }
+    auto [first, fresh_optimizer] = optimizers.emplace(part.optimizer, part.name);
+    if (!fresh_optimizer) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "BalancedStep: model parts '", first->second, "' and '", part.name,
+          "' were given the same optimizer: it would step twice per step. Give each part its "
+          "own optimizer over its own module's parameters, or make the two modules one part "
+          "(one container module holding both)"));
+    }
     for (const auto& p : part.module->named_parameters(/*recurse=*/true)) {
       const std::string here = absl::StrCat("part '", part.name, "' (", p.key(), ")");
       auto [it, fresh] = owner.emplace(p.value().unsafeGetTensorImpl(), here);
@@ -100,6 +158,7 @@ absl::Status CheckParts(const std::vector<ModelPart>& parts) {
       }
     }
   }
+  for (const ModelPart& part : parts) EVENSTEP_RETURN_IF_ERROR(CheckOptimizer(part));
   return absl::OkStatus();
 }
 
@@ -144,16 +203,18 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   config.grad_sync.on_arrival = [c = clock.get()] { c->Arrive(); };
   std::vector<Part> parts;
   for (ModelPart& spec : model_parts) {
+    const std::string what =
+        model_parts.size() > 1 ? absl::StrCat("model part '", spec.name, "'") : std::string();
+    EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<Subgroup> group, ctx.NewDataGroup(), what);
     EVENSTEP_ASSIGN_OR_RETURN(
         std::unique_ptr<GradSync> sync,
-        GradSync::Attach(*spec.module, ctx.data_group(), config.grad_sync),
-        model_parts.size() > 1 ? absl::StrCat("model part '", spec.name, "'") : std::string());
+        GradSync::Attach(*spec.module, group->process_group(), config.grad_sync), what);
     // Outside its part of a step the hooks only mark gradients as used: a
     // backward through this model outside it (a GAN generator's loss through
     // the discriminator) accumulates locally, as in one process, and starts
     // no collective that the other ranks would not join.
     sync->set_sync_enabled(false);
-    parts.push_back({std::move(spec), std::move(sync)});
+    parts.push_back({std::move(spec), std::move(group), std::move(sync)});
   }
   std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, std::move(parts), std::move(sampler),
                                                       std::move(config), std::move(clock)));

@@ -42,6 +42,7 @@
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/gloo_address.h"
+#include "evenstep/internal/group_registry.h"
 #include "evenstep/internal/launch_generation.h"
 #include "evenstep/internal/store_server.h"
 #include "evenstep/status_macros.h"
@@ -119,7 +120,12 @@ DistContext::DistContext(LaunchEnv env, DistOptions options)
   ++live_contexts;
 }
 
-DistContext::~DistContext() { --live_contexts; }
+DistContext::~DistContext() {
+  --live_contexts;
+  if (groups_ == nullptr) return;
+  internal::ForgetGroup(groups_->control.get());
+  internal::ForgetGroup(groups_->data.get());
+}
 
 namespace {
 
@@ -594,6 +600,14 @@ int64_t DistContext::MarkArrival() {
 
 absl::Status DistContext::Broken(const std::string& what) {
   absl::MutexLock lock(&groups_->mu);
+  // A gradient sync over one of these groups that failed, timed out or
+  // found its buckets mispaired (GradSync marks its group): a peer's late
+  // bucket would pair with this collective.
+  for (const c10d::ProcessGroup* g : {groups_->data.get(), groups_->control.get()}) {
+    if (!groups_->broken.ok() || g == nullptr) break;
+    absl::Status sync = internal::GroupBroken(g);
+    if (!sync.ok()) groups_->broken = sync;
+  }
   if (groups_->broken.ok()) return absl::OkStatus();
   return absl::Status(groups_->broken.code(),
                       absl::StrCat("rank ", env_.rank, ": ", what,
@@ -730,7 +744,9 @@ Subgroup::Subgroup(std::string name, std::vector<int> ranks, int index, int glob
       timeout_(timeout),
       impl_(std::move(impl)) {}
 
-Subgroup::~Subgroup() = default;
+Subgroup::~Subgroup() {
+  if (impl_ != nullptr) internal::ForgetGroup(impl_->group.get());
+}
 
 template <typename Launch>
 absl::Status Subgroup::Run(const std::string& what, Launch&& launch) {
@@ -868,6 +884,33 @@ absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewSubgroup(const std::st
                                                "): ", internal::ErrorText(e)));
   }
   return std::unique_ptr<Subgroup>(new Subgroup(name, std::move(ranks), index, env_.rank,
+                                                options_.collective_timeout, std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewDataGroup() {
+  EVENSTEP_RETURN_IF_ERROR(Broken("creating a data group"));
+  const std::string name = absl::StrCat("data", data_groups_++);
+  std::vector<int> ranks(env_.world_size);
+  for (int r = 0; r < env_.world_size; ++r) ranks[r] = r;
+  auto impl = std::make_unique<Subgroup::Impl>();
+  const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
+  const std::string backend = backend_name();
+  try {
+    auto store = compat::MakePrefixStore(absl::StrCat("evenstep/", name), groups_->store);
+#if EVENSTEP_HAVE_NCCL
+    if (backend == "nccl") {
+      impl->group = compat::MakeNcclGroup(store, env_.rank, env_.world_size, timeout);
+    }
+#endif
+    if (!impl->group) {
+      impl->group = compat::MakeGlooGroup(store, env_.rank, env_.world_size, timeout, gloo_device_);
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": creating ", backend,
+                                               " data group ", name, ": ",
+                                               internal::ErrorText(e)));
+  }
+  return std::unique_ptr<Subgroup>(new Subgroup(name, std::move(ranks), env_.rank, env_.rank,
                                                 options_.collective_timeout, std::move(impl)));
 }
 

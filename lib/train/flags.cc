@@ -31,10 +31,10 @@ ABSL_FLAG(std::string, evenstep_backend, "auto",
           "available, else Gloo), gloo or nccl. Control messages always use Gloo.");
 ABSL_FLAG(absl::Duration, evenstep_timeout, absl::Minutes(10),
           "Longest a collective may take before it fails with an error naming the ranks that "
-          "never arrived (e.g. 30s, 10m).");
+          "never arrived (e.g. 30s, 10m; at least 1s).");
 ABSL_FLAG(absl::Duration, evenstep_rendezvous_timeout, absl::Minutes(5),
           "Longest the start-up rendezvous may take: connecting to MASTER_ADDR:MASTER_PORT and "
-          "waiting for every rank to join.");
+          "waiting for every rank to join (at least 1s).");
 ABSL_FLAG(
     std::string, evenstep_comm_hook, "sum",
     "How gradient buckets are reduced: sum (exact; weighting comes from loss scaling), avg, "
@@ -216,6 +216,20 @@ ABSL_FLAG(std::string, evenstep_device, "",
 
 namespace evenstep {
 
+namespace {
+
+// A timeout below a second is no timeout a collective or a rendezvous of
+// real ranks can meet (every one would fail, naming no flag): refused.
+absl::Status CheckTimeout(absl::string_view flag, absl::Duration value) {
+  if (value >= absl::Seconds(1) && value != absl::InfiniteDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      flag, "=", absl::FormatDuration(value),
+      ": must be finite and at least 1s (it bounds every collective or the rendezvous; the "
+      "default is ", flag == "--evenstep_timeout" ? "10m" : "5m", ")"));
+}
+
+}  // namespace
+
 absl::StatusOr<DistOptions> DistOptions::FromFlags() {
   DistOptions options;
   EVENSTEP_ASSIGN_OR_RETURN(
@@ -226,18 +240,9 @@ absl::StatusOr<DistOptions> DistOptions::FromFlags() {
                                      {"nccl", CommBackend::kNccl}}));
   options.collective_timeout = absl::GetFlag(FLAGS_evenstep_timeout);
   options.rendezvous_timeout = absl::GetFlag(FLAGS_evenstep_rendezvous_timeout);
-  if (options.collective_timeout <= absl::ZeroDuration() ||
-      options.collective_timeout == absl::InfiniteDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--evenstep_timeout=", absl::FormatDuration(options.collective_timeout),
-                     ": must be positive and finite"));
-  }
-  if (options.rendezvous_timeout <= absl::ZeroDuration() ||
-      options.rendezvous_timeout == absl::InfiniteDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--evenstep_rendezvous_timeout=", absl::FormatDuration(options.rendezvous_timeout),
-        ": must be positive and finite"));
-  }
+  EVENSTEP_RETURN_IF_ERROR(CheckTimeout("--evenstep_timeout", options.collective_timeout));
+  EVENSTEP_RETURN_IF_ERROR(
+      CheckTimeout("--evenstep_rendezvous_timeout", options.rendezvous_timeout));
   return options;
 }
 

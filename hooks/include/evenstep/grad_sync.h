@@ -63,11 +63,30 @@
 //   process. A gradient zeroed, reset or replaced since counts as this rank's
 //   own. Not told apart: a kept gradient changed in place but not zeroed
 //   (scaled, clipped) also counts as this rank's own, i.e. once per rank;
-//   zero or reset it between synchronisations.
+//   zero or reset it between synchronisations. Refused by name: a kept
+//   gradient that a backward with sync disabled added to (and so recorded
+//   as kept) and that the program then changed in place.
+// - Backwards with sync disabled between synchronisations (an input-gradient
+//   probe after a step, a GAN's generator loss through the discriminator):
+//   what they recorded (the parameters' use, a kept copy) is forgotten when
+//   the program zeroes those gradients or sets them to none before the next
+//   synchronisation, as one process forgets them.
+// - Sparse gradients in any layout (libtorch 1.13's zero_grad leaves one with
+//   every dimension sparse and no rows) are reduced as rows of the first
+//   dimension; a rank without one sends no rows.
 //
 // Refused, with an error naming the parameter: a requires_grad change after
 // Attach (attach again); a gradient that becomes ready twice in one
 // synchronisation (reentrant activation checkpointing).
+//
+// One GradSync per process group: c10d pairs collectives by their order on a
+// group, so a second GradSync over a group another one synchronises over is
+// refused at Attach (a second model gets DistContext::NewDataGroup()'s
+// group). Every rank's synchronisation number rides in the control values;
+// ranks found at different synchronisations (the program's own collective
+// on the group shifted the pairing) end it with FailedPrecondition naming
+// each rank's number, nothing applied, and the group is marked unusable for
+// every component, DistContext's collectives included.
 //
 // Failure. A local failure (one of the refusals above, an exception thrown
 // inside a synchronised backward, or one before it reported with

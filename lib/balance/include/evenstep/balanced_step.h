@@ -498,6 +498,10 @@ class BalancedStep {
  private:
   struct Part {
     ModelPart spec;
+    // The part's own connections (DistContext::NewDataGroup): its buckets
+    // can pair only with its own, whatever another part, BalancedStep or
+    // the program's collectives do. Declared first: outlives `sync`.
+    std::unique_ptr<Subgroup> group;
     std::unique_ptr<GradSync> sync;
   };
   BalancedStep(DistContext& ctx, std::vector<Part> parts, Sampler sampler, BalanceConfig config,

@@ -83,7 +83,9 @@ struct NodeLayout {
 };
 
 // A process group of some of the job's ranks (Gloo, CPU tensors): for
-// measurements over node-local, cross-node or pairs of ranks.
+// measurements over node-local, cross-node or pairs of ranks; or of every
+// rank with the data backend (DistContext::NewDataGroup), for a gradient
+// sync of its own.
 class Subgroup {
  public:
   ~Subgroup();
@@ -165,6 +167,12 @@ class DistContext {
   // is used once per job. InvalidArgument for bad ranks.
   absl::StatusOr<std::unique_ptr<Subgroup>> NewSubgroup(const std::string& name,
                                                         std::vector<int> ranks);
+  // A group of every rank with data_group()'s backend (NCCL or Gloo), on
+  // connections of its own: for a second gradient sync (GradSync::Attach
+  // refuses a group that another GradSync already synchronises over, since
+  // c10d would pair one's buckets with the other's). Collective: every rank
+  // calls it, in the same order as its other NewDataGroup calls.
+  absl::StatusOr<std::unique_ptr<Subgroup>> NewDataGroup();
 
   // Which ranks share a node: every rank's host name, with the launcher's
   // node index when it gives one (torchrun's GROUP_RANK, Slurm's
@@ -215,6 +223,7 @@ class DistContext {
   const DistOptions options_;
   std::unique_ptr<Groups> groups_;
   int64_t op_seq_ = 0;
+  int data_groups_ = 0;  // NewDataGroup's, for their names
 };
 
 // Bus bandwidth in GB/s of an all-reduce of `bytes` over a group of `n`

@@ -1,0 +1,316 @@
+// What DDP users' programs do that the gradient sync must survive without a
+// wrong number or an abort, over real ranks (Gloo on 127.0.0.1), each
+// compared with one process's gradient or expected to end with the same
+// named error on every rank:
+// - a sparse embedding whose gradient was zeroed in place (libtorch 1.13's
+//   zero_grad leaves every dimension sparse) beside a rank that adds rows:
+//   the ranks' sparse payloads differed in layout and Gloo aborted;
+// - an input-gradient probe (a backward with sync off) after a step, then
+//   zero_grad (in place, or set to none): its kept copy and use marks were
+//   subtracted at the next synchronisation;
+// - a kept gradient the probe added to, then scaled in place: refused;
+// - two GradSyncs on one process group: refused at Attach; on groups of
+//   their own (DistContext::NewDataGroup), driven by one backward whose
+//   launch order differs per rank: exact;
+// - a collective of the program's own on the sync's group that shifts the
+//   pairing: every rank names the mispaired synchronisation, applies
+//   nothing, and the DistContext refuses its next collective at once;
+// - model parts whose optimizers do not hold exactly their own parameters.
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "evenstep/balanced_step.h"
+#include "evenstep/grad_sync.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/on_ranks.h"
+#include "tests/testing/sync_net.h"
+
+namespace evenstep {
+namespace {
+
+using ::evenstep::testing::ExpectGradsNear;
+using ::evenstep::testing::GlobalSyncBatch;
+using ::evenstep::testing::kSyncBatch;
+using ::evenstep::testing::MakeSyncNet;
+using ::evenstep::testing::MaxRelError;
+using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::ScaledLoss;
+using ::evenstep::testing::SyncBatch;
+using ::evenstep::testing::TinyBuckets;
+using ::testing::HasSubstr;
+
+// Rank r's samples of a step: {r + step, r + step + world, ...}.
+torch::Tensor Samples(int rank, int world, int step) {
+  return torch::arange(rank + step, kSyncBatch, world);
+}
+
+// The program's zero_grad: in place (libtorch 1.13's Optimizer::zero_grad)
+// or set to none (2.x's default).
+void ZeroGrads(torch::nn::Module& net, bool to_none) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : net.parameters()) {
+    if (!p.grad().defined()) continue;
+    if (to_none) {
+      p.mutable_grad() = torch::Tensor();
+    } else {
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
+struct SafetyCase {
+  int world;
+  bool to_none;
+};
+
+class SyncSafetyTest : public ::testing::TestWithParam<SafetyCase> {};
+
+struct Bag : torch::nn::Module {
+  Bag() {
+    torch::manual_seed(3);
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
+    head = register_module("head", torch::nn::Linear(4, 1));
+  }
+  // Sum over `ids` of head(emb(id)), or of head(ones) without the embedding.
+  torch::Tensor Loss(const torch::Tensor& ids, bool use_emb) {
+    torch::Tensor h = use_emb ? emb->forward(ids) : torch::ones({ids.size(0), 4});
+    return head->forward(h).pow(2).sum();
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+TEST_P(SyncSafetyTest, SparseGradientInAnyLayoutBesideAnIdleRank) {
+  const SafetyCase c = GetParam();
+  RunOnRanks(c.world, [c](DistContext& dist) {
+    const int rank = dist.rank(), world = dist.world_size();
+    auto ids = [world](int r, int step) { return torch::arange(r + step, 10, world); };
+    Bag net;
+    auto sync = GradSync::Attach(net, dist.data_group(), TinyBuckets());
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    // Step 1: every rank adds rows.
+    net.Loss(ids(rank, 0), true).backward();
+    ASSERT_TRUE((*sync)->status().ok()) << (*sync)->status();
+    ZeroGrads(net, c.to_none);
+    // Step 2: only rank 0 touches the embedding.
+    net.Loss(ids(rank, 1), rank == 0).backward();
+    ASSERT_TRUE((*sync)->status().ok()) << (*sync)->status();
+    Bag ref;
+    for (int r = 0; r < world; ++r) ref.Loss(ids(r, 1), r == 0).backward();
+    ASSERT_TRUE(net.emb->weight.grad().defined()) << "rank " << rank;
+    EXPECT_LE(MaxRelError(net.emb->weight.grad().to_dense(), ref.emb->weight.grad().to_dense()),
+              1e-5)
+        << "rank " << rank << ": the embedding's gradient";
+    EXPECT_LE(MaxRelError(net.head->weight.grad(), ref.head->weight.grad()), 1e-5)
+        << "rank " << rank << ": the head's gradient";
+  });
+}
+
+TEST_P(SyncSafetyTest, AProbeBackwardBetweenStepsIsForgottenOnceZeroed) {
+  const SafetyCase c = GetParam();
+  RunOnRanks(c.world, [c](DistContext& dist) {
+    const int rank = dist.rank(), world = dist.world_size();
+    const SyncBatch batch = GlobalSyncBatch();
+    auto net = MakeSyncNet(5, torch::kCPU, testing::kSyncHidden, /*with_extra=*/true);
+    auto sync = GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    ScaledLoss(*net, batch, Samples(rank, world, 0)).backward();
+    // The probe: a gradient of the inputs, computed with sync off; it also
+    // accumulates into the parameters (the extra layer on rank 1 only).
+    (*sync)->set_sync_enabled(false);
+    ScaledLoss(*net, batch, Samples(rank, world, 1), /*use_extra=*/rank == 1).backward();
+    (*sync)->set_sync_enabled(true);
+    ZeroGrads(*net, c.to_none);
+    ScaledLoss(*net, batch, Samples(rank, world, 2)).backward();
+    ASSERT_TRUE((*sync)->status().ok()) << (*sync)->status();
+    auto ref = MakeSyncNet(5, torch::kCPU, testing::kSyncHidden, true);
+    for (int r = 0; r < world; ++r) ScaledLoss(*ref, batch, Samples(r, world, 2)).backward();
+    for (const auto& name : {"l1.weight", "l2.weight", "l3.bias", "l4.weight"}) {
+      EXPECT_LE(MaxRelError(net->named_parameters()[name].grad(),
+                            ref->named_parameters()[name].grad()),
+                1e-5)
+          << "rank " << rank << ": " << name << " after the probe";
+    }
+    // The extra layer, used by the probe only and zeroed since, is unused
+    // everywhere: as in one process, what zero_grad left stays.
+    const torch::Tensor extra = net->extra->weight.grad();
+    if (c.to_none) {
+      EXPECT_FALSE(extra.defined()) << "rank " << rank;
+    } else if (extra.defined()) {
+      EXPECT_EQ(extra.abs().sum().item<double>(), 0) << "rank " << rank;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, SyncSafetyTest,
+                         ::testing::Values(SafetyCase{2, false}, SafetyCase{2, true},
+                                           SafetyCase{3, false}, SafetyCase{3, true}),
+                         [](const auto& info) {
+                           return absl::StrCat("world", info.param.world,
+                                               info.param.to_none ? "_to_none" : "_in_place");
+                         });
+
+TEST(SyncSafetyTest, AKeptGradientScaledInPlaceAfterAProbeIsRefusedByName) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank(), world = dist.world_size();
+    const SyncBatch batch = GlobalSyncBatch();
+    auto net = MakeSyncNet(5);
+    auto sync = GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    ScaledLoss(*net, batch, Samples(rank, world, 0)).backward();
+    (*sync)->set_sync_enabled(false);
+    ScaledLoss(*net, batch, Samples(rank, world, 1)).backward();  // adds to the kept gradient
+    (*sync)->set_sync_enabled(true);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.mutable_grad().mul_(0.5);
+    }
+    std::string error;
+    try {
+      ScaledLoss(*net, batch, Samples(rank, world, 2)).backward();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    EXPECT_THAT(error, HasSubstr("changed it in place")) << "rank " << rank;
+    EXPECT_THAT(error, HasSubstr("abandoned on every rank")) << "rank " << rank;
+    for (const auto& p : net->parameters()) {
+      EXPECT_FALSE(p.grad().defined()) << "rank " << rank << ": a gradient survived the refusal";
+    }
+    // The next synchronisation starts clean and is exact.
+    ScaledLoss(*net, batch, Samples(rank, world, 3)).backward();
+    ASSERT_TRUE((*sync)->status().ok()) << (*sync)->status();
+    auto ref = MakeSyncNet(5);
+    {
+      // The reference starts from the same (unstepped) weights.
+      for (int r = 0; r < world; ++r) ScaledLoss(*ref, batch, Samples(r, world, 3)).backward();
+    }
+    ExpectGradsNear(*net, *ref, 1e-5, absl::StrCat("rank ", rank, " after the refusal"));
+  });
+}
+
+class TwoSyncsTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(TwoSyncsTest, ASharedGroupIsRefusedAndOwnGroupsAreExact) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
+    const int rank = dist.rank(), world = dist.world_size();
+    const SyncBatch batch = GlobalSyncBatch();
+    auto d = MakeSyncNet(5, torch::kCPU, testing::kSyncHidden, /*with_extra=*/true);
+    auto g = MakeSyncNet(6, torch::kCPU, testing::kSyncHidden, /*with_extra=*/true);
+    auto sync_d = GradSync::Attach(*d, dist.data_group(), TinyBuckets());
+    ASSERT_TRUE(sync_d.ok()) << sync_d.status();
+    auto shared = GradSync::Attach(*g, dist.data_group(), TinyBuckets());
+    ASSERT_FALSE(shared.ok()) << "rank " << rank << ": a second GradSync on one group";
+    EXPECT_THAT(std::string(shared.status().message()), HasSubstr("NewDataGroup"));
+    auto own = dist.NewDataGroup();
+    ASSERT_TRUE(own.ok()) << own.status();
+    auto sync_g = GradSync::Attach(*g, (*own)->process_group(), TinyBuckets());
+    ASSERT_TRUE(sync_g.ok()) << sync_g.status();
+    // One backward drives both syncs; D's extra branch only on rank 0, so
+    // the buckets become ready in another order on each rank.
+    for (int step = 0; step < 2; ++step) {
+      ZeroGrads(*d, true);
+      ZeroGrads(*g, true);
+      const torch::Tensor idx = Samples(rank, world, step);
+      (ScaledLoss(*d, batch, idx, /*use_extra=*/rank == 0) + ScaledLoss(*g, batch, idx, true))
+          .backward();
+      ASSERT_TRUE((*sync_d)->status().ok()) << (*sync_d)->status();
+      ASSERT_TRUE((*sync_g)->status().ok()) << (*sync_g)->status();
+      auto ref_d = MakeSyncNet(5, torch::kCPU, testing::kSyncHidden, true);
+      auto ref_g = MakeSyncNet(6, torch::kCPU, testing::kSyncHidden, true);
+      for (int r = 0; r < world; ++r) {
+        const torch::Tensor ridx = Samples(r, world, step);
+        (ScaledLoss(*ref_d, batch, ridx, r == 0) + ScaledLoss(*ref_g, batch, ridx, true))
+            .backward();
+      }
+      ExpectGradsNear(*d, *ref_d, 1e-5, absl::StrCat("rank ", rank, " step ", step, " D"));
+      ExpectGradsNear(*g, *ref_g, 1e-5, absl::StrCat("rank ", rank, " step ", step, " G"));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, TwoSyncsTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return absl::StrCat("world", info.param); });
+
+TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplied) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank();
+    torch::manual_seed(1);
+    torch::nn::Linear lin(3, 2);  // 8 gradients in one bucket with the control values
+    GradSyncOptions options;
+    options.rebuild_buckets = false;
+    options.timeout = absl::Seconds(30);
+    auto sync = GradSync::Attach(*lin, dist.data_group(), options);
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    ASSERT_EQ((*sync)->num_buckets(), 1);
+    // The bucket: 8 gradients, then failure flags and synchronisation
+    // numbers (2 each) and 2 used flags.
+    const int64_t bucket = 8 + 2 * 2 + 2;
+    auto raw = [&dist, bucket] {
+      std::vector<at::Tensor> v{torch::zeros({bucket})};
+      dist.data_group().allreduce(v)->wait();
+    };
+    // Rank 1's own collective on the sync's group comes first: rank 0's
+    // bucket pairs with it, and rank 1's bucket with rank 0's next one.
+    if (rank == 1) raw();
+    std::string error;
+    try {
+      lin->forward(torch::ones({4, 3})).sum().backward();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (rank == 0) raw();
+    EXPECT_THAT(error, HasSubstr("reduced together with another synchronisation"))
+        << "rank " << rank;
+    EXPECT_THAT(error, HasSubstr("rank 1")) << "rank " << rank;
+    EXPECT_FALSE(lin->weight.grad().defined()) << "rank " << rank << ": a mixed sum was applied";
+    // The context knows: its next collective fails at once, naming the sync.
+    torch::Tensor t = torch::ones({1});
+    const absl::Status next = dist.AllReduce(t);
+    EXPECT_FALSE(next.ok()) << "rank " << rank;
+    EXPECT_THAT(std::string(next.message()), HasSubstr("another synchronisation"));
+  });
+}
+
+// Model parts whose optimizers do not hold exactly their module's
+// trainable parameters are refused before anything is synchronised.
+TEST(SyncSafetyTest, APartsOptimizerMustHoldExactlyItsParameters) {
+  RunOnRanks(1, [](DistContext& dist) {
+    torch::nn::Linear encoder(3, 4), decoder(4, 2);
+    std::vector<at::Tensor> both = encoder->parameters();
+    for (const auto& p : decoder->parameters()) both.push_back(p);
+    torch::optim::Adam over_both(both, torch::optim::AdamOptions(1e-3));
+    torch::optim::Adam enc_only(encoder->parameters(), torch::optim::AdamOptions(1e-3));
+    torch::optim::Adam dec_only(decoder->parameters(), torch::optim::AdamOptions(1e-3));
+    torch::optim::SGD weight_only(std::vector<at::Tensor>{encoder->weight},
+                                  torch::optim::SGDOptions(0.1));
+    const std::vector<int64_t> lengths(8, 1);
+    auto status = [&](std::vector<ModelPart> parts) {
+      return BalancedStep::Create(dist, std::move(parts), lengths, BalanceConfig()).status();
+    };
+    // One optimizer over two modules, given with one of them.
+    absl::Status s = status({ModelPart("encoder", *encoder, over_both)});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("2 tensor(s) that are not parameters"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("container module"));
+    // One optimizer in two parts.
+    s = status({ModelPart("encoder", *encoder, over_both), ModelPart("decoder", *decoder, over_both)});
+    EXPECT_THAT(std::string(s.message()), HasSubstr("the same optimizer")) << s;
+    // An optimizer that lacks a trainable parameter.
+    s = status({ModelPart("encoder", *encoder, weight_only)});
+    EXPECT_THAT(std::string(s.message()), HasSubstr("lacks 1 trainable parameter(s) of its module: 'bias'"))
+        << s;
+    // Frozen, the bias may stay out; and separate parts are accepted.
+    encoder->bias.set_requires_grad(false);
+    EXPECT_TRUE(status({ModelPart("encoder", *encoder, weight_only)}).ok());
+    encoder->bias.set_requires_grad(true);
+    s = status({ModelPart("encoder", *encoder, enc_only), ModelPart("decoder", *decoder, dec_only)});
+    EXPECT_TRUE(s.ok()) << s;
+  });
+}
+
+}  // namespace
+}  // namespace evenstep
