@@ -287,7 +287,7 @@ TEST(SyncSafetyTest, APartsOptimizerMustHoldExactlyItsParameters) {
     torch::optim::Adam dec_only(decoder->parameters(), torch::optim::AdamOptions(1e-3));
     torch::optim::SGD weight_only(std::vector<at::Tensor>{encoder->weight},
                                   torch::optim::SGDOptions(0.1));
-    const std::vector<int64_t> lengths(8, 1);
+    const std::vector<int64_t> lengths(64, 1);  // the default global batch
     auto status = [&](std::vector<ModelPart> parts) {
       return BalancedStep::Create(dist, std::move(parts), lengths, BalanceConfig()).status();
     };
