@@ -439,10 +439,10 @@ absl::Status GradSyncState::CheckPairing(const double* agreed) const {
   for (int r = 0; r < world; ++r) {
     const double v = scale > 0 ? agreed[world + r] / scale : 0;
     where.push_back(r == rank ? absl::StrCat("rank ", r, " (here) at #", seq)
-                    : v < 0.5 ? absl::StrCat("rank ", r, " at none")
-                              : absl::StrFormat("rank %d at another (#%d modulo %d)", r,
-                                                static_cast<int64_t>(std::lround(v)) - 1,
-                                                kSeqModulus));
+                    : v < 0.5
+                        ? absl::StrCat("rank ", r, " at none")
+                        : absl::StrFormat("rank %d at another (#%d modulo %d)", r,
+                                          static_cast<int64_t>(std::lround(v)) - 1, kSeqModulus));
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "rank ", rank, ": gradient synchronisation #", seq,
@@ -1091,6 +1091,24 @@ absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<Named
   return absl::OkStatus();
 }
 
+// Before anything is exchanged on `group`: it is usable, and no other
+// GradSync synchronises over it (every rank claims it, or fails, the same
+// way: Attach is collective).
+absl::Status ClaimGroup(c10d::ProcessGroup& group, const std::vector<NamedTensor>& trainable) {
+  const int rank = group.getRank();
+  if (absl::Status broken = internal::GroupBroken(&group); !broken.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, ": GradSync::Attach: this process group cannot be used any more (",
+        broken.message(), ")"));
+  }
+  EVENSTEP_RETURN_IF_ERROR(
+      internal::ClaimGroupForSync(
+          &group, absl::StrCat("the GradSync of ", trainable.size(), " parameters from '",
+                               trainable.front().first, "'")),
+      "rank ", rank, ": GradSync::Attach");
+  return absl::OkStatus();
+}
+
 // Keeps the first name of each tensor registered under several (tied).
 std::vector<NamedTensor> Unique(std::vector<NamedTensor> tensors) {
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -1183,17 +1201,7 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
     }
   }
   const at::Device device = trainable.front().second.device();
-  if (absl::Status broken = internal::GroupBroken(&group); !broken.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", rank, ": GradSync::Attach: this process group cannot be used any more (",
-                     broken.message(), ")"));
-  }
-  // Every rank claims the group (or fails) the same way: Attach is collective.
-  EVENSTEP_RETURN_IF_ERROR(
-      internal::ClaimGroupForSync(
-          &group, absl::StrCat("the GradSync of ", trainable.size(), " parameters from '",
-                               trainable.front().first, "'")),
-      "rank ", rank, ": GradSync::Attach");
+  EVENSTEP_RETURN_IF_ERROR(ClaimGroup(group, trainable));
   struct Unclaim {
     c10d::ProcessGroup* group;
     ~Unclaim() {

@@ -72,7 +72,8 @@ class SyncSafetyTest : public ::testing::TestWithParam<SafetyCase> {};
 struct Bag : torch::nn::Module {
   Bag() {
     torch::manual_seed(3);
-    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
+    emb = register_module("emb",
+                          torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
     head = register_module("head", torch::nn::Linear(4, 1));
   }
   // Sum over `ids` of head(emb(id)), or of head(ones) without the embedding.
@@ -130,9 +131,9 @@ TEST_P(SyncSafetyTest, AProbeBackwardBetweenStepsIsForgottenOnceZeroed) {
     auto ref = MakeSyncNet(5, torch::kCPU, testing::kSyncHidden, true);
     for (int r = 0; r < world; ++r) ScaledLoss(*ref, batch, Samples(r, world, 2)).backward();
     for (const auto& name : {"l1.weight", "l2.weight", "l3.bias", "l4.weight"}) {
-      EXPECT_LE(MaxRelError(net->named_parameters()[name].grad(),
-                            ref->named_parameters()[name].grad()),
-                1e-5)
+      EXPECT_LE(
+          MaxRelError(net->named_parameters()[name].grad(), ref->named_parameters()[name].grad()),
+          1e-5)
           << "rank " << rank << ": " << name << " after the probe";
     }
     // The extra layer, used by the probe only and zeroed since, is unused
@@ -297,17 +298,20 @@ TEST(SyncSafetyTest, APartsOptimizerMustHoldExactlyItsParameters) {
     EXPECT_THAT(std::string(s.message()), HasSubstr("2 tensor(s) that are not parameters"));
     EXPECT_THAT(std::string(s.message()), HasSubstr("container module"));
     // One optimizer in two parts.
-    s = status({ModelPart("encoder", *encoder, over_both), ModelPart("decoder", *decoder, over_both)});
+    s = status(
+        {ModelPart("encoder", *encoder, over_both), ModelPart("decoder", *decoder, over_both)});
     EXPECT_THAT(std::string(s.message()), HasSubstr("the same optimizer")) << s;
     // An optimizer that lacks a trainable parameter.
     s = status({ModelPart("encoder", *encoder, weight_only)});
-    EXPECT_THAT(std::string(s.message()), HasSubstr("lacks 1 trainable parameter(s) of its module: 'bias'"))
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("lacks 1 trainable parameter(s) of its module: 'bias'"))
         << s;
     // Frozen, the bias may stay out; and separate parts are accepted.
     encoder->bias.set_requires_grad(false);
     EXPECT_TRUE(status({ModelPart("encoder", *encoder, weight_only)}).ok());
     encoder->bias.set_requires_grad(true);
-    s = status({ModelPart("encoder", *encoder, enc_only), ModelPart("decoder", *decoder, dec_only)});
+    s = status(
+        {ModelPart("encoder", *encoder, enc_only), ModelPart("decoder", *decoder, dec_only)});
     EXPECT_TRUE(s.ok()) << s;
   });
 }

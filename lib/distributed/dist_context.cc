@@ -907,8 +907,7 @@ absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewDataGroup() {
     }
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": creating ", backend,
-                                               " data group ", name, ": ",
-                                               internal::ErrorText(e)));
+                                               " data group ", name, ": ", internal::ErrorText(e)));
   }
   return std::unique_ptr<Subgroup>(new Subgroup(name, std::move(ranks), env_.rank, env_.rank,
                                                 options_.collective_timeout, std::move(impl)));

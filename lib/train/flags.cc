@@ -225,7 +225,8 @@ absl::Status CheckTimeout(absl::string_view flag, absl::Duration value) {
   return absl::InvalidArgumentError(absl::StrCat(
       flag, "=", absl::FormatDuration(value),
       ": must be finite and at least 1s (it bounds every collective or the rendezvous; the "
-      "default is ", flag == "--evenstep_timeout" ? "10m" : "5m", ")"));
+      "default is ",
+      flag == "--evenstep_timeout" ? "10m" : "5m", ")"));
 }
 
 }  // namespace
