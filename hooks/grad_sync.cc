@@ -37,6 +37,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <map>
 #include <mutex>
