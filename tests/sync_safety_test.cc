@@ -316,5 +316,49 @@ TEST(SyncSafetyTest, APartsOptimizerMustHoldExactlyItsParameters) {
   });
 }
 
+// BalancedStep, one rank's backward throws after every gradient of its last
+// micro-batch was synchronised (a hook on a branch the engine runs last):
+// the gradient is whole, so every rank applies the step, nobody waits in
+// the exchange for the rank that threw, and every rank's Step names it.
+TEST(SyncSafetyTest, AThrowAfterEveryGradientWasSynchronisedIsNamedOnEveryRank) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank();
+    torch::manual_seed(4);
+    torch::nn::Linear net(3, 1);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    auto step = BalancedStep::Create(dist, *net, opt, std::vector<int64_t>(64, 1), BalanceConfig());
+    ASSERT_TRUE(step.ok()) << step.status();
+    for (int s = 1; s <= 3; ++s) {
+      auto report = (*step)->Step({[&](const MicroBatch& mb) {
+        // Created before the model's nodes, so the engine runs its node last.
+        torch::Tensor a = torch::ones({1}).requires_grad_();
+        torch::Tensor late = a * 1;
+        const bool last = mb.index + 1 == static_cast<int>((*step)->micro_batches().size());
+        if (s == 2 && rank == 1 && last) {
+          late.register_hook([](torch::Tensor g) -> torch::Tensor {
+            throw std::runtime_error("planted: after every gradient");
+          });
+        }
+        torch::Tensor idx = torch::tensor(mb.samples, torch::kLong).to(torch::kFloat);
+        torch::Tensor x = torch::stack({idx / 64, torch::cos(idx), torch::sin(idx)}, 1);
+        return net->forward(x).pow(2).sum() + late.sum() * 0;
+      }});
+      if (s == 2) {
+        ASSERT_FALSE(report.ok()) << "rank " << rank << " step 2";
+        EXPECT_THAT(std::string(report.status().message()),
+                    HasSubstr("rank(s) 1 threw after every gradient of the step was synchronised"))
+            << "rank " << rank;
+      } else {
+        ASSERT_TRUE(report.ok()) << "rank " << rank << " step " << s << ": " << report.status();
+      }
+      // The replicas never differ.
+      torch::Tensor flat = torch::cat({net->weight.detach().reshape({-1}), net->bias.detach()});
+      std::vector<at::Tensor> all;
+      ASSERT_TRUE(dist.AllGather(flat, &all).ok());
+      EXPECT_TRUE(torch::equal(all[0], all[1])) << "rank " << rank << " step " << s;
+    }
+  });
+}
+
 }  // namespace
 }  // namespace evenstep

@@ -50,7 +50,8 @@ enum ExchangeField {
   kOomFailed,
   kPeakMemory,
   kLargestMicro,
-  kAgreed,                                  // kAgreementSlots values follow
+  kLateFailure,  // 1: an exception after this rank's gradients were all synchronised
+  kAgreed,       // kAgreementSlots values follow
   kPartLosses = kAgreed + kAgreementSlots,  // one loss sum per part follows
 };
 
@@ -388,6 +389,7 @@ absl::Status BalancedStep::BeginStep() {
   report_ = StepReport{};
   report_.begin = absl::Now();
   step_failed_max_ = 0;
+  late_failure_.clear();
   memory_probe_.Begin();
   began_ = true;
   cost_model_.BeginStep();
@@ -459,6 +461,21 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
     clock_->End();
   } catch (const std::exception& e) {
     backward_started_ = false;
+    if (last && SyncedDespiteFailure()) {
+      // After every gradient was in the synchronisation, which completed on
+      // every rank: the peers step with the whole gradient, so this rank
+      // steps too (no replica drifts) and joins the exchange (no peer waits
+      // for a rank that left), which carries the failure to every rank.
+      late_failure_ = absl::StrCat("micro-batch ", index + 1, " of ", micro_.size(), ": ",
+                                   internal::ErrorText(e));
+      clock_->End();
+      const SyncStats stats = parts_[part_].sync->last_stats();
+      report_.arrived = stats.arrived;
+      report_.synced = stats.done;
+      data_marked_ = false;
+      Reseed(next_micro_);
+      return absl::OkStatus();
+    }
     if (last && Bystander(e)) {
       // Another rank abandoned this synchronisation: if it ran out of
       // memory (and nobody failed otherwise), every rank runs the part again.
@@ -909,6 +926,15 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
   PredictMemoryCap();
   EVENSTEP_RETURN_IF_ERROR(Exchange(), "BalancedStep: step ", steps_,
                            ", exchanging cost fits for the next plan");
+  if (!report_.late_failures.empty()) {
+    return absl::AbortedError(absl::StrCat(
+        "BalancedStep: rank ", ctx_.rank(), ", step ", steps_, ": rank(s) ",
+        absl::StrJoin(report_.late_failures, ","),
+        " threw after every gradient of the step was synchronised",
+        late_failure_.empty() ? std::string(" (see their output)")
+                              : absl::StrCat(" (here: ", late_failure_, ")"),
+        "; the gradient was whole, so the step was applied on every rank alike"));
+  }
   // Dynamic plans need the exchanged fits: with prefetching across steps the
   // next step is planned now, so that its loads can start.
   if (next_step_loads_ && !planned_) PlanNextStep(steps_);
@@ -929,6 +955,7 @@ absl::Status BalancedStep::Exchange() {
   for (size_t k = 0; k < parts_.size(); ++k) m[kPartLosses + k] = part_loss_sums_[k];
   for (size_t k = 0; k < sum_names_.size(); ++k) m[sums_at + k] = step_sums_[k];
   m[kMicroBatches] = static_cast<double>(micro_.size());
+  m[kLateFailure] = late_failure_.empty() ? 0 : 1;
   m[kOomSplits] = report_.oom_splits;
   m[kMemoryCap] = static_cast<double>(MemoryCap());
   m[kOomFailed] = static_cast<double>(step_failed_max_);
@@ -961,6 +988,7 @@ absl::Status BalancedStep::Exchange() {
     fits_[r].observations = static_cast<int64_t>(v[kFitObservations]);
     report_.rank_busy_s[r] = v[kBusy];
     report_.rank_micro_batches[r] = static_cast<int>(v[kMicroBatches]);
+    if (v[kLateFailure] != 0) report_.late_failures.push_back(r);
     report_.rank_oom_splits[r] = static_cast<int>(v[kOomSplits]);
     report_.rank_memory_caps[r] = static_cast<int64_t>(v[kMemoryCap]);
     report_.rank_oom_failed[r] = static_cast<int64_t>(v[kOomFailed]);

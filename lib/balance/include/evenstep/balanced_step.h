@@ -274,6 +274,10 @@ struct StepReport {
   std::vector<double> shares;       // the plan this step used
   std::vector<double> rank_busy_s;  // every rank's busy time
   std::vector<int> rank_micro_batches;
+  // Ranks whose step threw after its gradients were all synchronised: the
+  // step was applied on every rank, and Step/FinishStep returned ABORTED
+  // naming them on every rank.
+  std::vector<int> late_failures;
   // Out-of-memory recoveries (BalanceConfig::oom): the micro-batches this
   // rank split and retried in this step, and every rank's count and learned
   // memory cap (padded tokens; 0 = none).
@@ -770,6 +774,10 @@ class BalancedStep {
   // A step abandoned without the peers knowing (a failed collective): no
   // step runs after it on this rank.
   absl::Status abandoned_;
+  // This step's exception that came after its synchronisation completed on
+  // every rank (the gradient is whole): the step is applied on every rank
+  // and, once the exchange has told every rank, fails on every rank.
+  std::string late_failure_;
   std::array<double, kAgreementSlots> shared_{};
 };
 
