@@ -37,8 +37,8 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <set>

@@ -461,28 +461,22 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
     clock_->End();
   } catch (const std::exception& e) {
     backward_started_ = false;
-    if (last && SyncedDespiteFailure()) {
-      // After every gradient was in the synchronisation, which completed on
-      // every rank: the peers step with the whole gradient, so this rank
-      // steps too (no replica drifts) and joins the exchange (no peer waits
-      // for a rank that left), which carries the failure to every rank.
-      late_failure_ = absl::StrCat("micro-batch ", index + 1, " of ", micro_.size(), ": ",
-                                   internal::ErrorText(e));
-      clock_->End();
-      const SyncStats stats = parts_[part_].sync->last_stats();
-      report_.arrived = stats.arrived;
-      report_.synced = stats.done;
-      data_marked_ = false;
-      Reseed(next_micro_);
-      return absl::OkStatus();
+    if (!(last && SyncedDespiteFailure())) {
+      if (last && Bystander(e)) {
+        // Another rank abandoned this synchronisation: if it ran out of
+        // memory (and nobody failed otherwise), every rank runs the part again.
+        EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(false, false));
+        if (retry) return Replay(0, micro_.size() - 1, micro_.size());
+      }
+      return Abandon(index, internal::ErrorText(e));
     }
-    if (last && Bystander(e)) {
-      // Another rank abandoned this synchronisation: if it ran out of
-      // memory (and nobody failed otherwise), every rank runs the part again.
-      EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(false, false));
-      if (retry) return Replay(0, micro_.size() - 1, micro_.size());
-    }
-    return Abandon(index, internal::ErrorText(e));
+    // After every gradient was in the synchronisation, which completed on
+    // every rank: the peers step with the whole gradient, so this rank steps
+    // too (no replica drifts) and joins the exchange (no peer waits for a
+    // rank that left), which carries the failure to every rank.
+    late_failure_ = absl::StrCat("micro-batch ", index + 1, " of ", micro_.size(), ": ",
+                                 internal::ErrorText(e));
+    clock_->End();
   }
   if (last) {
     const SyncStats stats = parts_[part_].sync->last_stats();
@@ -927,13 +921,13 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
   EVENSTEP_RETURN_IF_ERROR(Exchange(), "BalancedStep: step ", steps_,
                            ", exchanging cost fits for the next plan");
   if (!report_.late_failures.empty()) {
-    return absl::AbortedError(absl::StrCat(
-        "BalancedStep: rank ", ctx_.rank(), ", step ", steps_, ": rank(s) ",
-        absl::StrJoin(report_.late_failures, ","),
-        " threw after every gradient of the step was synchronised",
-        late_failure_.empty() ? std::string(" (see their output)")
-                              : absl::StrCat(" (here: ", late_failure_, ")"),
-        "; the gradient was whole, so the step was applied on every rank alike"));
+    return absl::AbortedError(
+        absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_, ": rank(s) ",
+                     absl::StrJoin(report_.late_failures, ","),
+                     " threw after every gradient of the step was synchronised",
+                     late_failure_.empty() ? std::string(" (see their output)")
+                                           : absl::StrCat(" (here: ", late_failure_, ")"),
+                     "; the gradient was whole, so the step was applied on every rank alike"));
   }
   // Dynamic plans need the exchanged fits: with prefetching across steps the
   // next step is planned now, so that its loads can start.
