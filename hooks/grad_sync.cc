@@ -125,6 +125,8 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   int params_ready = 0;
   int64_t collectives = 0;
   int64_t seq = 0;          // synchronisations begun
+  int64_t next_step = -1;   // SetStep's number for the coming synchronisation(s)
+  int64_t step = -1;        // ... and the one this synchronisation carries
   int64_t completed = 0;    // synchronisations completed
   int64_t arrival_seq = 0;  // SyncDiagnosis's number for this one
   int rebuild_attempts = 0;
@@ -141,9 +143,9 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   at::Tensor control;
   c10::intrusive_ptr<c10d::Work> control_work;
 
-  // Failure flags, synchronisation numbers (one slot per rank each), then a
-  // used flag per parameter.
-  int64_t control_numel() const { return 2 * world + static_cast<int64_t>(params.size()); }
+  // Failure flags, synchronisation numbers, caller's step numbers (one slot
+  // per rank each), then a used flag per parameter.
+  int64_t control_numel() const { return 3 * world + static_cast<int64_t>(params.size()); }
   bool control_in_bucket() const {
     return !buckets.empty() && IsZeroPreservingHook(options.comm_hook);
   }
@@ -328,6 +330,7 @@ void GradSyncState::BeginStep(int first) {
   step_open = true;
   failed_in_backward = false;
   ++seq;
+  step = next_step;
   next_launch = 0;
   params_ready = 0;
   ready_order.clear();
@@ -417,29 +420,38 @@ constexpr int kSeqModulus = 251;
 int32_t SeqSlotValue(int64_t seq) { return static_cast<int32_t>(seq % kSeqModulus) + 1; }
 
 // This rank's control vector: its failure flag, its synchronisation number
-// (each in this rank's slot), then a used flag per parameter.
+// and its caller's step number (0: none given; each in this rank's slot),
+// then a used flag per parameter.
 std::vector<int32_t> GradSyncState::ControlValues() const {
   std::vector<int32_t> values(control_numel(), 0);
   if (!local_failure.ok()) values[rank] = 1;
   values[world + rank] = SeqSlotValue(seq);
-  for (size_t i = 0; i < params.size(); ++i) values[2 * world + i] = params[i].used ? 1 : 0;
+  values[2 * world + rank] = step >= 0 ? SeqSlotValue(step) : 0;
+  for (size_t i = 0; i < params.size(); ++i) values[3 * world + i] = params[i].used ? 1 : 0;
   return values;
 }
 
-// Every rank reduced the same synchronisation: the number slots all hold
-// one value (a rank at another issued its buckets with this one's, so the
-// sums mix two steps' gradients and must not be written back).
+// Every rank reduced the same synchronisation of the same step: the number
+// slots all hold one value, and so do the step slots (a rank at another
+// issued its buckets with this one's, so the sums mix two steps' gradients
+// and must not be written back).
 absl::Status GradSyncState::CheckPairing(const double* agreed) const {
-  const double mine = agreed[world + rank];
-  bool same = true;
-  for (int r = 0; r < world; ++r) same &= agreed[world + r] == mine;
-  if (same) return absl::OkStatus();
-  // Undo a uniform scaling (an averaging hook) to name each rank's number.
-  const double scale = mine / SeqSlotValue(seq);
+  auto same = [&](int slots, double mine) {
+    bool all = true;
+    for (int r = 0; r < world; ++r) all &= agreed[slots + r] == mine;
+    return all;
+  };
+  // Undo a uniform scaling (an averaging hook) by this rank's own number.
+  const double scale = agreed[world + rank] / SeqSlotValue(seq);
+  const bool steps_agree = same(2 * world, agreed[2 * world + rank]);
+  if (same(world, agreed[world + rank]) && steps_agree) return absl::OkStatus();
+  const bool by_step = !steps_agree && step >= 0;
+  const int slots = by_step ? 2 * world : world;
+  const int64_t here = by_step ? step : seq;
   std::vector<std::string> where;
   for (int r = 0; r < world; ++r) {
-    const double v = scale > 0 ? agreed[world + r] / scale : 0;
-    where.push_back(r == rank ? absl::StrCat("rank ", r, " (here) at #", seq)
+    const double v = scale > 0 ? agreed[slots + r] / scale : 0;
+    where.push_back(r == rank ? absl::StrCat("rank ", r, " (here) at #", here)
                     : v < 0.5
                         ? absl::StrCat("rank ", r, " at none")
                         : absl::StrFormat("rank %d at another (#%d modulo %d)", r,
@@ -447,8 +459,9 @@ absl::Status GradSyncState::CheckPairing(const double* agreed) const {
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "rank ", rank, ": gradient synchronisation #", seq,
-      " was reduced together with another synchronisation on some rank (",
-      absl::StrJoin(where, ", "),
+      by_step ? absl::StrCat(" of step ", step, " (GradSync::SetStep)") : std::string(),
+      " was reduced together with another ", by_step ? "step's" : "synchronisation",
+      " on some rank (", by_step ? "steps: " : "", absl::StrJoin(where, ", "),
       "): a rank skipped a synchronisation (a step it left after an exception before its "
       "synchronised backward, without GradSync::AbandonStep) or ran one more; nothing of it was "
       "applied, the step's gradients were reset, and this GradSync stops here (its process "
@@ -809,7 +822,7 @@ absl::Status GradSyncState::Conclude() {
     if (a[r] != 0) failed.push_back(r);
   }
   std::vector<char> used_anywhere(params.size());
-  for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = a[2 * world + i] != 0;
+  for (size_t i = 0; i < params.size(); ++i) used_anywhere[i] = a[3 * world + i] != 0;
   if (absl::Status pairing = CheckPairing(a); !pairing.ok()) {
     fatal = pairing;
     ResetGradients();
@@ -1270,6 +1283,11 @@ void GradSync::ForgetUse() {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (state_->step_open) return;
   for (internal::ParamSlot& p : state_->params) p.used = false;
+}
+
+void GradSync::SetStep(int64_t step) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->next_step = step;
 }
 
 void GradSync::ForgetFailure() {

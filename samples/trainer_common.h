@@ -55,10 +55,17 @@ struct Data {
   std::vector<std::string> train, eval;
 };
 
-// RUNS_DIR/NAME, created when missing.
+// RUNS_DIR/NAME, created when missing; a directory that cannot be created
+// stops the trainer with status 2 naming the flags, the directory and why.
 inline std::string RunDir() {
   const std::string dir = absl::GetFlag(FLAGS_runs_dir) + "/" + absl::GetFlag(FLAGS_run);
-  std::filesystem::create_directories(dir);
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) {
+    std::cerr << "--runs_dir=" << absl::GetFlag(FLAGS_runs_dir) << " --run=" << absl::GetFlag(FLAGS_run)
+              << ": cannot create the run directory " << dir << ": " << error.message() << std::endl;
+    std::exit(2);
+  }
   return dir;
 }
 

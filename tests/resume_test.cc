@@ -343,6 +343,52 @@ TEST_F(ResumeTest, CheckpointOfAnotherModelIsAnErrorEvenWithTheFallback) {
   EXPECT_TRUE(fs::exists(ckpt(4) + "/manifest.json")) << "a fitting checkpoint was set aside";
 }
 
+// Balancing extras that a resume refuses are refused by every tool too
+// (evenstep-ckpt verify / show / export and the Python reader: one check,
+// evenstep::CheckTrainExtras); they used to pass verify and load in Python.
+TEST_F(ResumeTest, BalancingExtrasAResumeRefusesAreRefusedByEveryTool) {
+  const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> cases = {
+      {[](nlohmann::json& j) { j["extras"]["balance"]["shares"][0] = nullptr; },
+       "shares [null,"},
+      {[](nlohmann::json& j) { j["extras"]["balance"]["shares"][0] = 0.9; },
+       "must be non-negative numbers that sum to 1"},
+      {[](nlohmann::json& j) { j["extras"].erase("balance"); },
+       "the balancing state (\"balance\") is missing"},
+  };
+  const std::string reader = absl::StrCat("/usr/bin/python3 ", EVENSTEP_CKPT_READER, " ");
+  for (const auto& [edit, expect] : cases) {
+    SCOPED_TRACE(expect);
+    fs::remove_all(dir_);
+    fs::copy(template_, dir_, fs::copy_options::recursive);
+    EditManifest(ckpt(4), edit);
+    auto r = Train(dir_, 6, {});
+    for (const ProcessResult& p : r) {
+      EXPECT_EQ(p.exit_code, 2) << Describe(r);
+      EXPECT_THAT(p.output, HasSubstr(expect)) << Describe(r);
+      EXPECT_THAT(p.output, Not(HasSubstr("first step"))) << Describe(r);
+    }
+    for (const std::string& command : {"verify ", "show ", "export "}) {
+      const std::string out_file = command == "export " ? " " + dir_ + "/out.pt" : "";
+      auto [rc, out] =
+          Shell(absl::StrCat(EVENSTEP_CKPT_TOOL, " ", command, ckpt(4), out_file, " 2>&1"));
+      EXPECT_EQ(rc, 1) << command << out;
+      EXPECT_THAT(out, HasSubstr("CORRUPT " + ckpt(4) + "/manifest.json: ")) << command << out;
+      EXPECT_THAT(out, HasSubstr(expect)) << command << out;
+    }
+    EXPECT_FALSE(fs::exists(dir_ + "/out.pt"));
+    auto [rc, out] = Shell(reader + ckpt(4) + " 2>&1");
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_THAT(out, HasSubstr(expect)) << out;
+  }
+  // Python reads 1e999 as inf; the reader, like the C++ tools, refuses it.
+  fs::remove_all(dir_);
+  fs::copy(template_, dir_, fs::copy_options::recursive);
+  ReplaceInFile(ckpt(4) + "/manifest.json", "\"extras\": {", "\"extras\": {\"x\": 1e999, ");
+  auto [rc, out] = Shell(reader + ckpt(4) + " 2>&1");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, HasSubstr("the number 1e999 is out of range")) << out;
+}
+
 TEST_F(ResumeTest, AChangedGlobalBatchIsRefusedNamingBothValues) {
   // Saved with --evenstep_global_batch=24 (SessionArgs); a resume with 32
   // used to be accepted without a word.
@@ -539,6 +585,25 @@ TEST_F(MountedTest, AReadOnlyCheckpointDirectoryStopsTheRunAtCreateNamingItAndTh
         << Describe(r);
     EXPECT_THAT(p.output, HasSubstr("--evenstep_ckpt_dir")) << Describe(r);
     EXPECT_THAT(p.output, Not(HasSubstr("first step"))) << Describe(r);
+  }
+}
+
+TEST_F(MountedTest, AReadOnlyOrUncreatableRunDirectoryIsNamedWithItsCauseNotAsInUse) {
+  // A read-only run directory used to be reported as "in use by another run".
+  if (!Mount("size=1m")) GTEST_SKIP() << "cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)";
+  fs::create_directory(mnt_ + "/run");
+  auto [rc, out] = Shell("mount -o remount,ro " + mnt_);
+  ASSERT_EQ(rc, 0) << out;
+  for (const std::string& run : {mnt_ + "/run", mnt_ + "/missing/run"}) {
+    auto r = Train(run, 2, {}, dir_ + "/ckpt");
+    for (const ProcessResult& p : r) {
+      EXPECT_EQ(p.exit_code, 2) << Describe(r);
+      EXPECT_THAT(p.output, HasSubstr("the run directory " + run + " cannot be used"))
+          << Describe(r);
+      EXPECT_THAT(p.output, Not(HasSubstr("in use by another run"))) << Describe(r);
+      EXPECT_THAT(p.output, Not(HasSubstr("first step"))) << Describe(r);
+    }
+    EXPECT_THAT(r[0].output, HasSubstr("Read-only file system")) << Describe(r);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <string>
@@ -92,6 +93,20 @@ TEST_F(SampleTest, ABadDeviceStopsTheTrainerNamingTheFlag) {
     EXPECT_TRUE(losses.empty()) << output;
     EXPECT_THAT(output, HasSubstr("--device=" + device + ": ")) << output;
   }
+}
+
+// A run directory that cannot be created (here: under a regular file)
+// used to abort the trainer with an uncaught std::filesystem_error.
+TEST_F(SampleTest, AnUncreatableRunDirectoryStopsTheTrainerNamingTheFlagsAndTheCause) {
+  { std::ofstream(dir_ + "/a_file") << "not a directory"; }
+  int code = 0;
+  std::string output;
+  const auto losses = Train(1, "a_file/run", {}, &code, &output);
+  EXPECT_EQ(code, 2) << output;
+  EXPECT_TRUE(losses.empty()) << output;
+  EXPECT_THAT(output, HasSubstr("--run=a_file/run: cannot create the run directory " + dir_ +
+                                "/a_file/run: Not a directory"))
+      << output;
 }
 
 TEST_F(SampleTest, SameTrajectoryAtWorldSizes1To3) {

@@ -300,6 +300,20 @@ TEST(SamplerTest, ASampleLongerThanTheTokenCapIsAnErrorNamingIt) {
                                    "--evenstep_micro_batch_tokens=10"));
 }
 
+TEST(SamplerTest, ATokenGlobalBatchSmallerThanTheLongestSampleIsAnErrorNamingTheFlags) {
+  // --evenstep_batch_unit=tokens --evenstep_global_batch=1 used to train one
+  // sample per step without a word.
+  SamplerOptions options;
+  options.budget_unit = BatchUnit::kTokens;
+  options.global_batch = 10;
+  EXPECT_TRUE(Sampler::Create({3, 10, 2}, options).ok());
+  auto sampler = Sampler::Create({3, 10, 11, 2}, options);
+  EXPECT_EQ(sampler.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(sampler.status().message(),
+              HasSubstr("sample 2 has 11 tokens, more than a whole global batch "
+                        "(--evenstep_global_batch=10 --evenstep_batch_unit=tokens)"));
+}
+
 TEST(SamplerTest, CountsForNormalisation) {
   SamplerOptions options;
   options.normalization = Normalization::kTokens;

@@ -15,6 +15,8 @@
 // - a collective of the program's own on the sync's group that shifts the
 //   pairing: every rank names the mispaired synchronisation, applies
 //   nothing, and the DistContext refuses its next collective at once;
+// - a rank that left a step before any gradient without AbandonStep: named
+//   by the caller's step number (GradSync::SetStep) on every rank;
 // - model parts whose optimizers do not hold exactly their own parameters.
 #include <torch/torch.h>
 
@@ -247,9 +249,9 @@ TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplie
     auto sync = GradSync::Attach(*lin, dist.data_group(), options);
     ASSERT_TRUE(sync.ok()) << sync.status();
     ASSERT_EQ((*sync)->num_buckets(), 1);
-    // The bucket: 8 gradients, then failure flags and synchronisation
-    // numbers (2 each) and 2 used flags.
-    const int64_t bucket = 8 + 2 * 2 + 2;
+    // The bucket: 8 gradients, then failure flags, synchronisation numbers
+    // and step numbers (2 each) and 2 used flags.
+    const int64_t bucket = 8 + 3 * 2 + 2;
     auto raw = [&dist, bucket] {
       std::vector<at::Tensor> v{torch::zeros({bucket})};
       dist.data_group().allreduce(v)->wait();
@@ -273,6 +275,42 @@ TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplie
     const absl::Status next = dist.AllReduce(t);
     EXPECT_FALSE(next.ok()) << "rank " << rank;
     EXPECT_THAT(std::string(next.message()), HasSubstr("another synchronisation"));
+  });
+}
+
+// A loop over a raw GradSync whose rank 1 leaves step 1 before any gradient
+// (an exception at the very start of backward) without AbandonStep: its
+// next synchronisation has the number of its peers' current one, so only
+// the caller's step number (SetStep) tells them apart; every rank names
+// both steps and applies nothing, instead of reducing step 1 with step 2.
+TEST(SyncSafetyTest, ARankThatSkippedAStepBeforeAnyGradientIsNamedByItsStep) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank();
+    torch::manual_seed(1);
+    torch::nn::Linear lin(3, 2);
+    GradSyncOptions options;
+    options.timeout = absl::Seconds(30);
+    auto sync = GradSync::Attach(*lin, dist.data_group(), options);
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    std::string error;
+    int failed_at = -1;
+    for (int step = 0; step < 3 && error.empty(); ++step) {
+      (*sync)->SetStep(step);
+      if (rank == 1 && step == 1) continue;  // "threw" before any gradient, skipped the step
+      try {
+        lin->forward(torch::ones({4, 3}) * (step + 1)).sum().backward();
+      } catch (const std::exception& e) {
+        error = e.what();
+        failed_at = step;
+      }
+      if (error.empty()) ZeroGrads(*lin, false);
+    }
+    EXPECT_EQ(failed_at, rank == 0 ? 1 : 2) << error;
+    EXPECT_THAT(error, HasSubstr(absl::StrCat("of step ", failed_at, " (GradSync::SetStep)")));
+    EXPECT_THAT(error, HasSubstr(absl::StrCat("rank ", rank, " (here) at #", failed_at)));
+    EXPECT_THAT(error, HasSubstr(absl::StrCat("rank ", 1 - rank, " at another (#",
+                                              rank == 0 ? 2 : 1, " modulo 251)")));
+    EXPECT_FALSE(lin->weight.grad().defined()) << "rank " << rank << ": a mixed sum was applied";
   });
 }
 

@@ -11,7 +11,8 @@
 // show, consolidate and export first run verify's structure checks (each
 // shard's HDF5 types, shapes and layout against the manifest; Read checks
 // every checksum): a checkpoint verify refuses is never shown as intact nor
-// written out (exit 1, the problems named).
+// written out (exit 1, the problems named). Every command also checks the
+// extras as a resume does (evenstep::CheckTrainExtras: the balancing state).
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
@@ -28,6 +29,7 @@
 #include "evenstep/checkpoint_reader.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
+#include "evenstep/train_checkpointer.h"
 
 namespace {
 
@@ -102,8 +104,19 @@ int Show(const evenstep::CheckpointReader& reader) {
   return 0;
 }
 
+// What a resume would refuse in the extras, then `more` (the tensors' checks).
+std::vector<std::string> Problems(const evenstep::CheckpointReader& reader,
+                                  std::vector<std::string> more) {
+  std::vector<std::string> problems;
+  for (const std::string& p : evenstep::CheckTrainExtras(reader.manifest())) {
+    problems.push_back(absl::StrCat(reader.path(), "/manifest.json: ", p));
+  }
+  problems.insert(problems.end(), more.begin(), more.end());
+  return problems;
+}
+
 int Verify(const evenstep::CheckpointReader& reader) {
-  const std::vector<std::string> problems = reader.Verify();
+  const std::vector<std::string> problems = Problems(reader, reader.Verify());
   for (const std::string& p : problems) std::cout << "CORRUPT " << p << "\n";
   if (problems.empty()) {
     std::cout << reader.path() << ": all " << reader.manifest().tensors.size()
@@ -183,7 +196,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (command == "verify") return Verify(**reader);
-  if (const std::vector<std::string> problems = (*reader)->CheckStructure(); !problems.empty()) {
+  if (const std::vector<std::string> problems = Problems(**reader, (*reader)->CheckStructure());
+      !problems.empty()) {
     for (const std::string& p : problems) std::cerr << "CORRUPT " << p << "\n";
     std::cerr << "evenstep-ckpt " << command << ": " << (*reader)->path()
               << " fails verify's checks; nothing written\n";

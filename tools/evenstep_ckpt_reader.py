@@ -19,6 +19,7 @@ the file and entry otherwise.
     evenstep_ckpt_reader.py CKPT --dump DIR      writes each tensor's raw bytes to DIR
 """
 import json
+import math
 import os
 import re
 import stat
@@ -96,6 +97,15 @@ def _not_json(name):
     raise ValueError("%s is not a JSON value" % name)
 
 
+def _finite(text):
+    """A JSON number as the C++ reader takes it: one that overflows a double
+    (1e999, which Python would read as inf) is an error, not Infinity."""
+    v = float(text)
+    if math.isinf(v):
+        raise ValueError("the number %s is out of range" % text)
+    return v
+
+
 def index_text(m):
     """The canonical index text whose XXH3-64 is the manifest's index_xxh3."""
     lines = ["evenstep-checkpoint-index\t%d" % m["version"], "step\t%d" % m["step"],
@@ -115,6 +125,52 @@ def _int(obj, key, lo=0, hi=(1 << 63) - 1):
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise CheckpointError("\"%s\" = %r is not an integer in [%d, %d]" % (key, v, lo, hi))
     return v
+
+
+def check_train_extras(extras):
+    """What a resume refuses in the extras (evenstep::CheckTrainExtras, the
+    same rules): a problem string, or None."""
+    if not isinstance(extras, dict):
+        return "extras: not a JSON object"
+    if "balance" not in extras:
+        if "user" in extras:  # a TrainCheckpointer's checkpoint always has it
+            return 'extras: the balancing state ("balance") is missing; a resume refuses it'
+        return None
+    b = extras["balance"]
+    if b is None:
+        return None
+    why = "manifest extras: balance state: "
+    if not isinstance(b, dict):
+        return why + "not an object"
+    def integer(k):
+        v = b.get(k)
+        return isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v <= 1 << 62
+    if not all(integer(k) for k in ("epoch", "step", "num_samples", "steps")):
+        return why + "epoch, step, num_samples and steps must be integers"
+    seed = b.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        return why + "seed must be a non-negative integer"
+    if "global_batch" in b and (not integer("global_batch") or b["global_batch"] <= 0 or
+                                b.get("batch_unit") not in ("samples", "tokens")):
+        return why + "global_batch must be a positive integer with batch_unit samples or tokens"
+    def fractions(v):
+        if not isinstance(v, list) or not v or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or
+                not math.isfinite(x) or x < 0 for x in v):
+            return False
+        return abs(sum(v) - 1) <= 1e-6
+    if not fractions(b.get("shares")):
+        return why + "shares %s: must be non-negative numbers that sum to 1" % (
+            json.dumps(b["shares"]) if "shares" in b else "missing")
+    if "stream_shares" in b and not fractions(b["stream_shares"]):
+        return why + "stream_shares %s: must be non-negative numbers that sum to 1" % (
+            json.dumps(b["stream_shares"]))
+    caps = b.get("memory_caps", [])
+    if not isinstance(caps, list):
+        return why + "memory_caps must be an array"
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in caps):
+        return why + "a memory cap is not a non-negative integer"
+    return None
 
 
 def validate(m, path, files=True):
@@ -197,6 +253,9 @@ def validate(m, path, files=True):
             for a, b in zip(spans, spans[1:]):
                 if b[0] < a[1]:
                     bad("tensors %s and %s overlap in %s" % (a[2], b[2], shards[r]))
+        problem = check_train_extras(m.get("extras", {}))
+        if problem:
+            bad(problem)
         if version >= 2:
             try:
                 import xxhash
@@ -225,7 +284,7 @@ def load(path, as_torch=None):
     if _depth(text) > MAX_JSON_DEPTH:
         raise CheckpointError("%s: JSON nested deeper than %d" % (manifest_path, MAX_JSON_DEPTH))
     try:
-        manifest = json.loads(text, parse_constant=_not_json)
+        manifest = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except ValueError as e:
         raise CheckpointError("%s: not JSON: %s" % (manifest_path, e))
     validate(manifest, path)

@@ -298,6 +298,7 @@ void BalancedStep::StartPart(size_t k) {
   // An earlier step's failed synchronisation is settled: a failure in this
   // one joins this step's synchronisation.
   part.sync->ForgetFailure();
+  part.sync->SetStep(steps_);
   syncs_at_begin_ = part.sync->syncs_completed();
   part_sums_ = {step_sums_, step_sum_tensors_, loss_on_device_[k]};
   slot_pieces_.assign(micro_.size(), 1);

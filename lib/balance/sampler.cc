@@ -96,6 +96,14 @@ absl::StatusOr<Sampler> Sampler::Create(std::vector<int64_t> lengths, SamplerOpt
       return absl::InvalidArgumentError(absl::StrCat("Sampler: sample ", i, " has length ",
                                                      lengths[i], "; lengths must be >= 1"));
     }
+    if (options.budget_unit == BatchUnit::kTokens && lengths[i] > options.global_batch) {
+      // Each step would be one sample larger than the whole batch.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Sampler: sample ", i, " has ", lengths[i], " tokens, more than a whole global batch (",
+          "--evenstep_global_batch=", options.global_batch,
+          " --evenstep_batch_unit=tokens); raise the global batch to at least the longest "
+          "sample's tokens, or count it in samples"));
+    }
     if (options.micro_batch_tokens > 0 && lengths[i] > options.micro_batch_tokens) {
       // A micro-batch holds at least one sample: the cap could not be kept.
       return absl::InvalidArgumentError(absl::StrCat(

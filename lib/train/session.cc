@@ -476,19 +476,26 @@ absl::Status Session::Resume(const std::string& ckpt_dir, bool fallback) {
 // the outcome in one all-reduce, so none waits for a rank that stopped.
 absl::Status Session::LockRunDir(const std::string& given) {
   const std::string run_dir = given.empty() ? "." : given;
-  std::string holder;
+  // What rank 0 found: 0 the lock is ours, 1 another run holds it, 2 the
+  // directory or its lock file cannot be made or opened (why says which).
+  double verdict = 0;
+  std::string why;
   if (ctx_.rank() == 0) {
     std::error_code error;
     std::filesystem::create_directories(run_dir, error);
     const std::string path = run_dir + "/.evenstep.lock";
-    run_dir_lock_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (run_dir_lock_ < 0) {
-      holder = absl::StrCat("cannot open ", path, ": ", strerror(errno));
+    if (error) {
+      verdict = 2;
+      why = absl::StrCat("cannot create it: ", error.message());
+    } else if ((run_dir_lock_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
+      verdict = 2;
+      why = absl::StrCat("cannot open ", path, ": ", strerror(errno));
     } else if (flock(run_dir_lock_, LOCK_EX | LOCK_NB) != 0) {
       char pid[32] = {};
       const ssize_t n = pread(run_dir_lock_, pid, sizeof(pid) - 1, 0);
-      holder = absl::StrCat("another run (pid ", n > 0 ? absl::StripAsciiWhitespace(pid) : "?",
-                            ") holds ", path);
+      verdict = 1;
+      why = absl::StrCat("another run (pid ", n > 0 ? absl::StripAsciiWhitespace(pid) : "?",
+                         ") holds ", path);
       close(run_dir_lock_);
       run_dir_lock_ = -1;
     } else {
@@ -499,13 +506,22 @@ absl::Status Session::LockRunDir(const std::string& given) {
       }
     }
   }
-  at::Tensor refused = at::full({1}, holder.empty() ? 0.0 : 1.0, at::kDouble);
-  EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(refused), "Session::Create, rank ", ctx_.rank(),
+  at::Tensor shared = at::full({1}, verdict, at::kDouble);
+  EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(shared), "Session::Create, rank ", ctx_.rank(),
                            ": agreeing on the run directory ", run_dir);
-  if (refused.item<double>() == 0) return absl::OkStatus();
+  verdict = shared.item<double>();
+  if (verdict == 0) return absl::OkStatus();
+  const std::string said = why.empty() ? " (rank 0 says why)" : ": " + why;
+  if (verdict == 2) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir,
+                     " cannot be used", said,
+                     "; give this run a directory it may create and write (--evenstep_run_dir or "
+                     "Session::Create's run_dir)"));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       "Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir,
-      " is in use by another run", holder.empty() ? " (rank 0 says which)" : ": " + holder,
+      " is in use by another run", said,
       "; wait for it to end, or give this run another directory"));
 }
 

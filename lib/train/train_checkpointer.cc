@@ -95,17 +95,27 @@ absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
     }
     b.sampler.tokens = j["batch_unit"] == "tokens";
   }
-  if (!j.contains("shares") || !j["shares"].is_array()) return bad("shares must be an array");
-  for (const auto& v : j["shares"]) {
-    if (!v.is_number()) return bad("a share is not a number");
-    b.shares.push_back(v.get<double>());
-  }
-  if (j.contains("stream_shares")) {
-    if (!j["stream_shares"].is_array()) return bad("stream_shares must be an array");
-    for (const auto& v : j["stream_shares"]) {
-      if (!v.is_number()) return bad("a stream share is not a number");
-      b.stream_shares.push_back(v.get<double>());
+  // The ranks' fractions of the work, as the planner saves them: finite,
+  // non-negative, summing to 1 (a NaN is saved as null).
+  auto fractions = [&](const char* key, std::vector<double>* out) {
+    if (!j[key].is_array() || j[key].empty()) return false;
+    double total = 0;
+    for (const auto& v : j[key]) {
+      if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>())) {
+        return false;
+      }
+      out->push_back(v.get<double>());
+      total += out->back();
     }
+    return std::abs(total - 1) <= 1e-6;
+  };
+  if (!j.contains("shares") || !fractions("shares", &b.shares)) {
+    return bad(absl::StrCat("shares ", j.contains("shares") ? j["shares"].dump() : "missing",
+                            ": must be non-negative numbers that sum to 1"));
+  }
+  if (j.contains("stream_shares") && !fractions("stream_shares", &b.stream_shares)) {
+    return bad(absl::StrCat("stream_shares ", j["stream_shares"].dump(),
+                            ": must be non-negative numbers that sum to 1"));
   }
   if (j.contains("memory_caps")) {
     if (!j["memory_caps"].is_array()) return bad("memory_caps must be an array");
@@ -120,6 +130,21 @@ absl::StatusOr<BalanceState> BalanceFromJson(const nlohmann::json& j) {
 }
 
 }  // namespace
+
+std::vector<std::string> CheckTrainExtras(const Manifest& manifest, bool require_balance) {
+  const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
+  if (extras.is_discarded() || !extras.is_object()) return {"extras: not a JSON object"};
+  if (!extras.contains("balance")) {
+    // A TrainCheckpointer always writes it (null without a BalancedStep);
+    // other writers do not write "user" either.
+    if (!require_balance || !extras.contains("user")) return {};
+    return {"extras: the balancing state (\"balance\") is missing; a resume refuses it"};
+  }
+  if (extras["balance"].is_null()) return {};
+  const absl::StatusOr<BalanceState> balance = BalanceFromJson(extras["balance"]);
+  if (!balance.ok()) return {std::string(balance.status().message())};
+  return {};
+}
 
 namespace {
 
@@ -237,9 +262,11 @@ absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainStat
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint of step ", step, ": user_json is not valid JSON"));
   }
-  if (state.balance != nullptr) {
-    extras["balance"] = nlohmann::json::parse(BalanceJson(state.balance->state()));
-  }
+  // null without a BalancedStep: a missing "balance" is then a dropped one
+  // (CheckTrainExtras).
+  extras["balance"] = state.balance != nullptr
+                          ? nlohmann::json::parse(BalanceJson(state.balance->state()))
+                          : nlohmann::json(nullptr);
   for (const auto& [prefix, optimizer] : optimizers) {
     // What the optimizer tensors must add up to, so that a load can tell a
     // fresh optimizer from state that went missing.
@@ -514,7 +541,7 @@ absl::Status MatchOptimizersAndBalance(const Manifest& manifest, const nlohmann:
     }
   }
   if (state.balance == nullptr) return absl::OkStatus();
-  if (extras.contains("balance")) {
+  if (extras.contains("balance") && !extras["balance"].is_null()) {
     EVENSTEP_ASSIGN_OR_RETURN(plan->balance, BalanceFromJson(extras["balance"]));
     if (absl::Status s = state.balance->CheckRestore(*plan->balance); !s.ok()) {
       return absl::FailedPreconditionError(absl::StrCat("balancing state: ", s.message()));
@@ -533,10 +560,13 @@ absl::Status PrepareLoad(Env& env, const std::string& path, const TrainState& st
   EVENSTEP_ASSIGN_OR_RETURN(plan->reader, CheckpointReader::Open(env, path));
   const Manifest& manifest = plan->reader->manifest();
   result->step = manifest.step;
-  const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
-  if (extras.is_discarded() || !extras.is_object()) {
-    return absl::DataLossError(absl::StrCat(path, "/manifest.json: extras are not an object"));
+  // The checks evenstep-ckpt and tools/evenstep_ckpt_reader.py make too.
+  const bool balance = state.balance != nullptr && options.strict;
+  if (const std::vector<std::string> problems = CheckTrainExtras(manifest, balance);
+      !problems.empty()) {
+    return absl::DataLossError(absl::StrCat(path, "/manifest.json: ", problems.front()));
   }
+  const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
   EVENSTEP_ASSIGN_OR_RETURN(plan->expected, CaptureTensors(state.model, nullptr));
   plan->expected.insert(plan->expected.end(), state.tensors.begin(), state.tensors.end());
   plan->targets = std::map<std::string, at::Tensor>(plan->expected.begin(), plan->expected.end());

@@ -2,6 +2,7 @@
 // DistributedDataParallel module.
 //
 //   auto sync = evenstep::GradSync::Attach(model, ctx.data_group());  // checks + broadcast
+//   (*sync)->SetStep(step);                              // each step: a skipped one is named
 //   for (int m = 0; m < micro_steps; ++m) {
 //     (*sync)->set_sync_enabled(m == micro_steps - 1);   // local accumulation until the last
 //     at::Tensor loss = loss_of(m);
@@ -214,6 +215,16 @@ class GradSync {
   // that only its own backward counts as use in its next synchronisation.
   // No effect while a synchronisation is open.
   void ForgetUse();
+  // The caller's number of the step whose synchronisation(s) come next
+  // (any increasing count, the same on every rank; -1, the default: none).
+  // It rides in the control values beside the synchronisation number, so
+  // that a rank that left a step before its first gradient without
+  // AbandonStep (its synchronisation never began, so its next one pairs
+  // with its peers' current one under the same number) is named on every
+  // rank with both steps instead of reducing two steps together.
+  // BalancedStep sets it for its parts; a loop over a raw GradSync calls it
+  // at the start of each step.
+  void SetStep(int64_t step);
   // A new step begins: a synchronisation that failed inside a backward and
   // was never followed by AbandonStep is settled, so an AbandonStep from now
   // on joins the next synchronisation (with a failure mark) instead of

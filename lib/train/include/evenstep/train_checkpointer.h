@@ -131,6 +131,15 @@ class TrainCheckpointer {
   std::unique_ptr<CheckpointWriter> writer_;
 };
 
+// What a resume would refuse in a checkpoint's extras, each problem in one
+// line (empty: none): extras that are not an object, a balancing state that
+// is malformed (shares that are not finite, negative or do not sum to 1) or
+// missing from a TrainCheckpointer's checkpoint (with `require_balance`;
+// Load requires it when it restores a BalancedStep strictly). The one check
+// of the extras that Load, evenstep-ckpt (every command) and
+// tools/evenstep_ckpt_reader.py make.
+std::vector<std::string> CheckTrainExtras(const Manifest& manifest, bool require_balance = true);
+
 // Named tensors of a model and optimizer as a checkpoint holds them (exposed
 // for tools and tests). InvalidArgument naming the optimizer type when its
 // state cannot be captured.
