@@ -1076,7 +1076,8 @@ absl::Status CheckReplicasMatch(c10d::ProcessGroup& group, const std::vector<Nam
 
 // Broadcasts `tensors` from `root`, one flat collective per dtype/device.
 absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<NamedTensor>& tensors,
-                              int root, absl::Duration timeout) {
+                              int root, absl::Duration timeout,
+                              const char* what = "initial parameter broadcast") {
   if (group.getSize() == 1) return absl::OkStatus();
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
   for (const NamedTensor& t : tensors) {
@@ -1093,8 +1094,7 @@ absl::Status BroadcastTensors(c10d::ProcessGroup& group, const std::vector<Named
     const internal::CollectiveWait outcome =
         internal::RunCollective([&] { return group.broadcast(v, options); }, timeout);
     if (outcome.failed) {
-      return internal::CollectiveFailed(group.getRank(), "initial parameter broadcast", outcome,
-                                        timeout);
+      return internal::CollectiveFailed(group.getRank(), what, outcome, timeout);
     }
     int64_t offset = 0;
     for (at::Tensor& t : members) {
@@ -1283,6 +1283,24 @@ void GradSync::ForgetUse() {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (state_->step_open) return;
   for (internal::ParamSlot& p : state_->params) p.used = false;
+}
+
+absl::Status GradSync::BroadcastBuffers() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  internal::GradSyncState& s = *state_;
+  if (s.step_open) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "GradSync::BroadcastBuffers on rank ", s.rank, ": synchronisation #", s.seq, " is open"));
+  }
+  if (!s.fatal.ok()) return s.fatal;
+  if (s.world == 1 || s.buffers.empty()) return absl::OkStatus();
+  absl::Status outcome = BroadcastTensors(*s.group, s.buffers, s.options.broadcast_root,
+                                          s.options.timeout, "the buffer broadcast");
+  if (!outcome.ok()) {
+    s.fatal = outcome;
+    internal::MarkGroupBroken(s.group, outcome);
+  }
+  return outcome;
 }
 
 void GradSync::SetStep(int64_t step) {

@@ -17,7 +17,9 @@
 //   nothing, and the DistContext refuses its next collective at once;
 // - a rank that left a step before any gradient without AbandonStep: named
 //   by the caller's step number (GradSync::SetStep) on every rank;
-// - model parts whose optimizers do not hold exactly their own parameters.
+// - model parts whose optimizers do not hold exactly their own parameters;
+// - an earlier part's BatchNorm statistics changed by a later part's
+//   forward: rank 0's on every rank after the step.
 #include <torch/torch.h>
 
 #include <string>
@@ -393,6 +395,43 @@ TEST(SyncSafetyTest, AThrowAfterEveryGradientWasSynchronisedIsNamedOnEveryRank) 
       torch::Tensor flat = torch::cat({net->weight.detach().reshape({-1}), net->bias.detach()});
       std::vector<at::Tensor> all;
       ASSERT_TRUE(dist.AllGather(flat, &all).ok());
+      EXPECT_TRUE(torch::equal(all[0], all[1])) << "rank " << rank << " step " << s;
+    }
+  });
+}
+
+// Two model parts, G's loss run through D in train mode (a GAN): D's
+// BatchNorm statistics change per rank after D's synchronisation; at the
+// end of every step they are rank 0's on every rank (what a checkpoint or an
+// evaluation then sees), and the parameters stay equal.
+TEST(SyncSafetyTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValueAfterTheStep) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank();
+    torch::manual_seed(5);
+    torch::nn::Sequential d(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4),
+                            torch::nn::Linear(4, 1));
+    torch::nn::Linear g(3, 3);
+    torch::optim::SGD d_opt(d->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD g_opt(g->parameters(), torch::optim::SGDOptions(0.1));
+    auto step = BalancedStep::Create(dist, {{"D", *d, d_opt}, {"G", *g, g_opt}},
+                                     std::vector<int64_t>(32, 1), BalanceConfig());
+    ASSERT_TRUE(step.ok()) << step.status();
+    auto input = [](const MicroBatch& mb) {
+      torch::Tensor idx = torch::tensor(mb.samples, torch::kLong).to(torch::kFloat);
+      return torch::stack({idx / 32, torch::cos(idx), torch::sin(idx)}, 1);
+    };
+    for (int s = 1; s <= 3; ++s) {
+      auto report = (*step)->Step(
+          {[&](const MicroBatch& mb) { return d->forward(input(mb)).pow(2).sum(); },
+           [&](const MicroBatch& mb) {
+             return d->forward(g->forward(input(mb)) * (rank + 1)).sum();  // differs per rank
+           }});
+      ASSERT_TRUE(report.ok()) << "rank " << rank << " step " << s << ": " << report.status();
+      std::vector<torch::Tensor> state;
+      for (const auto& b : d->buffers()) state.push_back(b.detach().to(torch::kFloat).reshape({-1}));
+      for (const auto& p : d->parameters()) state.push_back(p.detach().reshape({-1}));
+      std::vector<at::Tensor> all;
+      ASSERT_TRUE(dist.AllGather(torch::cat(state), &all).ok());
       EXPECT_TRUE(torch::equal(all[0], all[1])) << "rank " << rank << " step " << s;
     }
   });

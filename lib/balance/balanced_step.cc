@@ -921,6 +921,16 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
   PredictMemoryCap();
   EVENSTEP_RETURN_IF_ERROR(Exchange(), "BalancedStep: step ", steps_,
                            ", exchanging cost fits for the next plan");
+  // A later part's loss may run an earlier part's module in train mode
+  // (G's loss through D): its BatchNorm statistics then differ per rank
+  // since that part's synchronisation. Rank 0's, as that part's next sync
+  // would give, so that a checkpoint or evaluation sees one value.
+  if (config_.grad_sync.buffers_from_root_every_step) {
+    for (size_t k = 0; k + 1 < parts_.size(); ++k) {
+      EVENSTEP_RETURN_IF_ERROR(parts_[k].sync->BroadcastBuffers(), "BalancedStep: step ", steps_,
+                               ", part ", k + 1, "'s buffers after the later parts' forwards");
+    }
+  }
   if (!report_.late_failures.empty()) {
     return absl::AbortedError(
         absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_, ": rank(s) ",

@@ -215,6 +215,13 @@ class GradSync {
   // that only its own backward counts as use in its next synchronisation.
   // No effect while a synchronisation is open.
   void ForgetUse();
+  // Rank `broadcast_root`'s buffers (BatchNorm statistics) to every rank
+  // now, outside a synchronisation (collective over the group): for buffers
+  // that a forward after this sync's broadcast changed per rank (another
+  // model part's loss run through this module in train mode). BalancedStep
+  // does it for its earlier parts at the end of each step. A failure is
+  // fatal, as a failed synchronisation's.
+  absl::Status BroadcastBuffers();
   // The caller's number of the step whose synchronisation(s) come next
   // (any increasing count, the same on every rank; -1, the default: none).
   // It rides in the control values beside the synchronisation number, so

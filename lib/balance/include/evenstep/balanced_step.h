@@ -51,7 +51,11 @@
 // would see (already stepped). A backward of one part through another part's
 // parameters (the generator's loss through the discriminator) accumulates
 // into the other part's .grad locally and is never synchronised: that part's
-// gradients are zeroed before its own micro-batches.
+// gradients are zeroed before its own micro-batches. Such a forward in train
+// mode also changes the other part's buffers (BatchNorm statistics) per
+// rank: at the end of the step every earlier part's buffers are made rank
+// 0's on every rank (GradSync::BroadcastBuffers), so a checkpoint or an
+// evaluation sees one value.
 // Thread-safety: one training thread drives a BalancedStep.
 #pragma once
 
