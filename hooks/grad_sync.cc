@@ -1289,8 +1289,8 @@ absl::Status GradSync::BroadcastBuffers() {
   std::lock_guard<std::mutex> lock(state_->mu);
   internal::GradSyncState& s = *state_;
   if (s.step_open) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "GradSync::BroadcastBuffers on rank ", s.rank, ": synchronisation #", s.seq, " is open"));
+    return absl::FailedPreconditionError(absl::StrCat("GradSync::BroadcastBuffers on rank ", s.rank,
+                                                      ": synchronisation #", s.seq, " is open"));
   }
   if (!s.fatal.ok()) return s.fatal;
   if (s.world == 1 || s.buffers.empty()) return absl::OkStatus();

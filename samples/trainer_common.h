@@ -62,8 +62,9 @@ inline std::string RunDir() {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   if (error) {
-    std::cerr << "--runs_dir=" << absl::GetFlag(FLAGS_runs_dir) << " --run=" << absl::GetFlag(FLAGS_run)
-              << ": cannot create the run directory " << dir << ": " << error.message() << std::endl;
+    std::cerr << "--runs_dir=" << absl::GetFlag(FLAGS_runs_dir)
+              << " --run=" << absl::GetFlag(FLAGS_run) << ": cannot create the run directory "
+              << dir << ": " << error.message() << std::endl;
     std::exit(2);
   }
   return dir;

@@ -348,8 +348,7 @@ TEST_F(ResumeTest, CheckpointOfAnotherModelIsAnErrorEvenWithTheFallback) {
 // evenstep::CheckTrainExtras); they used to pass verify and load in Python.
 TEST_F(ResumeTest, BalancingExtrasAResumeRefusesAreRefusedByEveryTool) {
   const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> cases = {
-      {[](nlohmann::json& j) { j["extras"]["balance"]["shares"][0] = nullptr; },
-       "shares [null,"},
+      {[](nlohmann::json& j) { j["extras"]["balance"]["shares"][0] = nullptr; }, "shares [null,"},
       {[](nlohmann::json& j) { j["extras"]["balance"]["shares"][0] = 0.9; },
        "must be non-negative numbers that sum to 1"},
       {[](nlohmann::json& j) { j["extras"].erase("balance"); },

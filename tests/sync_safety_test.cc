@@ -428,7 +428,8 @@ TEST(SyncSafetyTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValue
            }});
       ASSERT_TRUE(report.ok()) << "rank " << rank << " step " << s << ": " << report.status();
       std::vector<torch::Tensor> state;
-      for (const auto& b : d->buffers()) state.push_back(b.detach().to(torch::kFloat).reshape({-1}));
+      for (const auto& b : d->buffers())
+        state.push_back(b.detach().to(torch::kFloat).reshape({-1}));
       for (const auto& p : d->parameters()) state.push_back(p.detach().reshape({-1}));
       std::vector<at::Tensor> all;
       ASSERT_TRUE(dist.AllGather(torch::cat(state), &all).ok());

@@ -519,10 +519,10 @@ absl::Status Session::LockRunDir(const std::string& given) {
                      "; give this run a directory it may create and write (--evenstep_run_dir or "
                      "Session::Create's run_dir)"));
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir,
-      " is in use by another run", said,
-      "; wait for it to end, or give this run another directory"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir,
+                   " is in use by another run", said,
+                   "; wait for it to end, or give this run another directory"));
 }
 
 absl::Status Session::BeforeStep() {
