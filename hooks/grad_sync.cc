@@ -530,14 +530,25 @@ void GradSyncState::Revalidate(ParamSlot& p) {
 // on every rank, so each contributes what it added on top, and the kept
 // value is added back once after the reduction: the sum a single process
 // accumulates, as DDP's mean gives it.
+//
+// One the program changed in place since (scaled, clipped) but did not zero
+// cannot be told apart: counting it as the rank's own would add it once
+// per rank. Refused by name on every rank instead.
 void GradSyncState::CheckKept(ParamSlot& p) {
   if (p.touched) return;
   p.touched = true;
   const at::Tensor& grad = p.param.grad();
-  if (grad.defined() && grad.unsafeGetTensorImpl() == p.written_impl &&
-      grad._version() == p.written_version) {
+  if (!grad.defined() || grad.unsafeGetTensorImpl() != p.written_impl) return;
+  if (grad._version() == p.written_version) {
     at::NoGradGuard no_grad;
     p.base = grad.detach().clone();
+  } else if (!AllZero(grad)) {
+    Fail(absl::FailedPreconditionError(absl::StrCat(
+        "the gradient of '", p.name,
+        "' was kept from the last synchronisation (no zero_grad) and changed in place (scaled "
+        "or clipped) before this backward added to it: every rank holds it, so counting it as "
+        "this rank's own would add it once per rank. Zero it or set it to none before the next "
+        "backward, or change it only after the synchronisation that completes it")));
   }
 }
 

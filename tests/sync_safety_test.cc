@@ -8,7 +8,8 @@
 // - an input-gradient probe (a backward with sync off) after a step, then
 //   zero_grad (in place, or set to none): its kept copy and use marks were
 //   subtracted at the next synchronisation;
-// - a kept gradient the probe added to, then scaled in place: refused;
+// - a kept gradient scaled in place, with or without a probe's addition:
+//   refused;
 // - two GradSyncs on one process group: refused at Attach; on groups of
 //   their own (DistContext::NewDataGroup), driven by one backward whose
 //   launch order differs per rank: exact;
@@ -194,6 +195,36 @@ TEST(SyncSafetyTest, AKeptGradientScaledInPlaceAfterAProbeIsRefusedByName) {
       for (int r = 0; r < world; ++r) ScaledLoss(*ref, batch, Samples(r, world, 3)).backward();
     }
     ExpectGradsNear(*net, *ref, 1e-5, absl::StrCat("rank ", rank, " after the refusal"));
+  });
+}
+
+// The same without the probe: the synchronised gradient kept (no zero_grad)
+// and scaled in place used to count once per rank (world times too much).
+TEST(SyncSafetyTest, AKeptGradientScaledInPlaceIsRefusedByName) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank(), world = dist.world_size();
+    const SyncBatch batch = GlobalSyncBatch();
+    auto net = MakeSyncNet(5);
+    auto sync = GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    ScaledLoss(*net, batch, Samples(rank, world, 0)).backward();
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.mutable_grad().mul_(0.5);
+    }
+    std::string error;
+    try {
+      ScaledLoss(*net, batch, Samples(rank, world, 1)).backward();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    EXPECT_THAT(error, HasSubstr("was kept from the last synchronisation (no zero_grad) and "
+                                 "changed in place"))
+        << "rank " << rank;
+    EXPECT_THAT(error, HasSubstr("abandoned on every rank")) << "rank " << rank;
+    for (const auto& p : net->parameters()) {
+      EXPECT_FALSE(p.grad().defined()) << "rank " << rank << ": a gradient survived the refusal";
+    }
   });
 }
 
