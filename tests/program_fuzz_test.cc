@@ -193,6 +193,7 @@ std::vector<std::vector<std::string>> RunProgram(DistContext& dist, const Progra
         split[r] = conformance::Split(world, p.idle, random->Micro(step, r))[r];
       }
       m.sync->SetStep(step);
+      const int64_t syncs_before = m.sync->syncs_completed();
       std::string outcome = "ok";
       try {
         if (rank == p.idle) {
@@ -211,8 +212,8 @@ std::vector<std::vector<std::string>> RunProgram(DistContext& dist, const Progra
           EXPECT_THAT(std::string(m.sync->fatal_status().message()),
                       ::testing::HasSubstr("reduced together with another"))
               << "model " << i << " step " << step;
-        } else if (mine && !p.abandon) {
-          outcome = "threw";
+        } else if (mine && !p.abandon && m.sync->syncs_completed() == syncs_before) {
+          outcome = "threw";  // its synchronisation never began
         } else {
           outcome = s.code() == absl::StatusCode::kAborted ? "aborted" : s.ToString();
         }

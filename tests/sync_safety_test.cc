@@ -445,11 +445,11 @@ TEST(SyncSafetyTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValue
     torch::optim::SGD d_opt(d->parameters(), torch::optim::SGDOptions(0.1));
     torch::optim::SGD g_opt(g->parameters(), torch::optim::SGDOptions(0.1));
     auto step = BalancedStep::Create(dist, {{"D", *d, d_opt}, {"G", *g, g_opt}},
-                                     std::vector<int64_t>(32, 1), BalanceConfig());
+                                     std::vector<int64_t>(64, 1), BalanceConfig());
     ASSERT_TRUE(step.ok()) << step.status();
     auto input = [](const MicroBatch& mb) {
       torch::Tensor idx = torch::tensor(mb.samples, torch::kLong).to(torch::kFloat);
-      return torch::stack({idx / 32, torch::cos(idx), torch::sin(idx)}, 1);
+      return torch::stack({idx / 64, torch::cos(idx), torch::sin(idx)}, 1);
     };
     for (int s = 1; s <= 3; ++s) {
       auto report = (*step)->Step(
