@@ -11,6 +11,7 @@
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
 #include "evenstep/balanced_step.h"
@@ -187,6 +188,36 @@ const std::vector<BadValues>& FlagTable() {
 }
 
 // Values each valid alone but not together: the error names both flags.
+// SetFlagDefaults after absl::ParseCommandLine used to override a value
+// given on the command line without a word.
+TEST_F(FlagsTest, ProgramDefaultsAfterTheCommandLineWasParsedAreRefusedByName) {
+  auto parse_then_default = [] {
+    char arg0[] = "prog";
+    char arg1[] = "--evenstep_ckpt_every=13";
+    char* argv[] = {arg0, arg1};
+    absl::ParseCommandLine(2, argv);
+    SetFlagDefaults("ckpt_every=50");
+  };
+  EXPECT_EXIT(
+      parse_then_default(), ::testing::ExitedWithCode(2),
+      "\"ckpt_every=50\" would override --evenstep_ckpt_every=13 set before it \\(on the "
+      "command line, or by the program\\): call SetFlagDefaults before absl::ParseCommandLine");
+}
+
+// Stream mode used to ignore --evenstep_global_batch without a word.
+TEST_F(FlagsTest, AGlobalBatchBesideStreamModeIsRefusedNamingBothFlags) {
+  absl::SetFlag(&FLAGS_evenstep_streams, 8);
+  EXPECT_TRUE(BalanceConfig::FromFlags().ok());  // the default global batch: stream mode's own
+  absl::SetFlag(&FLAGS_evenstep_global_batch, 8);
+  EXPECT_TRUE(BalanceConfig::FromFlags().ok());  // the same number
+  absl::SetFlag(&FLAGS_evenstep_global_batch, 32);
+  const absl::Status s = BalanceConfig::FromFlags().status();
+  absl::SetFlag(&FLAGS_evenstep_streams, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("--evenstep_global_batch=32 with --evenstep_streams=8: in "
+                                     "stream mode a step is one position of every stream"));
+}
+
 TEST_F(FlagsTest, InvalidCombinationsAreErrorsNamingBothFlags) {
   absl::SetFlag(&FLAGS_evenstep_min_micro_batches, 5);
   absl::SetFlag(&FLAGS_evenstep_max_micro_batches, 2);

@@ -469,5 +469,50 @@ TEST(SyncSafetyTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValue
   });
 }
 
+// The commonest porting mistake: the plain loop's loss.backward() and
+// optimizer.step() left inside the loss function. It used to surface as
+// libtorch's "backward through the graph a second time" (whose hint leads
+// elsewhere) after each rank's replica had moved by its own gradient. Now
+// named on every rank before evenstep's backward, the step abandoned, and no
+// further step runs (the replicas may differ).
+TEST(SyncSafetyTest, ALossFunctionThatRunsBackwardOrStepsItselfIsNamedOnEveryRank) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank();
+    torch::manual_seed(4);
+    torch::nn::Linear net(3, 1);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    BalanceConfig config;
+    config.sampler.global_batch = 8;
+    config.sampler.micro_batch_samples = 2;  // two micro-batches per rank
+    auto step = BalancedStep::Create(dist, *net, opt, std::vector<int64_t>(64, 1), config);
+    ASSERT_TRUE(step.ok()) << step.status();
+    for (const std::string program : {"right", "backward_and_step", "next"}) {
+      auto report = (*step)->Step({[&](const MicroBatch& mb) {
+        torch::Tensor idx = torch::tensor(mb.samples, torch::kLong).to(torch::kFloat);
+        torch::Tensor x = torch::stack({idx / 64, torch::cos(idx), torch::sin(idx)}, 1);
+        torch::Tensor loss = net->forward(x).pow(2).sum();
+        if (program == "backward_and_step") {
+          loss.backward({}, /*retain_graph=*/true);
+          opt.step();
+        }
+        return loss;
+      }});
+      if (program == "right") {
+        EXPECT_TRUE(report.ok()) << "rank " << rank << ": " << report.status();
+        continue;
+      }
+      ASSERT_FALSE(report.ok()) << "rank " << rank << " " << program;
+      const std::string message(report.status().message());
+      if (program == "next") {
+        EXPECT_THAT(message, HasSubstr("no further step runs after step")) << "rank " << rank;
+      } else {
+        EXPECT_THAT(message, HasSubstr("while the loss function ran,")) << "rank " << rank;
+        EXPECT_THAT(message, HasSubstr("must not call loss.backward(), optimizer.step()"))
+            << "rank " << rank;
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace evenstep

@@ -63,6 +63,30 @@ c10::Device ModelDevice(torch::nn::Module& model) {
 
 }  // namespace
 
+namespace {
+
+// --evenstep_max_micro_batches is a bound the step keeps: with a sample cap
+// per micro-batch, a global batch the ranks cannot hold within it even when
+// evenly split is refused (the packer would otherwise make more micro-batches
+// than the bound, which a model part that hands tensors to the next part
+// relies on).
+absl::Status CheckMicroBatchBound(const SamplerOptions& sampler, int max_micro_batches, int world) {
+  if (max_micro_batches <= 0 || sampler.micro_batch_samples <= 0 || sampler.streams > 0 ||
+      sampler.budget_unit != BatchUnit::kSamples) {
+    return absl::OkStatus();
+  }
+  const int64_t per_rank = (sampler.global_batch + world - 1) / world;
+  if (per_rank <= int64_t{max_micro_batches} * sampler.micro_batch_samples) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--evenstep_max_micro_batches=", max_micro_batches,
+      " with --evenstep_micro_batch_samples=", sampler.micro_batch_samples, " holds at most ",
+      max_micro_batches * sampler.micro_batch_samples,
+      " samples per rank and step; --evenstep_global_batch=", sampler.global_batch, " over ", world,
+      " ranks needs ", per_rank, ": raise one of them, or lower the global batch"));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
     DistContext& ctx, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     std::vector<int64_t> lengths, BalanceConfig config, std::vector<double> counts) {
@@ -188,6 +212,8 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   }
   EVENSTEP_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(std::move(lengths), config.sampler,
                                                              config.cost, std::move(counts)));
+  EVENSTEP_RETURN_IF_ERROR(
+      CheckMicroBatchBound(sampler.options(), config.planner.max_micro_batches, ctx.world_size()));
   EVENSTEP_ASSIGN_OR_RETURN(const TopologyChoice topology,
                             ApplySyncTopology(ctx, config.sync_topology, &config.grad_sync));
   if (topology.say && ctx.rank() == 0) std::cerr << "evenstep: " << topology.line << std::endl;
@@ -302,11 +328,52 @@ void BalancedStep::StartPart(size_t k) {
   syncs_at_begin_ = part.sync->syncs_completed();
   part_sums_ = {step_sums_, step_sum_tensors_, loss_on_device_[k]};
   slot_pieces_.assign(micro_.size(), 1);
-  if (parts_.size() == 1) return;
-  // What the plain loop's zero_grad does before this model's backward: drop
-  // what other parts' backwards left here, and their use marks.
-  part.spec.optimizer->zero_grad();
-  part.sync->ForgetUse();
+  if (parts_.size() > 1) {
+    // What the plain loop's zero_grad does before this model's backward: drop
+    // what other parts' backwards left here, and their use marks.
+    part.spec.optimizer->zero_grad();
+    part.sync->ForgetUse();
+  }
+  NoteGradients();
+}
+
+void BalancedStep::NoteGradients() {
+  untouched_.clear();
+  for (const at::Tensor& p : parts_[part_].spec.module->parameters()) {
+    if (!p.requires_grad()) continue;
+    const at::Tensor& g = p.grad();
+    untouched_.push_back({g.defined() ? g.unsafeGetTensorImpl() : nullptr,
+                          g.defined() ? static_cast<int64_t>(g._version()) : -1,
+                          static_cast<int64_t>(p._version())});
+  }
+}
+
+absl::Status BalancedStep::CheckUntouched(bool* replica_changed) const {
+  size_t i = 0;
+  for (const auto& item : parts_[part_].spec.module->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad()) continue;
+    if (i >= untouched_.size()) break;
+    const Untouched& was = untouched_[i++];
+    const at::Tensor& g = p.grad();
+    const void* grad = g.defined() ? g.unsafeGetTensorImpl() : nullptr;
+    const int64_t grad_version = g.defined() ? static_cast<int64_t>(g._version()) : -1;
+    const char* what = nullptr;
+    if (static_cast<int64_t>(p._version()) != was.version) {
+      what = "the parameter itself changed (optimizer.step() inside it?)";
+      *replica_changed = true;
+    } else if (grad != was.grad || grad_version != was.grad_version) {
+      what = "its gradient changed (loss.backward() or zero_grad() inside it?)";
+    }
+    if (what != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "while the loss function ran, ", what, " for parameter '", item.key(),
+          "': evenstep runs backward, the optimizer step and zero_grad itself; the loss function "
+          "returns the loss and must not call loss.backward(), optimizer.step() or "
+          "optimizer.zero_grad() (a backward through this model between steps is fine)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status BalancedStep::PartCount(size_t losses) const {
@@ -441,6 +508,22 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
   if (!data_marked_) DataReady();
   const size_t index = next_micro_++;
   const bool last = next_micro_ == micro_.size();
+  bool replica_changed = false;
+  if (absl::Status touched = CheckUntouched(&replica_changed); !touched.ok()) {
+    // A loss function that ran backward may also have stepped the optimizer
+    // (through .data(), which leaves no trace in the version): each rank's
+    // replica may have moved by its own gradient, so no later step runs.
+    (void)replica_changed;
+    absl::Status status = Abandon(index, std::string(touched.message()));
+    abandoned_ = status;
+    return status;
+  }
+  // Whatever this backward leaves (and an out-of-memory retry inside it) is
+  // evenstep's own.
+  struct Note {
+    BalancedStep* self;
+    ~Note() { self->NoteGradients(); }
+  } note{this};
   try {
     if (loss_sum.dim() != 0) {
       return Abandon(

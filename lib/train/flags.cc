@@ -69,7 +69,9 @@ ABSL_FLAG(int64_t, evenstep_micro_batch_tokens, 0,
 ABSL_FLAG(int, evenstep_min_micro_batches, 1,
           "Fewest micro-batches (accumulation steps) of a rank that has work.");
 ABSL_FLAG(int, evenstep_max_micro_batches, 0,
-          "Most micro-batches of one rank per optimizer step (bounds the planner); 0 = no bound.");
+          "Most micro-batches of one rank per optimizer step (bounds the planner; with "
+          "--evenstep_micro_batch_samples, a global batch the ranks cannot hold within it is "
+          "refused at Create); 0 = no bound.");
 ABSL_FLAG(int, evenstep_plan_interval, 1, "Re-plan the ranks' shares every this many steps.");
 ABSL_FLAG(double, evenstep_plan_damping, 0.3,
           "Fraction of the gap to the new plan applied per re-plan for small changes (0 < d <= "
@@ -357,6 +359,18 @@ absl::Status MemoryFromFlags(BalanceConfig* config) {
   return absl::OkStatus();
 }
 
+// Stream mode's step is one position of every stream: a global batch given
+// beside it (it used to be ignored without a word) is refused unless equal.
+absl::Status CheckStreamBatch(const SamplerOptions& sampler) {
+  if (sampler.streams <= 0 || sampler.global_batch == sampler.streams) return absl::OkStatus();
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag("evenstep_global_batch");
+  if (flag == nullptr || flag->CurrentValue() == flag->DefaultValue()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--evenstep_global_batch=", sampler.global_batch, " with --evenstep_streams=",
+                   sampler.streams, ": in stream mode a step is one position of every stream (",
+                   sampler.streams, " samples); leave --evenstep_global_batch unset"));
+}
+
 // The numeric balance flags' bounds, each error naming its flag.
 absl::Status CheckBalanceBounds(const BalanceConfig& config, double quadratic) {
   EVENSTEP_RETURN_IF_ERROR(
@@ -446,6 +460,7 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   }
   const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
   EVENSTEP_RETURN_IF_ERROR(CheckBalanceBounds(config, quadratic));
+  EVENSTEP_RETURN_IF_ERROR(CheckStreamBatch(config.sampler));
   if (quadratic > 0) {
     config.cost = [quadratic](int64_t l) {
       return static_cast<double>(l) + quadratic * static_cast<double>(l) * l;
@@ -482,6 +497,20 @@ absl::Status SetFlagDefault(absl::string_view setting) {
         absl::StrCat("--", name, ": wants NAME=VALUE, got \"", setting, "\""));
   }
   EVENSTEP_ASSIGN_OR_RETURN(absl::CommandLineFlag * flag, FindEvenstepFlag(name));
+  // Called after the command line was parsed, a default would override
+  // what the user gave (--evenstep_ckpt_every=13 silently became the
+  // default): a flag no longer at its built-in default is refused.
+  if (flag->CurrentValue() != flag->DefaultValue()) {
+    const std::string before = flag->CurrentValue();
+    EVENSTEP_RETURN_IF_ERROR(SetFlag(*flag, setting.substr(eq + 1)));
+    const std::string after = flag->CurrentValue();
+    if (after == before) return absl::OkStatus();
+    EVENSTEP_RETURN_IF_ERROR(SetFlag(*flag, before));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "\"", setting, "\" would override --", name, "=", before,
+        " set before it (on the command line, or by the program): call SetFlagDefaults before "
+        "absl::ParseCommandLine (a default yields to the command line)"));
+  }
   return SetFlag(*flag, setting.substr(eq + 1));
 }
 

@@ -696,6 +696,15 @@ class BalancedStep {
   void StartPart(size_t k);
   // Seeds the default generators for micro-batch `i` (BalanceConfig::reseed).
   void Reseed(size_t i);
+  // The current part's trainable parameters and gradients as evenstep left
+  // them (after its own backward, or as the part begins) ...
+  void NoteGradients();
+  // ... and whether the user's code since changed them: a loss function
+  // that runs backward or steps the optimizer itself (the commonest porting
+  // mistake) is named before evenstep's backward mixes it into the sync.
+  // A changed parameter sets `replica_changed` (an optimizer step through
+  // .data() leaves the version as it was, so the caller stops either way).
+  absl::Status CheckUntouched(bool* replica_changed) const;
   // "rank R, step S" and, with several parts, ", part 'NAME'".
   std::string Where() const;
   // On a data worker: `data`'s CPU tensors moved to the model's device by
@@ -783,6 +792,13 @@ class BalancedStep {
   // and, once the exchange has told every rank, fails on every rank.
   std::string late_failure_;
   std::array<double, kAgreementSlots> shared_{};
+  // NoteGradients' record: per trainable parameter of the current part, its
+  // version and its gradient's identity and version.
+  struct Untouched {
+    const void* grad;
+    int64_t grad_version, version;
+  };
+  std::vector<Untouched> untouched_;
 };
 
 }  // namespace evenstep
