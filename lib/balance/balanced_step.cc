@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "evenstep/internal/error_text.h"
@@ -520,10 +521,7 @@ absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
   }
   // Whatever this backward leaves (and an out-of-memory retry inside it) is
   // evenstep's own.
-  struct Note {
-    BalancedStep* self;
-    ~Note() { self->NoteGradients(); }
-  } note{this};
+  absl::Cleanup note = [this] { NoteGradients(); };
   try {
     if (loss_sum.dim() != 0) {
       return Abandon(
@@ -649,6 +647,9 @@ std::vector<MicroBatch> BalancedStep::SplitMicroBatch(const MicroBatch& mb, int 
 
 absl::Status BalancedStep::OutOfMemory(size_t slot, bool backward_started,
                                        const std::string& what) {
+  // A recovery resets and replays gradients: what it leaves is evenstep's
+  // (an out-of-memory error in a loss function comes here outside Backward).
+  absl::Cleanup note = [this] { NoteGradients(); };
   const std::string why = absl::StrCat("out of memory: ", what);
   NoteFailedSize(micro_[slot]);
   if (!Recovers()) {
@@ -670,6 +671,7 @@ absl::Status BalancedStep::OutOfMemory(size_t slot, bool backward_started,
 }
 
 absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
+  absl::Cleanup note = [this] { NoteGradients(); };
   Part& part = parts_[part_];
   const size_t n = micro_.size();
   slot_pieces_.resize(n, 1);
