@@ -11,6 +11,7 @@ namespace {
 struct Entry {
   std::string owner;  // empty: no GradSync claims it
   absl::Status broken;
+  SyncOrder order;
 };
 
 std::mutex& Mu() {
@@ -46,6 +47,19 @@ void ReleaseGroupForSync(const void* group) {
   auto it = Groups().find(group);
   if (it == Groups().end()) return;
   it->second.owner.clear();
+  // The last GradSync of a sync order is gone: an out-of-order verdict
+  // (FailedPrecondition; every rank reached it in the same exchange, so the
+  // order group's own collectives still pair) ends with them. A failed or
+  // timed-out exchange (any other code) keeps the group unusable.
+  const c10d::ProcessGroup* order = it->second.order.group;
+  if (order == nullptr) return;
+  for (const auto& [key, entry] : Groups()) {
+    if (entry.order.group == order && !entry.owner.empty()) return;
+  }
+  auto o = Groups().find(order);
+  if (o != Groups().end() && o->second.broken.code() == absl::StatusCode::kFailedPrecondition) {
+    o->second.broken = absl::OkStatus();
+  }
 }
 
 void MarkGroupBroken(const void* group, const absl::Status& why) {
@@ -64,6 +78,20 @@ absl::Status GroupBroken(const void* group) {
 void ForgetGroup(const void* group) {
   std::lock_guard<std::mutex> lock(Mu());
   Groups().erase(group);
+  for (auto& [key, entry] : Groups()) {
+    if (entry.order.group == group) entry.order = SyncOrder();
+  }
+}
+
+void ShareSyncOrder(const void* data_group, c10d::ProcessGroup* order, int id) {
+  std::lock_guard<std::mutex> lock(Mu());
+  Groups()[data_group].order = SyncOrder{order, id};
+}
+
+SyncOrder SyncOrderOf(const void* data_group) {
+  std::lock_guard<std::mutex> lock(Mu());
+  auto it = Groups().find(data_group);
+  return it == Groups().end() ? SyncOrder() : it->second.order;
 }
 
 }  // namespace evenstep::internal

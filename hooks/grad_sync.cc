@@ -103,6 +103,7 @@ struct Bucket {
 
 struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   c10d::ProcessGroup* group = nullptr;
+  SyncOrder order;  // with other GradSyncs' data groups (group_registry.h)
   int rank = 0;
   int world = 1;
   at::Device device = at::kCPU;
@@ -152,6 +153,7 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
 
   void Layout(const std::vector<int>& order);
   void BeginStep(int first);
+  absl::Status CheckOrder();
   void OnGradReady(int index);
   void OnGradAccumulating(int index);
   void CheckKept(ParamSlot& p);
@@ -371,6 +373,11 @@ void GradSyncState::BeginStep(int first) {
       break;
     }
   }
+  // 0. With other GradSyncs on the context: every rank at this one.
+  if (absl::Status out_of_order = CheckOrder(); !out_of_order.ok()) {
+    fatal = out_of_order;
+    return;
+  }
   // 1. The buffers, as they are now (after this step's forward), from root.
   if (options.buffers_from_root_every_step && world > 1 && !buffers.empty()) {
     std::map<std::pair<int, std::string>, std::vector<int>> groups;
@@ -400,6 +407,80 @@ void GradSyncState::BeginStep(int first) {
       if (!reachable[i] && static_cast<int>(i) != first) CopyIn(params[i]);
     }
   }
+}
+
+// Where a DistContext has several data groups (a GradSync per model or
+// part), every rank first says which data group, step (SetStep) and
+// synchronisation it begins (group_registry.h's sync order): a rank that
+// left a step between two models' backward passes without AbandonStep
+// begins the next step's first one while its peers begin this step's
+// second. Then every rank ends this synchronisation with the same error
+// before any gradient is exchanged, and the order group is marked broken
+// so that every later synchronisation of any of them fails at once (the
+// ranks' sequences cannot be trusted to pair any more).
+absl::Status GradSyncState::CheckOrder() {
+  if (order.group == nullptr || world == 1) return absl::OkStatus();
+  if (absl::Status broken = GroupBroken(order.group); !broken.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, ": gradient synchronisation #", seq,
+                     " not started: an earlier one left the ranks' gradient syncs out of "
+                     "order (",
+                     broken.message(), ")"));
+  }
+  // Slots: data group number, step number (+1; 0 for none) and
+  // synchronisation number of each rank.
+  at::Tensor mine = at::zeros({3 * world}, at::kLong);
+  auto* m = mine.data_ptr<int64_t>();
+  m[rank] = order.id;
+  m[world + rank] = step + 1;
+  m[2 * world + rank] = seq;
+  std::vector<at::Tensor> v{mine};
+  c10::intrusive_ptr<c10d::Work> work;
+  const absl::Time start = absl::Now();
+  try {
+    work = order.group->allreduce(v);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", rank, ": starting the gradient sync's order exchange failed: ", ErrorText(e)));
+  }
+  ++collectives;
+  const CollectiveWait outcome = WaitCollective(work.get(), options.timeout, start);
+  if (outcome.failed) {
+    absl::Status why =
+        CollectiveFailed(rank, "the gradient sync's order exchange", outcome, options.timeout);
+    MarkGroupBroken(order.group, why);
+    return why;
+  }
+  const int64_t* a = mine.data_ptr<int64_t>();
+  bool one_group = true, steps_given = true, same_step = true, same_seq = true;
+  for (int r = 0; r < world; ++r) {
+    one_group &= a[r] == order.id;
+    steps_given &= a[world + r] > 0;
+    same_step &= a[world + r] == step + 1;
+    same_seq &= a[2 * world + r] == seq;
+  }
+  // One backward may drive several GradSyncs, each beginning at its first
+  // gradient, in an order that differs per rank: exchanges of different
+  // groups then pair legitimately, and only the caller's step numbers
+  // (GradSync::SetStep) can tell such a pairing from a skipped step.
+  const bool in_order =
+      one_group ? same_seq && (!steps_given || same_step) : !steps_given || same_step;
+  if (in_order) return absl::OkStatus();
+  auto at = [&](int r) {
+    return absl::StrCat("rank ", r, r == rank ? " (here)" : "", " at data group ", a[r],
+                        a[world + r] > 0 ? absl::StrCat(" step ", a[world + r] - 1) : "",
+                        " synchronisation #", a[2 * world + r]);
+  };
+  std::vector<std::string> where;
+  for (int r = 0; r < world; ++r) where.push_back(at(r));
+  absl::Status why = absl::FailedPreconditionError(absl::StrCat(
+      "rank ", rank, ": the ranks' gradient syncs are out of order (", absl::StrJoin(where, ", "),
+      "): a rank left a step between two models' synchronised backward passes (an exception "
+      "caught without GradSync::AbandonStep on every GradSync of the step) or ran them in "
+      "another order; nothing of this synchronisation was exchanged or applied, and every "
+      "GradSync of this DistContext stops here"));
+  MarkGroupBroken(order.group, why);
+  return why;
 }
 
 // A synchronised backward that never reached its end (it threw): complete
@@ -1244,6 +1325,7 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
 
   auto state = std::make_shared<GradSyncState>();
   state->group = &group;
+  state->order = internal::SyncOrderOf(&group);
   state->rank = rank;
   state->world = group.getSize();
   state->device = device;

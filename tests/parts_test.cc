@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -340,6 +341,139 @@ TEST(PartsTest, AThrowInTheSecondPartAbandonsItOnEveryRankAndTheRanksGoOnAlike) 
         << "rank " << dist.rank() << ": " << run.final_line;
   });
 }
+
+// The sync-safety program classes through a Session's parts: an encoder
+// with a sparse embedding (SGD) and a decoder on its detached features
+// (Adam); a rank with no sample in a step (a global batch smaller than the
+// world) or 1 to 3 micro-batches per rank; after every step rank 0 runs a
+// probe backward through both parts outside the Step and zeroes the
+// gradients (the encoder's in place: libtorch 1.13 leaves its sparse
+// gradient with every dimension sparse; the decoder's to none); in step 3
+// the decoder loss throws on the rank holding the global batch's first
+// sample. Every step's parameters equal one process running the plain loop
+// on the step's whole global batch (skipping the decoder's update in step
+// 3), and step 3 fails alike on every rank. (The idle rank of world 3 once
+// waited out the collective timeout here: outside its part's loop it did
+// not join the vote on an out-of-memory retry that its peers held.)
+struct ProgramCase {
+  int world;
+  const char* shape;  // "idle", "micro1", "micro3"
+  friend void PrintTo(const ProgramCase& c, std::ostream* os) {
+    *os << "world " << c.world << " " << c.shape;
+  }
+};
+
+struct Coder {
+  Coder() {
+    torch::manual_seed(11);
+    encoder = std::make_shared<torch::nn::Module>();
+    emb = encoder->register_module(
+        "emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(11, 4).sparse(true)));
+    lin = encoder->register_module("lin", torch::nn::Linear(4, 4));
+    decoder = torch::nn::Linear(4, 1);
+  }
+  torch::Tensor Features(const std::vector<int64_t>& samples) {
+    std::vector<int64_t> ids;
+    for (int64_t s : samples) ids.push_back(s % 11);
+    return torch::tanh(lin->forward(emb->forward(torch::tensor(ids, torch::kLong))));
+  }
+  // Sums over `samples` of each part's loss.
+  torch::Tensor EncoderLoss(const std::vector<int64_t>& samples) {
+    return (Features(samples) - Real(samples)).pow(2).sum();
+  }
+  torch::Tensor DecoderLoss(const std::vector<int64_t>& samples, bool detach = true) {
+    torch::Tensor f = Features(samples);
+    return decoder->forward(detach ? f.detach() : f).pow(2).sum();
+  }
+  std::shared_ptr<torch::nn::Module> encoder;
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear lin{nullptr}, decoder{nullptr};
+};
+
+class PartsProgramTest : public ::testing::TestWithParam<ProgramCase> {};
+
+TEST_P(PartsProgramTest, EveryStepEqualsOneProcessOrFailsAlike) {
+  const ProgramCase c = GetParam();
+  RunOnRanks(c.world, [c](DistContext& dist) {
+    const int rank = dist.rank();
+    const std::string shape = c.shape;
+    SetSessionFlags();
+    absl::SetFlag(&FLAGS_evenstep_global_batch, shape == "idle" ? c.world - 1 : 17);
+    // micro3: at most 3 micro-batches per rank (17 samples, 2 or 3 ranks).
+    absl::SetFlag(&FLAGS_evenstep_micro_batch_samples, shape == "micro3" ? 3 : 0);
+    Coder mine, ref;
+    torch::optim::SGD enc_opt(mine.encoder->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::Adam dec_opt(mine.decoder->parameters(), torch::optim::AdamOptions(0.01));
+    torch::optim::SGD enc_ref(ref.encoder->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::Adam dec_ref(ref.decoder->parameters(), torch::optim::AdamOptions(0.01));
+    auto es = Session::Create(
+        dist, {{"encoder", *mine.encoder, enc_opt}, {"decoder", *mine.decoder, dec_opt}},
+        std::vector<int64_t>(60, 1), RanksDir() + "/run");
+    ASSERT_TRUE(es.ok()) << es.status();
+    Session& session = **es;
+    for (int64_t s = 1; s <= 5; ++s) {
+      int micro_batches = 0;
+      auto report = session.Step({
+          [&](const MicroBatch& mb) {
+            ++micro_batches;
+            return mine.EncoderLoss(mb.samples);
+          },
+          [&](const MicroBatch& mb) {
+            const int64_t first = session.balanced_step().global_batch().samples.front();
+            if (s == 3 && absl::c_linear_search(mb.samples, first)) {
+              throw std::runtime_error("the decoder's loss failed");
+            }
+            return mine.DecoderLoss(mb.samples);
+          },
+      });
+      const std::vector<int64_t>& batch = session.balanced_step().global_batch().samples;
+      const double n = static_cast<double>(batch.size());
+      enc_ref.zero_grad();
+      (ref.EncoderLoss(batch) / n).backward();
+      enc_ref.step();
+      if (s == 3) {
+        ASSERT_FALSE(report.ok()) << "rank " << rank;
+        EXPECT_THAT(std::string(report.status().message()),
+                    HasSubstr("abandoned on every rank: rank(s) "))
+            << "rank " << rank;
+      } else {
+        ASSERT_TRUE(report.ok()) << "rank " << rank << " step " << s << ": " << report.status();
+        dec_ref.zero_grad();
+        (ref.DecoderLoss(batch) / n).backward();
+        dec_ref.step();
+      }
+      if (shape == "idle") {
+        EXPECT_LE(micro_batches, 1) << "rank " << rank << " step " << s;
+      } else if (shape == "micro3") {
+        EXPECT_LE(micro_batches, 3) << "rank " << rank << " step " << s;
+      }
+      auto expect_near = [&](torch::nn::Module& a, torch::nn::Module& b, const char* part) {
+        auto want = b.named_parameters();
+        for (const auto& p : a.named_parameters()) {
+          const torch::Tensor w = want[p.key()];
+          EXPECT_LE(((p.value() - w).abs().max() / (w.abs().max() + 1e-12)).item<double>(), 1e-5)
+              << "rank " << rank << " step " << s << " " << part << "." << p.key();
+        }
+      };
+      expect_near(*mine.encoder, *ref.encoder, "encoder");
+      expect_near(*mine.decoder, *ref.decoder, "decoder");
+      if (rank == 0) {  // the probe: a backward through both parts outside the Step
+        mine.DecoderLoss({1, 2, 3}, /*detach=*/false).backward();
+        enc_opt.zero_grad();  // in place in libtorch 1.13 (sparse: every dimension sparse)
+        for (auto& p : mine.decoder->parameters()) p.mutable_grad() = torch::Tensor();
+      }
+    }
+    EXPECT_TRUE(session.Finish().ok());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PartsProgramTest,
+                         ::testing::Values(ProgramCase{2, "idle"}, ProgramCase{3, "idle"},
+                                           ProgramCase{2, "micro1"}, ProgramCase{3, "micro1"},
+                                           ProgramCase{2, "micro3"}, ProgramCase{3, "micro3"}),
+                         [](const auto& info) {
+                           return absl::StrCat("world", info.param.world, "_", info.param.shape);
+                         });
 
 // A misuse of the Session's parts and sums: refused by name on every rank,
 // before any loss function runs (setup misuse fails the next Step).

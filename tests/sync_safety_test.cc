@@ -13,6 +13,8 @@
 // - two GradSyncs on one process group: refused at Attach; on groups of
 //   their own (DistContext::NewDataGroup), driven by one backward whose
 //   launch order differs per rank: exact;
+// - a rank that left a step between two GradSyncs' backward passes without
+//   AbandonStep: named on every rank at once, not after the timeout;
 // - a collective of the program's own on the sync's group that shifts the
 //   pairing: every rank names the mispaired synchronisation, applies
 //   nothing, and the DistContext refuses its next collective at once;
@@ -233,6 +235,8 @@ TEST_P(TwoSyncsTest, ASharedGroupIsRefusedAndOwnGroupsAreExact) {
     // One backward drives both syncs; D's extra branch only on rank 0, so
     // the buckets become ready in another order on each rank.
     for (int step = 0; step < 2; ++step) {
+      (*sync_d)->SetStep(step);
+      (*sync_g)->SetStep(step);
       ZeroGrads(*d, true);
       ZeroGrads(*g, true);
       const torch::Tensor idx = Samples(rank, world, step);
@@ -254,6 +258,69 @@ TEST_P(TwoSyncsTest, ASharedGroupIsRefusedAndOwnGroupsAreExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, TwoSyncsTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return absl::StrCat("world", info.param); });
+
+// Two raw GradSyncs (G's, then D's, each on a data group of its own, SetStep
+// on both), and rank 1 leaves step 1 after G's synchronised backward (an
+// exception caught without AbandonStep): its G synchronisation of step 2
+// used to wait for peers that wait in D's of step 1, until the collective
+// timeout. Every rank names it at once (GradSync's timeout here is far
+// longer than the test's), nothing of it is applied, and every later
+// synchronisation of either GradSync fails at once.
+class LeftBetweenSyncsTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(LeftBetweenSyncsTest, ARankThatLeftAStepBetweenTwoGradSyncsIsNamedAtOnce) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
+    const int rank = dist.rank();
+    torch::manual_seed(1);
+    torch::nn::Linear g(3, 3), d(3, 1);
+    GradSyncOptions options;
+    options.timeout = absl::Minutes(30);
+    auto own = dist.NewDataGroup();
+    ASSERT_TRUE(own.ok()) << own.status();
+    auto sync_g = GradSync::Attach(*g, dist.data_group(), options);
+    auto sync_d = GradSync::Attach(*d, (*own)->process_group(), options);
+    ASSERT_TRUE(sync_g.ok() && sync_d.ok());
+    std::string error;
+    int failed_at = -1;
+    for (int step = 0; step < 3 && error.empty(); ++step) {
+      (*sync_g)->SetStep(step);
+      (*sync_d)->SetStep(step);
+      ZeroGrads(*g, true);
+      ZeroGrads(*d, true);
+      const torch::Tensor x = torch::ones({4, 3}) * (step + 1);
+      try {
+        g->forward(x).sum().backward();
+        if (rank == 1 && step == 1) continue;  // "threw" before D's backward, went on
+        d->forward(x).sum().backward();
+      } catch (const std::exception& e) {
+        error = e.what();
+        failed_at = step;
+      }
+    }
+    EXPECT_EQ(failed_at, rank == 1 ? 2 : 1) << error;
+    EXPECT_THAT(error, HasSubstr("gradient syncs are out of order")) << "rank " << rank;
+    EXPECT_THAT(error, HasSubstr(absl::StrCat("rank 1", rank == 1 ? " (here)" : "",
+                                              " at data group 1 step 2")))
+        << "rank " << rank;
+    EXPECT_THAT(error, HasSubstr(absl::StrCat("rank 0", rank == 0 ? " (here)" : "",
+                                              " at data group 2 step 1")))
+        << "rank " << rank;
+    torch::nn::Linear& failed = rank == 1 ? g : d;
+    EXPECT_FALSE(failed->weight.grad().defined()) << "rank " << rank << ": something was applied";
+    // Whatever the program does next, no synchronisation pairs any more.
+    (*sync_d)->SetStep(3);
+    std::string next;
+    try {
+      d->forward(torch::ones({4, 3})).sum().backward();
+    } catch (const std::exception& e) {
+      next = e.what();
+    }
+    EXPECT_THAT(next, HasSubstr("out of order")) << "rank " << rank;
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, LeftBetweenSyncsTest, ::testing::Values(2, 3),
                          [](const auto& info) { return absl::StrCat("world", info.param); });
 
 TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplied) {

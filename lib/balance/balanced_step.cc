@@ -390,9 +390,12 @@ absl::StatusOr<StepReport> BalancedStep::Step(const std::vector<PartLoss>& losse
   CancelPrefetch();
   EVENSTEP_RETURN_IF_ERROR(BeginStep());
   const std::vector<MicroBatch>& mbs = micro_batches();
+  // For the whole step, the parts' synchronisations (EndPart, FinishStep)
+  // included: a rank with no micro-batch learns there that a peer ran out
+  // of memory, and must join the vote on a retry as the others do.
+  RecomputeScope scope(this, [this, &losses](const MicroBatch& mb) { return losses[part_](mb); });
   for (size_t k = 0; k < parts_.size(); ++k) {
     if (k > 0) EVENSTEP_RETURN_IF_ERROR(EndPart());
-    RecomputeScope scope(this, [&losses, k](const MicroBatch& mb) { return losses[k](mb); });
     for (size_t i = 0; i < mbs.size(); ++i) {
       try {
         DataReady();

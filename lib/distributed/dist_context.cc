@@ -62,6 +62,10 @@ struct DistContext::Groups {
   compat::StorePtr ctx_store;  // "evenstep/ctx/" view of it
   compat::ProcessGroupPtr control;
   compat::ProcessGroupPtr data;
+  // Made with the first NewDataGroup: where the syncs over several data
+  // groups announce which one and which step they are at
+  // (internal::SyncOrder).
+  compat::ProcessGroupPtr sync_order;
   // The first collective that timed out or lost a peer: c10d cannot cancel
   // it, so a later collective on these groups would queue behind it or pair
   // with the wrong operation. Every later one fails at once with it.
@@ -125,6 +129,7 @@ DistContext::~DistContext() {
   if (groups_ == nullptr) return;
   internal::ForgetGroup(groups_->control.get());
   internal::ForgetGroup(groups_->data.get());
+  internal::ForgetGroup(groups_->sync_order.get());
 }
 
 namespace {
@@ -896,6 +901,12 @@ absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewDataGroup() {
   const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
   const std::string backend = backend_name();
   try {
+    if (!groups_->sync_order) {
+      groups_->sync_order =
+          compat::MakeGlooGroup(compat::MakePrefixStore("evenstep/sync_order", groups_->store),
+                                env_.rank, env_.world_size, timeout, gloo_device_);
+      internal::ShareSyncOrder(groups_->data.get(), groups_->sync_order.get(), 1);
+    }
     auto store = compat::MakePrefixStore(absl::StrCat("evenstep/", name), groups_->store);
 #if EVENSTEP_HAVE_NCCL
     if (backend == "nccl") {
@@ -909,6 +920,7 @@ absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewDataGroup() {
     return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": creating ", backend,
                                                " data group ", name, ": ", internal::ErrorText(e)));
   }
+  internal::ShareSyncOrder(impl->group.get(), groups_->sync_order.get(), data_groups_ + 1);
   return std::unique_ptr<Subgroup>(new Subgroup(name, std::move(ranks), env_.rank, env_.rank,
                                                 options_.collective_timeout, std::move(impl)));
 }

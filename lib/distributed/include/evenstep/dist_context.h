@@ -171,7 +171,10 @@ class DistContext {
   // connections of its own: for a second gradient sync (GradSync::Attach
   // refuses a group that another GradSync already synchronises over, since
   // c10d would pair one's buckets with the other's). Collective: every rank
-  // calls it, in the same order as its other NewDataGroup calls.
+  // calls it, in the same order as its other NewDataGroup calls. The first
+  // call also makes a small Gloo group where every synchronisation over any
+  // of these data groups (and data_group()) first checks that every rank
+  // begins the same step's (grad_sync.h's SetStep; design.md).
   absl::StatusOr<std::unique_ptr<Subgroup>> NewDataGroup();
 
   // Which ranks share a node: every rank's host name, with the launcher's
