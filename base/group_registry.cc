@@ -88,6 +88,13 @@ void ShareSyncOrder(const void* data_group, c10d::ProcessGroup* order, int id) {
   Groups()[data_group].order = SyncOrder{order, id};
 }
 
+int SyncsSharingOrder(const c10d::ProcessGroup* order) {
+  std::lock_guard<std::mutex> lock(Mu());
+  int n = 0;
+  for (const auto& [key, entry] : Groups()) n += entry.order.group == order && !entry.owner.empty();
+  return n;
+}
+
 SyncOrder SyncOrderOf(const void* data_group) {
   std::lock_guard<std::mutex> lock(Mu());
   auto it = Groups().find(data_group);

@@ -419,7 +419,11 @@ void GradSyncState::BeginStep(int first) {
 // so that every later synchronisation of any of them fails at once (the
 // ranks' sequences cannot be trusted to pair any more).
 absl::Status GradSyncState::CheckOrder() {
-  if (order.group == nullptr || world == 1) return absl::OkStatus();
+  // One GradSync over the context's data groups (a single BalancedStep):
+  // nothing to be out of order with, no exchange.
+  if (order.group == nullptr || world == 1 || internal::SyncsSharingOrder(order.group) < 2) {
+    return absl::OkStatus();
+  }
   if (absl::Status broken = GroupBroken(order.group); !broken.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", rank, ": gradient synchronisation #", seq,
@@ -446,8 +450,8 @@ absl::Status GradSyncState::CheckOrder() {
   ++collectives;
   const CollectiveWait outcome = WaitCollective(work.get(), options.timeout, start);
   if (outcome.failed) {
-    absl::Status why =
-        CollectiveFailed(rank, "the gradient sync's order exchange", outcome, options.timeout);
+    WaitFailed("the gradient sync's order exchange", outcome);  // names who never arrived
+    absl::Status why = fatal;
     MarkGroupBroken(order.group, why);
     return why;
   }

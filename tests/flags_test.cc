@@ -166,6 +166,7 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_cost_quadratic", {"-1", "nan", "inf", "1e308"}},
       {"evenstep_clip_grad_norm", {"-1", "nan", "inf"}},
       {"evenstep_loss_reduction", {"avg", ""}},
+      {"evenstep_objective", {"average", ""}},
       {"evenstep_data_workers", {"-2", "two", "100000"}},
       {"evenstep_prefetch", {"0", "-2", "100000"}},
       {"evenstep_ckpt_dir",

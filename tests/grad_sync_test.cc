@@ -342,23 +342,32 @@ TEST(GradSyncTest, AnUndeclaredSparseGradientFailsOnEveryRankNamingIt) {
   });
 }
 
-TEST(GradSyncTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
-  // Rank 1 never joins the sync (it forgets SyncNow): rank 0's times out
-  // naming it; rank 0's next sync, all_reduce and barrier return that failure
-  // without starting (a started one would block on the timed-out all_reduce).
+// Rank 1 never joins the sync (it forgets SyncNow): rank 0's times out
+// (naming it, with the DistContext's diagnosis hook); rank 0's next sync,
+// all_reduce and barrier return that failure without starting (a started
+// one would block on, or pair with, the timed-out all_reduce). Without the
+// hook (usage.md's plain GradSync example) the DistContext learns it too.
+class TimeoutTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(TimeoutTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
+  const bool hook = GetParam();
   OnRanksOptions options;
   options.collective_timeout = absl::Seconds(3);
   RunOnRanks(
       2,
-      [](DistContext& dist) {
+      [hook](DistContext& dist) {
         torch::manual_seed(1);
         testing::SyncNet net(kSyncHidden, false);
         GradSyncOptions sync_options = TinyBuckets();
         sync_options.timeout = dist.options().collective_timeout;
-        sync_options.diagnosis.arrive = [&dist] { return dist.MarkArrival(); };
-        sync_options.diagnosis.diagnose =
-            [&dist](int64_t seq, const std::string& what, absl::Duration elapsed,
-                    const std::string& error) { return dist.Diagnose(seq, what, elapsed, error); };
+        if (hook) {
+          sync_options.diagnosis.arrive = [&dist] { return dist.MarkArrival(); };
+          sync_options.diagnosis.diagnose = [&dist](int64_t seq, const std::string& what,
+                                                    absl::Duration elapsed,
+                                                    const std::string& error) {
+            return dist.Diagnose(seq, what, elapsed, error);
+          };
+        }
         auto sync = GradSync::Attach(net, dist.data_group(), sync_options);
         ASSERT_TRUE(sync.ok()) << sync.status();
         if (dist.rank() == 1) {
@@ -370,7 +379,8 @@ TEST(GradSyncTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
           net.forward(torch::randn({4, kSyncIn})).sum().backward();
           ADD_FAILURE() << "the sync succeeded without rank 1";
         } catch (const std::exception& e) {
-          EXPECT_THAT(e.what(), ContainsRegex("DEADLINE_EXCEEDED.*rank\\(s\\) 1"));
+          EXPECT_THAT(e.what(), ContainsRegex(hook ? "DEADLINE_EXCEEDED.*rank\\(s\\) 1"
+                                                   : "DEADLINE_EXCEEDED.*timed out"));
         }
         const absl::Status again = (*sync)->SyncNow();
         EXPECT_EQ(again.code(), absl::StatusCode::kDeadlineExceeded) << "next sync: " << again;
@@ -386,6 +396,9 @@ TEST(GradSyncTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
       },
       options);
 }
+
+INSTANTIATE_TEST_SUITE_P(Diagnosis, TimeoutTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "hook" : "plain"; });
 
 // The hierarchical sync (reduce-scatter within each node, all-reduce across,
 // all-gather within) against one process's gradient, on nodes simulated on

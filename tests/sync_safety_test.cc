@@ -26,6 +26,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -75,6 +76,8 @@ struct SafetyCase {
 };
 
 class SyncSafetyTest : public ::testing::TestWithParam<SafetyCase> {};
+// The program classes at worlds 2 and 3.
+class WorldTest : public ::testing::TestWithParam<int> {};
 
 struct Bag : torch::nn::Module {
   Bag() {
@@ -165,11 +168,11 @@ INSTANTIATE_TEST_SUITE_P(Worlds, SyncSafetyTest,
 // A kept gradient scaled in place, after a probe's backward added to it or
 // right after the synchronisation wrote it (it used to count once per rank:
 // world times too much): refused by name on every rank, nothing survives.
-class KeptScaledTest : public ::testing::TestWithParam<bool> {};
+class KeptScaledTest : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 TEST_P(KeptScaledTest, AKeptGradientScaledInPlaceIsRefusedByName) {
-  const bool probe = GetParam();
-  RunOnRanks(2, [probe](DistContext& dist) {
+  const auto [world_size, probe] = GetParam();
+  RunOnRanks(world_size, [probe = probe](DistContext& dist) {
     const int rank = dist.rank(), world = dist.world_size();
     const SyncBatch batch = GlobalSyncBatch();
     auto net = MakeSyncNet(5);
@@ -212,12 +215,15 @@ TEST_P(KeptScaledTest, AKeptGradientScaledInPlaceIsRefusedByName) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Probe, KeptScaledTest, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "after_a_probe" : "alone"; });
+INSTANTIATE_TEST_SUITE_P(WorldsAndProbe, KeptScaledTest,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()),
+                         [](const auto& info) {
+                           return absl::StrCat(
+                               "world", std::get<0>(info.param),
+                               std::get<1>(info.param) ? "_after_a_probe" : "_alone");
+                         });
 
-class TwoSyncsTest : public ::testing::TestWithParam<int> {};
-
-TEST_P(TwoSyncsTest, ASharedGroupIsRefusedAndOwnGroupsAreExact) {
+TEST_P(WorldTest, ASharedGroupIsRefusedAndOwnGroupsAreExact) {
   RunOnRanks(GetParam(), [](DistContext& dist) {
     const int rank = dist.rank(), world = dist.world_size();
     const SyncBatch batch = GlobalSyncBatch();
@@ -257,9 +263,6 @@ TEST_P(TwoSyncsTest, ASharedGroupIsRefusedAndOwnGroupsAreExact) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, TwoSyncsTest, ::testing::Values(2, 3),
-                         [](const auto& info) { return absl::StrCat("world", info.param); });
-
 // Two raw GradSyncs (G's, then D's, each on a data group of its own, SetStep
 // on both), and rank 1 leaves step 1 after G's synchronised backward (an
 // exception caught without AbandonStep): its G synchronisation of step 2
@@ -267,9 +270,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, TwoSyncsTest, ::testing::Values(2, 3),
 // timeout. Every rank names it at once (GradSync's timeout here is far
 // longer than the test's), nothing of it is applied, and every later
 // synchronisation of either GradSync fails at once.
-class LeftBetweenSyncsTest : public ::testing::TestWithParam<int> {};
-
-TEST_P(LeftBetweenSyncsTest, ARankThatLeftAStepBetweenTwoGradSyncsIsNamedAtOnce) {
+TEST_P(WorldTest, ARankThatLeftAStepBetweenTwoGradSyncsIsNamedAtOnce) {
   RunOnRanks(GetParam(), [](DistContext& dist) {
     const int rank = dist.rank();
     torch::manual_seed(1);
@@ -320,11 +321,8 @@ TEST_P(LeftBetweenSyncsTest, ARankThatLeftAStepBetweenTwoGradSyncsIsNamedAtOnce)
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, LeftBetweenSyncsTest, ::testing::Values(2, 3),
-                         [](const auto& info) { return absl::StrCat("world", info.param); });
-
-TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplied) {
-  RunOnRanks(2, [](DistContext& dist) {
+TEST_P(WorldTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplied) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
     const int rank = dist.rank();
     torch::manual_seed(1);
     torch::nn::Linear lin(3, 2);  // 8 gradients in one bucket with the control values
@@ -335,14 +333,14 @@ TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplie
     ASSERT_TRUE(sync.ok()) << sync.status();
     ASSERT_EQ((*sync)->num_buckets(), 1);
     // The bucket: 8 gradients, then failure flags, synchronisation numbers
-    // and step numbers (2 each) and 2 used flags.
-    const int64_t bucket = 8 + 3 * 2 + 2;
+    // and step numbers (one per rank each) and 2 used flags.
+    const int64_t bucket = 8 + 3 * dist.world_size() + 2;
     auto raw = [&dist, bucket] {
       std::vector<at::Tensor> v{torch::zeros({bucket})};
       dist.data_group().allreduce(v)->wait();
     };
-    // Rank 1's own collective on the sync's group comes first: rank 0's
-    // bucket pairs with it, and rank 1's bucket with rank 0's next one.
+    // Rank 1's own collective on the sync's group comes first: the others'
+    // bucket pairs with it, and rank 1's bucket with their next one.
     if (rank == 1) raw();
     std::string error;
     try {
@@ -350,7 +348,7 @@ TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplie
     } catch (const std::exception& e) {
       error = e.what();
     }
-    if (rank == 0) raw();
+    if (rank != 1) raw();
     EXPECT_THAT(error, HasSubstr("reduced together with another synchronisation"))
         << "rank " << rank;
     EXPECT_THAT(error, HasSubstr("rank 1")) << "rank " << rank;
@@ -368,8 +366,8 @@ TEST(SyncSafetyTest, AMispairedSynchronisationIsNamedOnEveryRankAndNothingApplie
 // next synchronisation has the number of its peers' current one, so only
 // the caller's step number (SetStep) tells them apart; every rank names
 // both steps and applies nothing, instead of reducing step 1 with step 2.
-TEST(SyncSafetyTest, ARankThatSkippedAStepBeforeAnyGradientIsNamedByItsStep) {
-  RunOnRanks(2, [](DistContext& dist) {
+TEST_P(WorldTest, ARankThatSkippedAStepBeforeAnyGradientIsNamedByItsStep) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
     const int rank = dist.rank();
     torch::manual_seed(1);
     torch::nn::Linear lin(3, 2);
@@ -390,11 +388,12 @@ TEST(SyncSafetyTest, ARankThatSkippedAStepBeforeAnyGradientIsNamedByItsStep) {
       }
       if (error.empty()) ZeroGrads(*lin, false);
     }
-    EXPECT_EQ(failed_at, rank == 0 ? 1 : 2) << error;
+    EXPECT_EQ(failed_at, rank == 1 ? 2 : 1) << error;
     EXPECT_THAT(error, HasSubstr(absl::StrCat("of step ", failed_at, " (GradSync::SetStep)")));
     EXPECT_THAT(error, HasSubstr(absl::StrCat("rank ", rank, " (here) at #", failed_at)));
-    EXPECT_THAT(error, HasSubstr(absl::StrCat("rank ", 1 - rank, " at another (#",
-                                              rank == 0 ? 2 : 1, " modulo 251)")));
+    const int other = rank == 1 ? 0 : 1;
+    EXPECT_THAT(error, HasSubstr(absl::StrCat("rank ", other, " at another (#", rank == 1 ? 1 : 2,
+                                              " modulo 251)")));
     EXPECT_FALSE(lin->weight.grad().defined()) << "rank " << rank << ": a mixed sum was applied";
   });
 }
@@ -443,8 +442,8 @@ TEST(SyncSafetyTest, APartsOptimizerMustHoldExactlyItsParameters) {
 // micro-batch was synchronised (a hook on a branch the engine runs last):
 // the gradient is whole, so every rank applies the step, nobody waits in
 // the exchange for the rank that threw, and every rank's Step names it.
-TEST(SyncSafetyTest, AThrowAfterEveryGradientWasSynchronisedIsNamedOnEveryRank) {
-  RunOnRanks(2, [](DistContext& dist) {
+TEST_P(WorldTest, AThrowAfterEveryGradientWasSynchronisedIsNamedOnEveryRank) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
     const int rank = dist.rank();
     torch::manual_seed(4);
     torch::nn::Linear net(3, 1);
@@ -478,7 +477,9 @@ TEST(SyncSafetyTest, AThrowAfterEveryGradientWasSynchronisedIsNamedOnEveryRank) 
       torch::Tensor flat = torch::cat({net->weight.detach().reshape({-1}), net->bias.detach()});
       std::vector<at::Tensor> all;
       ASSERT_TRUE(dist.AllGather(flat, &all).ok());
-      EXPECT_TRUE(torch::equal(all[0], all[1])) << "rank " << rank << " step " << s;
+      for (size_t r = 1; r < all.size(); ++r) {
+        EXPECT_TRUE(torch::equal(all[0], all[r])) << "rank " << rank << " step " << s;
+      }
     }
   });
 }
@@ -487,8 +488,8 @@ TEST(SyncSafetyTest, AThrowAfterEveryGradientWasSynchronisedIsNamedOnEveryRank) 
 // BatchNorm statistics change per rank after D's synchronisation; at the
 // end of every step they are rank 0's on every rank (what a checkpoint or an
 // evaluation then sees), and the parameters stay equal.
-TEST(SyncSafetyTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValueAfterTheStep) {
-  RunOnRanks(2, [](DistContext& dist) {
+TEST_P(WorldTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValueAfterTheStep) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
     const int rank = dist.rank();
     torch::manual_seed(5);
     torch::nn::Sequential d(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4),
@@ -516,7 +517,9 @@ TEST(SyncSafetyTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValue
       for (const auto& p : d->parameters()) state.push_back(p.detach().reshape({-1}));
       std::vector<at::Tensor> all;
       ASSERT_TRUE(dist.AllGather(torch::cat(state), &all).ok());
-      EXPECT_TRUE(torch::equal(all[0], all[1])) << "rank " << rank << " step " << s;
+      for (size_t r = 1; r < all.size(); ++r) {
+        EXPECT_TRUE(torch::equal(all[0], all[r])) << "rank " << rank << " step " << s;
+      }
     }
   });
 }
@@ -527,8 +530,8 @@ TEST(SyncSafetyTest, AnEarlierPartsBuffersChangedByALaterPartsForwardAreOneValue
 // elsewhere) after each rank's replica had moved by its own gradient. Now
 // named on every rank before evenstep's backward, the step abandoned, and no
 // further step runs (the replicas may differ).
-TEST(SyncSafetyTest, ALossFunctionThatRunsBackwardOrStepsItselfIsNamedOnEveryRank) {
-  RunOnRanks(2, [](DistContext& dist) {
+TEST_P(WorldTest, ALossFunctionThatRunsBackwardOrStepsItselfIsNamedOnEveryRank) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
     const int rank = dist.rank();
     torch::manual_seed(4);
     torch::nn::Linear net(3, 1);
@@ -565,6 +568,9 @@ TEST(SyncSafetyTest, ALossFunctionThatRunsBackwardOrStepsItselfIsNamedOnEveryRan
     }
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Worlds, WorldTest, ::testing::Values(2, 3),
+                         [](const auto& info) { return absl::StrCat("world", info.param); });
 
 }  // namespace
 }  // namespace evenstep

@@ -412,6 +412,20 @@ absl::StatusOr<StepReport> BalancedStep::Step(const std::vector<PartLoss>& losse
 
 BalancedStep::~BalancedStep() { CancelPrefetch(); }
 
+namespace {
+// This rank's micro-batches of `batch` learn where they stand: the epoch,
+// their place, the global batch's totals.
+void Label(const GlobalBatch& batch, std::vector<MicroBatch>* micro) {
+  for (size_t i = 0; i < micro->size(); ++i) {
+    MicroBatch& mb = (*micro)[i];
+    mb.epoch = batch.epoch;
+    mb.index = static_cast<int>(i);
+    mb.global_samples = static_cast<int64_t>(batch.samples.size());
+    mb.global_tokens = batch.tokens;
+  }
+}
+}  // namespace
+
 void BalancedStep::PlanNextStep(int64_t steps_done) {
   NextStep next;
   next.sampler_before = sampler_.state();
@@ -430,10 +444,7 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
     parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
   }
   next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), MemoryCap());
-  for (size_t i = 0; i < next.micro.size(); ++i) {
-    next.micro[i].epoch = next.batch.epoch;
-    next.micro[i].index = static_cast<int>(i);
-  }
+  Label(next.batch, &next.micro);
   planned_ = std::move(next);
 }
 
@@ -470,7 +481,7 @@ absl::Status BalancedStep::BeginStep() {
   micro_ = std::move(planned_->micro);
   planned_.reset();
   const Plan& plan = planner_.plan();
-  scale_ = batch_.count > 0 ? 1.0 / batch_.count : 0.0;
+  scale_ = config_.objective == Objective::kSum ? 1.0 : batch_.count > 0 ? 1.0 / batch_.count : 0.0;
   loss_on_device_.assign(parts_.size(), at::Tensor());
   step_sums_.assign(sum_names_.size(), 0.0);
   step_sum_tensors_.assign(sum_names_.size(), at::Tensor());
@@ -635,6 +646,8 @@ std::vector<MicroBatch> BalancedStep::SplitMicroBatch(const MicroBatch& mb, int 
   for (MicroBatch& piece : out) {
     piece.epoch = mb.epoch;
     piece.index = mb.index;
+    piece.global_samples = mb.global_samples;
+    piece.global_tokens = mb.global_tokens;
   }
   for (size_t k = 0; k < mb.samples.size(); ++k) {
     MicroBatch& piece = out[k % out.size()];
@@ -822,10 +835,7 @@ void BalancedStep::RepackPlanned() {
   std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), MemoryCap());
   if (micro.size() == planned_->micro.size()) return;  // already within the cap
   CancelPrefetch();                                    // its loads were for the old micro-batches
-  for (size_t i = 0; i < micro.size(); ++i) {
-    micro[i].epoch = planned_->batch.epoch;
-    micro[i].index = static_cast<int>(i);
-  }
+  Label(planned_->batch, &micro);
   planned_->micro = std::move(micro);
 }
 

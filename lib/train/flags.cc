@@ -130,6 +130,11 @@ ABSL_FLAG(std::string, evenstep_loss_reduction, "sum",
           "losses) or mean (over the micro-batch's samples or tokens, by --evenstep_normalize; "
           "evenstep multiplies it by that count). Either gives the exact mean over the global "
           "batch.");
+ABSL_FLAG(std::string, evenstep_objective, "mean",
+          "The gradient a step applies: mean (of the loss over the global batch: evenstep "
+          "divides by the global batch's count) or sum (over the global batch, no division: a "
+          "loop whose loss is a batch sum, or one that divides its terms itself by "
+          "MicroBatch::global_samples / global_tokens).");
 ABSL_FLAG(double, evenstep_cost_quadratic, 0,
           "Cost units of a sample of length L are L + c*L^2 with this c (attention-heavy "
           "models); 0 = tokens.");
@@ -433,6 +438,10 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
       internal::Choose<LossReduction>(
           "--evenstep_loss_reduction", absl::GetFlag(FLAGS_evenstep_loss_reduction),
           {{"sum", LossReduction::kSum}, {"mean", LossReduction::kMean}}));
+  EVENSTEP_ASSIGN_OR_RETURN(
+      config.objective,
+      internal::Choose<Objective>("--evenstep_objective", absl::GetFlag(FLAGS_evenstep_objective),
+                                  {{"mean", Objective::kMean}, {"sum", Objective::kSum}}));
   config.sampler.global_batch = absl::GetFlag(FLAGS_evenstep_global_batch);
   config.sampler.micro_batch_samples = absl::GetFlag(FLAGS_evenstep_micro_batch_samples);
   config.sampler.micro_batch_tokens = absl::GetFlag(FLAGS_evenstep_micro_batch_tokens);

@@ -62,5 +62,8 @@ struct SyncOrder {
 // `order` as data group number `id`.
 void ShareSyncOrder(const void* data_group, c10d::ProcessGroup* order, int id);
 SyncOrder SyncOrderOf(const void* data_group);
+// How many GradSyncs are attached to data groups that announce themselves
+// on `order` (the exchange is needed only from two on).
+int SyncsSharingOrder(const c10d::ProcessGroup* order);
 
 }  // namespace evenstep::internal

@@ -104,10 +104,23 @@ enum class LossReduction {
   kMean,  // their mean over MicroBatch::count (what reduction=mean computes)
 };
 
+// Which gradient a step applies (--evenstep_objective), whatever the split.
+enum class Objective {
+  // The mean loss over the global batch: the loss functions' sums (or
+  // means, times their count) divided by GlobalBatch::count.
+  kMean,
+  // The SUM over the global batch, with no division: a loop whose loss is a
+  // batch sum (a VAE's ELBO summed over its batch), or a loss that divides
+  // its terms itself by MicroBatch::global_samples / global_tokens (terms
+  // over different denominators).
+  kSum,
+};
+
 struct BalanceConfig {
-  // What the user's loss is; evenstep turns either into the exact mean over
-  // the global batch.
+  // What the user's loss is; evenstep turns either into the exact mean
+  // (or, with Objective::kSum, the sum) over the global batch.
   LossReduction loss_reduction = LossReduction::kSum;
+  Objective objective = Objective::kMean;
   SamplerOptions sampler;
   PlannerOptions planner;
   CostModelOptions cost_model;

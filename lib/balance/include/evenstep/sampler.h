@@ -92,6 +92,11 @@ struct MicroBatch {
   // micro-batches of the step (0-based).
   int64_t epoch = 0;
   int index = 0;
+  // ... and its global batch's samples and tokens over all ranks: the
+  // denominators of a loss with several terms under Objective::kSum
+  // (`term_a / mb.global_samples + term_b / mb.global_tokens`).
+  int64_t global_samples = 0;
+  int64_t global_tokens = 0;
   // Samples x longest length: what its padded activations hold at once, the
   // unit of memory caps (BalanceConfig::oom).
   int64_t padded_tokens() const { return static_cast<int64_t>(samples.size()) * max_length; }

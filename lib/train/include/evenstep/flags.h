@@ -38,6 +38,8 @@ ABSL_DECLARE_FLAG(bool, evenstep_shuffle);
 ABSL_DECLARE_FLAG(int64_t, evenstep_streams);
 ABSL_DECLARE_FLAG(bool, evenstep_reseed);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
+ABSL_DECLARE_FLAG(std::string, evenstep_loss_reduction);
+ABSL_DECLARE_FLAG(std::string, evenstep_objective);
 ABSL_DECLARE_FLAG(double, evenstep_cost_quadratic);
 ABSL_DECLARE_FLAG(std::string, evenstep_oom);
 ABSL_DECLARE_FLAG(double, evenstep_memory_limit_mb);
