@@ -118,7 +118,8 @@ int RunSession(evenstep::DistContext& ctx) {
   }
   if (absl::Status done = (*session)->Finish(); !done.ok()) {
     std::cerr << "finish: " << done << std::endl;
-    return 2;
+    // A preemption agreed at the last step is saved by Finish.
+    return (*session)->preempted() ? evenstep::kPreemptedExitCode : 2;
   }
   std::cout << "finished" << std::endl;
   return 0;

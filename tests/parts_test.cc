@@ -212,9 +212,9 @@ GanRun TrainGan(DistContext& dist, const GanCase& c) {
         },
     });
     if (!report.ok() && session.preempted()) {
+      // The preempted step returned its report; this Step saved it.
       run.preempted = true;
-      run.lines.push_back(
-          LossLine("preempted at step", session.last_report().step, session.last_report()));
+      run.lines.push_back(absl::StrCat("preempted after step ", session.last_report().step));
       return run;
     }
     if (!report.ok()) {
@@ -302,11 +302,11 @@ TEST(PartsTest, APreemptedRunResumesBothPartsSchedulesRandomStreamsAndLoopState)
   const std::vector<std::string> want = LinesOf("whole"), first = LinesOf("preempted"),
                                  second = LinesOf("resumed");
   ASSERT_EQ(want.size(), 8u);    // steps 1-7 and the final line
-  ASSERT_EQ(first.size(), 5u);   // steps 1-3, the preempted step, the final line
+  ASSERT_EQ(first.size(), 6u);   // steps 1-4, the stop, the (empty) final line
   ASSERT_EQ(second.size(), 4u);  // steps 5-7 and the final line
-  for (int s = 0; s < 3; ++s) EXPECT_EQ(first[s], want[s]);
-  // The preempted step's losses are the uninterrupted run's step 4.
-  EXPECT_EQ(first[3], "preempted at " + want[3]);
+  // The preempted step's report reached the loop: the uninterrupted run's step 4.
+  for (int s = 0; s < 4; ++s) EXPECT_EQ(first[s], want[s]);
+  EXPECT_EQ(first[4], "preempted after step 4");
   for (int s = 0; s < 3; ++s) EXPECT_EQ(second[s], want[4 + s]);
   EXPECT_EQ(second[3], want[7]) << "the parameters, running state and rates after step 7";
 }

@@ -263,10 +263,9 @@ TEST(DcganSampleTest, OneRankReproducesThePlainLoopTwoRanksFollowItAndPreemption
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const auto after = GanLosses(resumed.output);
   ASSERT_FALSE(after.empty()) << resumed.output;
-  // The preempted step is saved (its report is not printed): the rerun
-  // starts right after it.
-  EXPECT_GT(after.begin()->first, last) << resumed.output;
-  EXPECT_LE(after.begin()->first, last + 2) << resumed.output;
+  // The preempted step's report reached the loop (its line is printed)
+  // and the step is saved: the rerun starts right after it.
+  EXPECT_EQ(after.begin()->first, last + 1) << resumed.output;
   EXPECT_EQ(after.rbegin()->first, 50) << resumed.output;
   for (const auto& [step, losses] : after) {
     EXPECT_EQ(losses, on_two.at(step)) << "step " << step;  // exactly
@@ -436,10 +435,10 @@ TEST(ResNetSampleTest, OneAndTwoRanksFollowThePlainLoopAndPreemptionResumesExact
       << stopped.output << resumed.output;
 
   // A finished run extended: --epochs=2 to its end (Finish saves step 20,
-  // the last of epoch 2, after the loop reset its metrics), then --epochs=5
-  // in the same run directory: the rerun starts at epoch 2 (first_epoch),
-  // prints its figures again as the uninterrupted run did (the checkpoint
-  // holds the metrics as step 20 left them), then runs steps 21-50 exactly.
+  // the last of epoch 2, after the loop printed the epoch's figures and
+  // reset its metrics: an iteration boundary), then --epochs=5 in the same
+  // run directory: the rerun starts at epoch 3 (first_epoch), without
+  // printing epoch 2 again, and runs steps 21-50 exactly.
   evenstep::testing::ProcessSpec short_run = pair.Port(2, "grow");
   short_run.argv.push_back("--epochs=2");
   const ProcessResult first = pair.Run(short_run);
@@ -453,7 +452,7 @@ TEST(ResNetSampleTest, OneAndTwoRanksFollowThePlainLoopAndPreemptionResumesExact
   for (const auto& [step, figures] : more) EXPECT_EQ(figures, on_two.at(step)) << "step " << step;
   const std::string whole_epochs = RankEpochLines(two.output, "[0] ");
   EXPECT_EQ(RankEpochLines(grown.output, "[0] "),
-            whole_epochs.substr(whole_epochs.find("Epoch [2/5]")))
+            whole_epochs.substr(whole_epochs.find("Epoch [3/5]")))
       << grown.output;
 }
 

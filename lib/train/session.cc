@@ -27,6 +27,7 @@
 #include "evenstep/flags.h"
 #include "evenstep/internal/choice.h"
 #include "evenstep/internal/flag_checks.h"
+#include "evenstep/internal/kept_values.h"
 #include "evenstep/metrics.h"
 #include "evenstep/preflight.h"
 #include "evenstep/status_macros.h"
@@ -173,10 +174,20 @@ std::set<const DistContext*>& ContextsWithSession() {
   static auto* contexts = new std::set<const DistContext*>();
   return *contexts;
 }
+// Every part's optimizer's rate, by parameter group.
+std::vector<std::vector<double>> LearningRates(const std::vector<ModelPart>& parts) {
+  std::vector<std::vector<double>> rates;
+  for (const ModelPart& part : parts) {
+    rates.emplace_back();
+    for (auto& g : part.optimizer->param_groups()) rates.back().push_back(g.options().get_lr());
+  }
+  return rates;
+}
+
 }  // namespace
 
 Session::Session(DistContext& ctx, std::vector<ModelPart> parts)
-    : ctx_(ctx), parts_(std::move(parts)) {}
+    : ctx_(ctx), parts_(std::move(parts)), kept_(std::make_unique<internal::KeptValues>()) {}
 
 TrainState Session::State() const {
   TrainState state;
@@ -193,14 +204,16 @@ TrainState Session::State() const {
     if (s.scheduler != nullptr) session["lr_schedulers"].push_back(s.count);
   }
   if (user_state_) {
-    // As it was right after the last step's update, like everything else
-    // the checkpoint holds (not as the loop's code after that step left it).
-    const std::string& text = loop_json_;
+    const std::string text = user_state_();
     nlohmann::json loop = nlohmann::json::parse(text, nullptr, false);
     // An invalid document is kept as a string: Save then stores it as is
     // rather than failing the checkpoint.
     session["loop"] = loop.is_discarded() ? nlohmann::json(text) : std::move(loop);
   }
+  if (!kept_->empty()) session["kept"] = nlohmann::json::parse(kept_->Json());
+  // Taken at an iteration boundary: the loop's code after the step ran
+  // (first_epoch on resume).
+  session["boundary"] = true;
   state.user_json = session.dump();
   return state;
 }
@@ -239,11 +252,7 @@ absl::Status Session::AddScheduler(torch::optim::LRScheduler& scheduler, Every e
   if (registered < resumed_counts_.size()) {
     // Replay its steps to restore its own count; the rates the replay sets
     // give way to the checkpoint's (already in the optimizers).
-    std::vector<std::vector<double>> rates;
-    for (const ModelPart& part : parts_) {
-      rates.emplace_back();
-      for (auto& g : part.optimizer->param_groups()) rates.back().push_back(g.options().get_lr());
-    }
+    const std::vector<std::vector<double>> rates = LearningRates(parts_);
     schedule.count = resumed_counts_[registered];
     try {
       for (int64_t i = 0; i < schedule.count; ++i) scheduler.step();
@@ -437,12 +446,23 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
 absl::Status Session::Resume(const std::string& ckpt_dir, bool fallback) {
   LoadOptions load;
   load.fallback = fallback;
+  const std::vector<std::vector<double>> set_by_program = LearningRates(parts_);
   absl::StatusOr<LoadResult> loaded = checkpointer_->Load(State(), load);
   if (absl::IsNotFound(loaded.status())) {
     if (ctx_.rank() == 0) SayStartingFresh(ckpt_dir);
     return absl::OkStatus();
   }
   if (!loaded.ok()) return loaded.status();
+  if (ctx_.rank() == 0 && LearningRates(parts_) != set_by_program) {
+    // The trap of a loop that keeps its own copy of the rate (pytorch-cpp's
+    // tutorials): the optimizer resumes at the saved rate, the copy does not.
+    std::cout << "[evenstep] resume: the optimizers' learning rates are the checkpoint's ("
+              << absl::StrJoin(LearningRates(parts_)[0], ", ") << "), not the program's ("
+              << absl::StrJoin(set_by_program[0], ", ")
+              << "); if the loop keeps its own copy of the rate, keep that too "
+                 "(Session::Keep(\"lr\", &lr))"
+              << std::endl;
+  }
   if (ctx_.rank() == 0) {
     for (const std::string& skipped : loaded->skipped) {
       std::cout << "[evenstep] resume: skipped unusable " << skipped << std::endl;
@@ -451,15 +471,18 @@ absl::Status Session::Resume(const std::string& ckpt_dir, bool fallback) {
               << std::endl;
   }
   first_step_ = loaded->step + 1;
-  first_epoch_ = step_->last_step_epoch();
   resumed_path_ = loaded->path;
   last_step_ = last_saved_ = loaded->step;
   // Checkpoints of earlier versions hold "{}" here.
   const nlohmann::json session = nlohmann::json::parse(loaded->user_json, nullptr, false);
+  const bool boundary = session.is_object() && session.value("boundary", false);
+  // Saved inside its step (earlier versions), the step's epoch end is not
+  // in the checkpoint: the loop runs it again.
+  first_epoch_ = boundary ? step_->epoch() : step_->last_step_epoch();
+  resumed_kept_ = session.is_object() && session.contains("kept") ? session["kept"].dump() : "{}";
   if (session.is_object() && session.contains("loop")) {
     resumed_user_state_ =
         session["loop"].is_string() ? session["loop"].get<std::string>() : session["loop"].dump();
-    loop_json_ = resumed_user_state_;
   }
   if (session.is_object() && session.contains("lr_schedulers") &&
       session["lr_schedulers"].is_array()) {
@@ -527,6 +550,9 @@ absl::Status Session::LockRunDir(const std::string& given) {
 
 absl::Status Session::BeforeStep() {
   if (!setup_error_.ok()) return setup_error_;
+  // The iteration boundary: the loop's code after the last step has run.
+  if (preempt_signal_ > 0) return StopForPreemption(preempt_signal_, last_step_);
+  if (save_due_) EVENSTEP_RETURN_IF_ERROR(Checkpoint());
   const int64_t step = last_step_ + 1, epoch = step_->epoch();
   for (const LrSchedule& s : schedules_) {
     if (!s.lr) continue;
@@ -539,7 +565,7 @@ absl::Status Session::BeforeStep() {
 }
 
 absl::Status Session::StopForPreemption(int signal, int64_t step) {
-  if (ctx_.rank() == 0) {
+  if (ctx_.rank() == 0 && !preempted_) {
     std::cout << "[evenstep] preemption (signal " << signal << ") at step " << step << ": "
               << (last_step_ > last_saved_ ? "saving" : "already saving") << " step " << step;
     if (!pending_.empty()) {
@@ -603,7 +629,6 @@ absl::Status Session::AfterStep(StepReport* report) {
   last_report_ = *report;
   StepSchedulers(*report);
   if (user_update_) user_update_(*report);
-  if (user_state_) loop_json_ = user_state_();
   if (timeline_) timeline_->AddStep(*report);
   if (ctx_.rank() == 0) {
     for (const std::string& alert : report->health_alerts) {
@@ -656,11 +681,18 @@ absl::Status Session::AfterStep(StepReport* report) {
                               : absl::StrCat("The failed saves began at step ", longest_first_step_,
                                              "; the last failure: ", last_save_error_.message())));
   }
+  // Both wait for the iteration boundary (BeforeStep, Finish).
   if (const double signal = report->agreed[kPreemptSignal]; signal > 0) {
-    return StopForPreemption(static_cast<int>(signal), report->step);
+    preempt_signal_ = static_cast<int>(signal);
+    if (ctx_.rank() == 0) {
+      std::cout << "[evenstep] preemption (signal " << preempt_signal_ << ") at step "
+                << report->step << ": step " << report->step
+                << " is saved when the loop next calls Step or Finish, which then stop"
+                << std::endl;
+    }
   }
   const int every = absl::GetFlag(FLAGS_evenstep_ckpt_every);
-  if (every > 0 && report->step % every == 0) return Checkpoint();
+  save_due_ = every > 0 && report->step % every == 0;
   return absl::OkStatus();
 }
 
@@ -686,25 +718,67 @@ absl::Status Session::AddStreamState(const std::string& name, at::Tensor* state,
   }
   stream_states_.push_back({name, state, stream_dim});
   if (resumed_path_.empty()) return absl::OkStatus();
-  TrainState only;
-  only.tensors.push_back({"stream/" + name, *state});
-  LoadOptions load;
-  load.strict = false;
-  load.path = resumed_path_;
-  EVENSTEP_ASSIGN_OR_RETURN(LoadResult loaded, checkpointer_->Load(only, load), where,
-                            ": loading it from ", resumed_path_);
-  if (!loaded.missing.empty()) {
+  absl::Status loaded = LoadResumedTensor("stream/" + name, state);
+  if (absl::IsNotFound(loaded)) {
     return absl::FailedPreconditionError(
         absl::StrCat(where, ": the resumed checkpoint ", resumed_path_,
                      " holds no stream state of that name (the run that saved it did not "
                      "register it)"));
   }
+  EVENSTEP_RETURN_IF_ERROR(loaded, where, ": loading it from ", resumed_path_);
   return absl::OkStatus();
 }
 
+absl::Status Session::LoadResumedTensor(const std::string& name, at::Tensor* tensor) {
+  TrainState only;
+  only.tensors.push_back({name, *tensor});
+  LoadOptions load;
+  load.strict = false;
+  load.path = resumed_path_;
+  EVENSTEP_ASSIGN_OR_RETURN(LoadResult loaded, checkpointer_->Load(only, load));
+  if (!loaded.missing.empty()) {
+    return absl::NotFoundError(absl::StrCat(resumed_path_, " holds no tensor ", name));
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+void Session::KeepValue(const std::string& name, T* value) {
+  if (last_step_ >= first_step_) {
+    KeepError(absl::FailedPreconditionError(absl::StrCat(
+        "Session::Keep('", name, "'), rank ", ctx_.rank(),
+        ": called after the first step; keep the loop's variables before it, so that a resumed "
+        "run restores them before using them")));
+    return;
+  }
+  absl::Status s = kept_->Add(name, value, resumed_path_.empty() ? "" : resumed_kept_,
+                              [this](const std::string& tensor_name, at::Tensor* tensor) {
+                                return LoadResumedTensor(tensor_name, tensor);
+                              });
+  if (!s.ok()) {
+    KeepError(absl::Status(
+        s.code(),
+        absl::StrCat(s.message(), " (rank ", ctx_.rank(),
+                     resumed_path_.empty() ? "" : ", resumed from " + resumed_path_, ")")));
+  }
+}
+
+void Session::Keep(const std::string& name, double* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, float* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, int64_t* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, int* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, size_t* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, bool* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, std::string* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, std::vector<double>* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, std::vector<int64_t>* value) { KeepValue(name, value); }
+void Session::Keep(const std::string& name, at::Tensor* value) { KeepValue(name, value); }
+
 absl::Status Session::Checkpoint() {
+  save_due_ = false;
   const absl::Time begin = absl::Now();
   TrainState state = State();
+  kept_->AddTensors(&state.tensors);
   // Each rank holds its own streams' rows: one all-reduce of each state with
   // the others' rows zeroed gives every rank the whole tensor.
   const auto [first, last] = step_->owned_streams();
@@ -815,6 +889,13 @@ absl::Status Session::Finish() {
   if (!created_ || finished_) return absl::OkStatus();
   finished_ = true;
   step_->CancelPrefetch();  // loads started for a step that will not run
+  if (preempt_signal_ > 0) {
+    // The last step's preemption: saved (and waited for) here, CANCELLED.
+    absl::Status s = StopForPreemption(preempt_signal_, last_step_);
+    metrics_->Close().IgnoreError();
+    if (timeline_) timeline_->Close().IgnoreError();
+    return s;
+  }
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();
   int64_t final_step = -1;

@@ -42,6 +42,9 @@ struct TrainState;
 class TrainCheckpointer;
 class MetricsLogger;
 class Timeline;
+namespace internal {
+class KeptValues;
+}
 
 class Session {
  public:
@@ -119,16 +122,35 @@ class Session {
   // in every run.
   enum class Every { kStep, kEpoch };
   void Schedule(torch::optim::LRScheduler& scheduler, Every every);
-  // The loop's own state (running metrics, counters), saved with every
-  // checkpoint. `update(report)` runs inside Step after every completed step,
-  // before that step's checkpoint (also the one a preemption takes, whose
-  // Step then returns CANCELLED): update the state from the report there,
-  // not after Step returns, or a checkpoint misses its own step. `save()`
-  // returns the state as JSON; it runs right after every update (keep the
-  // state small: metrics, counters), so that a checkpoint of step N, also
-  // one taken later by Finish or Checkpoint, holds the state as step N left
-  // it and not as the loop's code after Step changed it (an epoch's end
-  // resetting its metrics: see first_epoch). After a resume,
+  // The loop's own variables, saved with every checkpoint and restored
+  // exactly on resume: one line each, before the first step, e.g.
+  //   es->Keep("lr", &current_learning_rate);   // a local copy of the rate
+  //   es->Keep("running_loss", &running_loss);
+  //   es->Keep("batches", &batch_index);
+  //   es->Keep("confusion", &confusion);        // a tensor
+  // A resumed run writes the saved value into the variable here (a tensor:
+  // into the given tensor, which must already have the saved shape and
+  // dtype). A checkpoint reads every kept variable when it is taken, at an
+  // iteration boundary (see Step): as the loop's code left it after the
+  // step, end-of-epoch resets and decays included. Doubles and floats
+  // round-trip exactly (NaN and infinities too). Errors (a name kept twice
+  // or after the first step, a resumed checkpoint without the name or with
+  // a value of another type) make the next Step return them, naming the
+  // variable. Each pointer must outlive the Session.
+  void Keep(const std::string& name, double* value);
+  void Keep(const std::string& name, float* value);
+  void Keep(const std::string& name, int64_t* value);
+  void Keep(const std::string& name, int* value);
+  void Keep(const std::string& name, size_t* value);
+  void Keep(const std::string& name, bool* value);
+  void Keep(const std::string& name, std::string* value);
+  void Keep(const std::string& name, std::vector<double>* value);
+  void Keep(const std::string& name, std::vector<int64_t>* value);
+  void Keep(const std::string& name, at::Tensor* value);
+  // The loop's state as one JSON document, for state that is not a few
+  // variables: `update(report)` runs inside Step after every completed step;
+  // `save()` returns the state as JSON when a checkpoint is taken (at an
+  // iteration boundary, like Keep's variables). After a resume,
   // resumed_user_state() is what the checkpoint held ("{}" if none).
   void set_user_state(std::function<void(const StepReport&)> update,
                       std::function<std::string()> save) {
@@ -164,34 +186,42 @@ class Session {
   void DeclareSum(const std::string& name) { KeepError(step_->DeclareSum(name)); }
   void AddToSum(const std::string& name, double value) { step_->AddToSum(name, value); }
   void AddToSum(const std::string& name, const at::Tensor& value) { step_->AddToSum(name, value); }
-  // The last step's report, also when Step returned CANCELLED for a
-  // preemption after the step ran (its loss is not lost to the loop).
+  // The last completed step's report.
   const StepReport& last_report() const { return last_report_; }
 
   // The first step to run: 1, or the resumed checkpoint's step + 1.
   int64_t first_step() const { return first_step_; }
   // The epoch of the next step (BalancedStep::epoch): restored on resume.
   int64_t epoch() const;
-  // Where a loop over epochs starts: the epoch of the last step the resumed
-  // checkpoint holds (0 in a fresh run). In
+  // Where a loop over epochs starts: the epoch of the first step to run (0
+  // in a fresh run). In
   //   for (int64_t e = es->first_epoch(); e < epochs; ++e) {
   //     while (es->epoch() == e) es->Step(...);
   //     ... the end of epoch e (printing its figures, evaluating) ...
   //   }
-  // a run resumed right after an epoch's last step still runs that
-  // epoch's end (which no checkpoint holds), and a run resumed mid-epoch
-  // goes on inside it.
+  // a checkpoint is taken at an iteration boundary (see Step), after the
+  // end of the epoch it closes ran: a resumed run goes on with the next
+  // epoch, or inside the epoch it stopped in. (A checkpoint of an earlier
+  // evenstep, taken inside the step, resumes at its step's epoch, whose end
+  // then runs again.)
   int64_t first_epoch() const { return first_epoch_; }
   BalancedStep& balanced_step() { return *step_; }
 
   // One step (see BalancedStep::Step), then: timeline, log of loss and
-  // balance efficiency, and every --evenstep_ckpt_every steps a checkpoint.
+  // balance efficiency. Every --evenstep_ckpt_every steps the step is saved
+  // at the next iteration boundary: when the loop next calls Step,
+  // Checkpoint or Finish, so the checkpoint holds the loop's kept state as
+  // its code after the step left it.
   //
   // Preemption: a --evenstep_preempt_signals signal (SIGTERM, SIGUSR1 by
-  // default) on any rank is shared in the next step's exchange; at the end
-  // of that step every rank saves it, waits for the commit and returns
-  // CANCELLED (preempted() is then true): exit with kPreemptedExitCode, and
-  // the next run resumes at the following step.
+  // default) on any rank is shared in the next step's exchange. That step
+  // completes and returns its report as usual (preemption_pending() is then
+  // true on every rank); the loop's next Step (or Finish) saves it, waits
+  // for the commit and returns CANCELLED without running another step
+  // (preempted() is then true): exit with kPreemptedExitCode, and the next
+  // run resumes at the following step. The loop's code between the two
+  // calls runs before the save: keep it shorter than the launcher's grace
+  // period, or skip long work (an evaluation) while preemption_pending().
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
     return Around(
@@ -237,7 +267,10 @@ class Session {
   // failed. A Session destroyed without Finish (an error path) starts no
   // save: it only waits for those in flight and reports their outcome.
   absl::Status Finish();
-  // The last Step returned CANCELLED for a preemption (its step is saved).
+  // A preemption signal was agreed at the last step: the next Step or
+  // Finish saves that step and returns CANCELLED.
+  bool preemption_pending() const { return preempt_signal_ > 0; }
+  // Step or Finish returned CANCELLED for a preemption (the step is saved).
   bool preempted() const { return preempted_; }
 
  private:
@@ -282,6 +315,11 @@ class Session {
     return report;
   }
   absl::Status StopForPreemption(int signal, int64_t step);
+  template <typename T>
+  void KeepValue(const std::string& name, T* value);
+  // The tensor `name` of the resumed checkpoint into `*tensor` (NotFound
+  // when the checkpoint lacks it).
+  absl::Status LoadResumedTensor(const std::string& name, at::Tensor* tensor);
   absl::Status LockRunDir(const std::string& run_dir);
   // --evenstep_resume: the newest committed checkpoint in `ckpt_dir` loaded
   // (with `fallback`, the newest that loads) into the run's state, or none
@@ -304,8 +342,8 @@ class Session {
   std::function<void(const StepReport&)> user_update_;
   std::function<std::string()> user_state_;
   std::string resumed_user_state_ = "{}";
-  // save()'s document after the last step's update (what checkpoints hold).
-  std::string loop_json_ = "{}";
+  std::unique_ptr<internal::KeptValues> kept_;  // Keep's variables
+  std::string resumed_kept_;  // the resumed checkpoint's kept values ("" = no resume)
   StepReport last_report_;
   struct StreamState {
     std::string name;
@@ -327,6 +365,8 @@ class Session {
   int run_dir_lock_ = -1;      // rank 0: RUN_DIR/.evenstep.lock, flock'ed while it lives
   bool finished_ = false;
   bool preempted_ = false;
+  int preempt_signal_ = 0;  // agreed at the last step: stop at the next boundary
+  bool save_due_ = false;   // --evenstep_ckpt_every: save at the next boundary
   std::vector<std::pair<int, struct sigaction>> old_handlers_;
   std::deque<PendingSave> pending_;  // saves in flight, oldest first
   int64_t save_failures_ = 0;        // failed saves this rank has seen
