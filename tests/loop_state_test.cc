@@ -1,14 +1,22 @@
-// The loop's own variables across a resume (Session::Keep), and the
-// iteration boundary where a checkpoint reads them, over real ranks: a
-// plain epoch loop (a local learning rate decayed at each epoch's end and
-// copied into the optimizer, as pytorch-cpp's ResNet tutorial does; a
-// running loss reset at each epoch's end; counters, a string, a vector and
-// a tensor) keeps each variable in one line. Stopped by a preemption at an
-// epoch's last step or inside an epoch, or by ending the loop early and
-// calling Finish, and resumed, it prints every line of the uninterrupted
-// run, bit for bit, and ends with its variables and parameters. The
-// preempted step's report reaches the loop (Step returns it; the next Step
-// saves and returns CANCELLED). Misuse is named by the next Step.
+// The loop keeps its shape, over real ranks.
+//
+// The loop's own variables across a resume (Session::Keep) and the
+// iteration boundary where a checkpoint reads them: a plain epoch loop (a
+// local learning rate decayed at each epoch's end and copied into the
+// optimizer, as pytorch-cpp's ResNet tutorial does; a running loss reset at
+// each epoch's end; counters, a string, a vector and a tensor) keeps each
+// variable in one line. Stopped by a preemption at an epoch's last step or
+// inside an epoch, or by ending the loop early and calling Finish, and
+// resumed, it prints every line of the uninterrupted run, bit for bit, in
+// the callback form (Session::Step) and in the loop-shaped form
+// (Session::Batches + Session::Backward). The preempted step's report
+// reaches the loop. Misuse of Keep is named by the next Step.
+//
+// The loop-shaped form: after every step the parameters equal one
+// process's plain loop on the global batch at worlds 1-3 (several
+// micro-batches per rank; an idle rank); a body that skips Backward,
+// throws, breaks out mid-step or calls Backward twice on one rank ends that
+// step on every rank with the same named error.
 #include <torch/torch.h>
 
 #include <csignal>
@@ -25,6 +33,7 @@
 #include "evenstep/flags.h"
 #include "evenstep/session.h"
 #include "evenstep/status_macros.h"
+#include "evenstep/torch_data.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/on_ranks.h"
@@ -60,6 +69,21 @@ void SetFlags() {
   absl::SetFlag(&FLAGS_evenstep_ckpt_every, 3);
 }
 
+// The loop through Session::Step's loss callback, or loop-shaped through
+// Session::Batches.
+enum class Form { kCallback, kLoop };
+
+// The samples of LossSum as a torch::data dataset (data [3], target scalar).
+class Points : public torch::data::datasets::Dataset<Points> {
+ public:
+  torch::data::Example<> get(size_t index) override {
+    const auto s = static_cast<float>(index);
+    return {torch::tensor({std::sin(0.7f * s), std::sin(0.7f * s + 1), std::sin(0.7f * s + 2)}),
+            torch::tensor(std::cos(0.3f * s))};
+  }
+  torch::optional<size_t> size() const override { return kSamples; }
+};
+
 // How a run of the loop ends early.
 struct Stop {
   int preempt_before = 0;  // rank 0 raises SIGTERM before this step
@@ -68,9 +92,12 @@ struct Stop {
 
 // The plain epoch loop with its variables kept; rank 0 writes its lines to
 // RanksDir()/<name>.txt: every step's and epoch's line, and how it ended.
-void TrainLoop(DistContext& dist, const std::string& name, const std::string& run_dir,
+void TrainLoop(DistContext& dist, Form form, const std::string& name, const std::string& run_dir,
                const Stop& stop) {
   SetFlags();
+  // The callback form sums its losses; the loop's body takes a mean, as
+  // plain loops do.
+  absl::SetFlag(&FLAGS_evenstep_loss_reduction, form == Form::kLoop ? "mean" : "sum");
   torch::manual_seed(3);
   torch::nn::Linear model(3, 1);
   double current_lr = 0.05;  // the loop's own copy of the rate
@@ -107,32 +134,51 @@ void TrainLoop(DistContext& dist, const std::string& name, const std::string& ru
   auto write = [&] {
     if (dist.rank() == 0) evenstep::testing::WriteRanksFile(name + ".txt", text);
   };
+  // After each step: false when the loop leaves (Finish called).
+  auto after_step = [&](const StepReport& report) {
+    // The preempted step's report reaches the loop like any other.
+    EXPECT_EQ(session.preemption_pending(), report.step == stop.preempt_before);
+    running_loss += report.loss;
+    ++steps_seen;
+    last_loss = static_cast<float>(report.loss);
+    loss_per_step[report.step - 1] = report.loss;
+    if (report.loss < 0.3) best = absl::StrCat("step ", report.step);
+    say(absl::StrFormat("step %d loss %.17g lr %.17g running %.17g", report.step, report.loss,
+                        current_lr, running_loss));
+    if (report.step != stop.finish_after) return true;
+    EXPECT_TRUE(session.Finish().ok());
+    say("finished early");
+    return false;
+  };
+  auto stopped = [&](const absl::Status& status) {
+    EXPECT_TRUE(session.preempted()) << status;
+    EXPECT_EQ(session.last_report().step, stop.preempt_before) << "no step ran after it";
+    say(absl::StrCat("stopped: ", status.message()));
+    write();
+  };
+  auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
   for (int64_t epoch = session.first_epoch(); epoch < kEpochs; ++epoch) {
-    while (session.epoch() == epoch) {
+    if (form == Form::kLoop) {
+      // The loop-shaped form: the plain loop's body, Backward for its
+      // backward and step.
+      for (auto& batch : session.Batches(loader)) {
+        torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
+        session.Backward(loss);
+        if (!session.step_ended()) continue;
+        if (!after_step(session.last_report())) return write();
+        if (session.last_report().step + 1 == stop.preempt_before && dist.rank() == 0) {
+          std::raise(SIGTERM);
+        }
+      }
+      if (session.stopped()) return stopped(session.Finish());
+    }
+    while (form == Form::kCallback && session.epoch() == epoch) {
       const int64_t s = session.last_report().step + 1;
       if (s == stop.preempt_before && dist.rank() == 0) std::raise(SIGTERM);
       auto report = session.Step(
           [&](const std::vector<int64_t>& samples) { return LossSum(model, samples); });
-      if (!report.ok()) {
-        ASSERT_TRUE(session.preempted()) << report.status();
-        EXPECT_EQ(session.last_report().step, stop.preempt_before) << "no step ran after it";
-        say(absl::StrCat("stopped: ", report.status().message()));
-        return write();
-      }
-      // The preempted step's report reaches the loop like any other.
-      EXPECT_EQ(session.preemption_pending(), report->step == stop.preempt_before);
-      running_loss += report->loss;
-      ++steps_seen;
-      last_loss = static_cast<float>(report->loss);
-      loss_per_step[report->step - 1] = report->loss;
-      if (report->loss < 0.3) best = absl::StrCat("step ", report->step);
-      say(absl::StrFormat("step %d loss %.17g lr %.17g running %.17g", report->step, report->loss,
-                          current_lr, running_loss));
-      if (report->step == stop.finish_after) {
-        EXPECT_TRUE(session.Finish().ok());
-        say("finished early");
-        return write();
-      }
+      if (!report.ok()) return stopped(report.status());
+      if (!after_step(*report)) return write();
     }
     // The end of the epoch, as the plain loop has it.
     epoch_losses.push_back(running_loss / 4);
@@ -170,17 +216,20 @@ OnRanksOptions Named(const std::string& name, const std::string& dir) {
   return o;
 }
 
-TEST(LoopStateTest, AStoppedAndResumedLoopPrintsEveryLineOfTheUninterruptedRun) {
+class LoopStateTest : public ::testing::TestWithParam<Form> {};
+
+TEST_P(LoopStateTest, AStoppedAndResumedLoopPrintsEveryLineOfTheUninterruptedRun) {
+  const Form form = GetParam();
   RunOnRanks(
       2,
-      [](DistContext& dist) {
+      [form](DistContext& dist) {
         const std::string name = std::getenv("LOOP_RUN");
         Stop stop;
         if (name == "preempted_at_epoch_end") stop.preempt_before = 8;
         if (name == "preempted_mid_epoch") stop.preempt_before = 6;
         if (name == "finished_early") stop.finish_after = 7;
         // Each stopped run and its resumption share a run directory.
-        TrainLoop(dist, name, RanksDir() + "/" + std::getenv("LOOP_DIR"), stop);
+        TrainLoop(dist, form, name, RanksDir() + "/" + std::getenv("LOOP_DIR"), stop);
       },
       Named("whole", "whole"));
   const std::vector<std::string> whole = LinesOf("whole");
@@ -207,6 +256,178 @@ TEST(LoopStateTest, AStoppedAndResumedLoopPrintsEveryLineOfTheUninterruptedRun) 
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Forms, LoopStateTest, ::testing::Values(Form::kCallback, Form::kLoop),
+                         [](const auto& info) {
+                           return info.param == Form::kLoop ? "LoopShaped" : "Callback";
+                         });
+
+// The loop-shaped form's gradient is the global batch's, whatever the split:
+// after every step the parameters equal one process's plain loop on the
+// step's whole global batch (mean loss, SGD with momentum), at worlds 1-3,
+// with several micro-batches per rank and (world 3, global batch 2) an idle
+// rank in every step.
+class LoopShapedWorldTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(LoopShapedWorldTest, EveryStepEqualsOneProcessOnTheGlobalBatch) {
+  const auto [world, global_batch] = GetParam();
+  RunOnRanks(world, [global_batch = global_batch](DistContext& dist) {
+    SetFlags();
+    absl::SetFlag(&FLAGS_evenstep_balance, "dynamic");
+    absl::SetFlag(&FLAGS_evenstep_global_batch, global_batch);
+    absl::SetFlag(&FLAGS_evenstep_loss_reduction, "mean");
+    absl::SetFlag(&FLAGS_evenstep_ckpt_every, 0);
+    torch::manual_seed(5);
+    torch::nn::Linear model(3, 1), plain(3, 1);
+    {
+      torch::NoGradGuard copying;
+      for (size_t i = 0; i < model->parameters().size(); ++i) {
+        plain->parameters()[i].copy_(model->parameters()[i]);
+      }
+    }
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(kSamples, 1),
+                              RanksDir() + "/run");
+    ASSERT_TRUE(es.ok()) << es.status();
+    Session& session = **es;
+    // In order (no shuffle): step k's global batch is the k-th run of
+    // `global_batch` samples, wrapping at the epoch's end.
+    auto batch_of = [&](int64_t step) {
+      std::vector<int64_t> samples;
+      for (int64_t j = 0; j < global_batch; ++j)
+        samples.push_back(((step - 1) * global_batch + j) % kSamples);
+      return samples;
+    };
+    int64_t plain_steps = 0;
+    // The plain loop up to `step` (an idle rank sees no step end of its own).
+    auto plain_to = [&](int64_t step) {
+      for (; plain_steps < step; ++plain_steps) {
+        std::vector<torch::Tensor> xs, ys;
+        for (int64_t i : batch_of(plain_steps + 1)) {
+          auto e = Points().get(static_cast<size_t>(i));
+          xs.push_back(e.data);
+          ys.push_back(e.target);
+        }
+        plain_opt.zero_grad();
+        (plain->forward(torch::stack(xs)).view({-1}) - torch::stack(ys)).pow(2).mean().backward();
+        plain_opt.step();
+      }
+      for (size_t i = 0; i < model->parameters().size(); ++i) {
+        const torch::Tensor want = plain->parameters()[i];
+        EXPECT_LE(((model->parameters()[i] - want).abs().max() / want.abs().max()).item<double>(),
+                  1e-5)
+            << "rank " << dist.rank() << " after step " << step;
+      }
+    };
+    auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
+    int64_t bodies = 0, step_ends = 0;
+    for (int64_t epoch = session.first_epoch(); epoch < 2; ++epoch) {
+      for (auto& batch : session.Batches(loader)) {
+        ++bodies;
+        torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
+        session.Backward(loss);
+        if (!session.step_ended()) continue;
+        ++step_ends;
+        const int64_t step = session.last_report().step;
+        EXPECT_EQ(session.balanced_step().global_batch().samples, batch_of(step));
+        plain_to(step);
+      }
+      ASSERT_FALSE(session.stopped());
+    }
+    const int64_t steps = 2 * kSamples / global_batch;
+    EXPECT_EQ(session.last_report().step, steps);
+    ASSERT_TRUE(session.Finish().ok());
+    plain_to(steps);
+    EXPECT_GE(bodies, step_ends);
+    // A step ends in the body of each rank that had micro-batches in it.
+    evenstep::testing::WriteRanksFile(absl::StrCat("step_ends.", dist.rank()),
+                                      absl::StrCat(step_ends));
+  });
+  int64_t step_ends = 0;
+  for (int r = 0; r < world; ++r) {
+    step_ends += std::stoll(evenstep::testing::ReadRanksFile(absl::StrCat("step_ends.", r)));
+  }
+  const int64_t steps = 2 * kSamples / global_batch;
+  EXPECT_LE(step_ends, world * steps);
+  // With 2 samples on 3 ranks a rank is idle in every step: it ran those
+  // steps without entering the body.
+  if (global_batch < world) EXPECT_LE(step_ends, global_batch * steps);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, LoopShapedWorldTest,
+                         ::testing::Values(std::make_tuple(1, 6), std::make_tuple(2, 6),
+                                           std::make_tuple(3, 6), std::make_tuple(3, 2)),
+                         [](const auto& info) {
+                           return absl::StrCat("world", std::get<0>(info.param), "_batch",
+                                               std::get<1>(info.param));
+                         });
+
+// What the loop's body does wrong on one rank, at step 2.
+enum class Misstep { kSkipBackward, kThrow, kBreak, kBackwardTwice };
+
+// A loop-shaped run of 3 steps (2 micro-batches per rank and step) whose
+// body on `rank` does `misstep` in step 2; Finish's status.
+absl::Status LoopWith(DistContext& dist, const std::string& run_dir, Misstep misstep, int rank) {
+  SetFlags();
+  absl::SetFlag(&FLAGS_evenstep_loss_reduction, "mean");
+  absl::SetFlag(&FLAGS_evenstep_ckpt_every, 0);
+  torch::manual_seed(3);
+  torch::nn::Linear model(3, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(kSamples, 1), run_dir);
+  if (!es.ok()) return es.status();
+  Session& session = **es;
+  auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
+  const bool mine = dist.rank() == rank;
+  try {
+    for (auto& batch : session.Batches(loader)) {
+      const bool now = mine && session.last_report().step + 1 == 2;
+      if (now && misstep == Misstep::kSkipBackward) continue;
+      if (now && misstep == Misstep::kThrow) throw std::runtime_error("the body failed");
+      torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
+      session.Backward(loss);
+      if (now && misstep == Misstep::kBackwardTwice) session.Backward(loss);
+      if (now && misstep == Misstep::kBreak) break;
+      if (session.step_ended() && session.last_report().step == 3) break;
+    }
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "the body failed");  // the loop's own exception goes on
+  }
+  EXPECT_TRUE(session.stopped());
+  EXPECT_EQ(session.last_report().step, 1) << "step 2 was abandoned on every rank";
+  return session.Finish();
+}
+
+TEST(LoopShapedMisuseTest, ABodyThatLeavesOrSkipsAMicroBatchEndsTheStepOnEveryRankByName) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const std::vector<std::pair<Misstep, std::string>> cases = {
+        {Misstep::kSkipBackward, "did not call Session::Backward for micro-batch"},
+        {Misstep::kThrow, "an exception left the body of the loop over Session::Batches"},
+        {Misstep::kBreak, "the loop over Session::Batches was left before the epoch's end"},
+        {Misstep::kBackwardTwice, "Session::Backward called twice for one micro-batch"},
+    };
+    int k = 0;
+    for (const auto& [misstep, why] : cases) {
+      const absl::Status s = LoopWith(dist, RanksDir() + "/run" + std::to_string(k++), misstep, 1);
+      SCOPED_TRACE(why);
+      // Every rank ends step 2 with the same named error: no peer waits.
+      EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+      EXPECT_THAT(s.message(), HasSubstr("rank(s) 1 failed")) << s;
+      if (dist.rank() == 1) EXPECT_THAT(s.message(), HasSubstr(why)) << s;
+    }
+    // Backward outside the loop is named by Finish.
+    SetFlags();
+    torch::nn::Linear model(3, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(kSamples, 1),
+                              RanksDir() + "/outside");
+    ASSERT_TRUE(es.ok()) << es.status();
+    (*es)->Backward(model->forward(torch::ones({1, 3})).sum());
+    EXPECT_THAT((*es)->Finish().message(),
+                HasSubstr("Session::Backward outside a loop over Session::Batches"));
+  });
+}
+
 // A Session over the linear model in `run_dir` whose kept variables are
 // registered by `keep` (after `steps_before` steps); the next Step's status.
 absl::Status FirstStep(DistContext& dist, const std::string& run_dir,
@@ -229,7 +450,7 @@ absl::Status FirstStep(DistContext& dist, const std::string& run_dir,
   return s;
 }
 
-TEST(LoopStateTest, MisuseIsNamedByTheNextStepWhichRunsNothing) {
+TEST(LoopStateMisuseTest, MisuseIsNamedByTheNextStepWhichRunsNothing) {
   RunOnRanks(2, [](DistContext& dist) {
     const std::string dir = RanksDir() + "/run";
     double lr = 0.5, other = 1;

@@ -174,8 +174,10 @@ ABSL_FLAG(double, evenstep_ckpt_slice_mb, 64,
 
 // Session (lib/session.cc).
 ABSL_FLAG(int, evenstep_ckpt_every, 0,
-          "Session: save a checkpoint every this many steps (and at Finish); 0 = only at "
-          "Finish. Checkpoints need a directory: --evenstep_ckpt_dir, or RUN_DIR/ckpt.");
+          "Session: save a checkpoint every this many steps (and at Finish), when the loop next "
+          "calls Step, Checkpoint or Finish (with the loop's state as its code after the step "
+          "left it); 0 = only at Finish. Checkpoints need a directory: --evenstep_ckpt_dir, or "
+          "RUN_DIR/ckpt.");
 ABSL_FLAG(std::string, evenstep_resume, "newest",
           "Session: newest (resume from the newest committed checkpoint; if it cannot be "
           "loaded, stop with an error naming it), newest_valid (set an unusable newest "
@@ -191,9 +193,10 @@ ABSL_FLAG(int, evenstep_ckpt_max_failures, 3,
           "training stops with an error (0 = never stop).");
 ABSL_FLAG(std::string, evenstep_preempt_signals, "TERM,USR1",
           "Session: signals that ask for a preemption stop (comma-separated names, empty = "
-          "none): at the next step boundary every rank agrees, saves that step, waits for its "
-          "commit and Step returns CANCELLED (exit with evenstep::kPreemptedExitCode); a signal "
-          "reaching one rank suffices. Give the launcher a grace long enough for the save.");
+          "none): every rank agrees in the next step, which returns its report; the loop's next "
+          "Step (or Finish) saves that step, waits for its commit and returns CANCELLED (exit "
+          "with evenstep::kPreemptedExitCode); a signal reaching one rank suffices. Give the "
+          "launcher a grace long enough for the loop's code between two steps and the save.");
 ABSL_FLAG(bool, evenstep_timeline, true,
           "Session: write this rank's timeline (RUN_DIR/trace-RRRRR.json) for evenstep-report.");
 ABSL_FLAG(int64_t, evenstep_eval_micro_batch_tokens, 0,

@@ -865,6 +865,16 @@ class EvalModeGuard {
 
 int64_t Session::epoch() const { return step_->epoch(); }
 
+void Session::Backward(const at::Tensor& loss) {
+  if (loop_ != nullptr) return loop_->Backward(loss);
+  if (loop_status_.ok()) {
+    loop_status_ = absl::FailedPreconditionError(absl::StrCat(
+        "rank ", ctx_.rank(),
+        ": Session::Backward outside a loop over Session::Batches (the callback form's loss "
+        "functions return their loss instead)"));
+  }
+}
+
 absl::StatusOr<std::vector<double>> Session::Evaluate(
     const std::vector<int64_t>& lengths,
     const std::function<at::Tensor(const std::vector<int64_t>&)>& fn) {
@@ -906,6 +916,8 @@ absl::Status Session::Finish() {
     s = Annotate(final_outcome, absl::StrCat("the last checkpoint (step ", final_step, ") failed (",
                                              save_failures_, " failed saves in this run)"));
   }
+  // A loop over Batches that ended early: its error is the run's.
+  if (s.ok()) s = loop_status_;
   absl::Status m = metrics_->Close();
   if (s.ok()) s = m;
   if (timeline_) {

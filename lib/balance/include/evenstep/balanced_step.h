@@ -398,16 +398,14 @@ class BalancedStep {
   // throwing callback, naming the micro-batch's samples.
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
-    EVENSTEP_RETURN_IF_ERROR(OnePart());
-    const std::vector<MicroBatch>& mbs = micro_;
-    return LoadedStep(
-        std::forward<Load>(load),
-        [&](size_t i, auto& data) { return Backward(CallLoss(loss_sum, data, mbs[i])); },
-        [] { return absl::OkStatus(); },
-        [&](const MicroBatch& mb) {
-          auto data = load(mb);
-          return CallLoss(loss_sum, data, mb);
-        });
+    return OnePartStep(std::forward<Load>(load), std::forward<LossSum>(loss_sum), true);
+  }
+  // The same without out-of-memory recovery, for a loss function that
+  // cannot run again (Session::Batches hands each micro-batch to the loop's
+  // own body): an out-of-memory error abandons the step on every rank.
+  template <typename Load, typename LossSum>
+  absl::StatusOr<StepReport> StepOnce(Load&& load, LossSum&& loss_sum) {
+    return OnePartStep(std::forward<Load>(load), std::forward<LossSum>(loss_sum), false);
   }
   // A step of every part with one Loader: each micro-batch is loaded once
   // (as above) and `losses[k](data)` is part k's loss of it. The step's
@@ -614,6 +612,22 @@ class BalancedStep {
     absl::StatusOr<StepReport> report = FinishStep();
     if (report.ok()) start_next();
     return report;
+  }
+  template <typename Load, typename LossSum>
+  absl::StatusOr<StepReport> OnePartStep(Load&& load, LossSum&& loss_sum, bool recover) {
+    EVENSTEP_RETURN_IF_ERROR(OnePart());
+    const std::vector<MicroBatch>& mbs = micro_;
+    std::function<at::Tensor(const MicroBatch&)> recompute;
+    if (recover) {
+      recompute = [&](const MicroBatch& mb) {
+        auto data = load(mb);
+        return CallLoss(loss_sum, data, mb);
+      };
+    }
+    return LoadedStep(
+        std::forward<Load>(load),
+        [&](size_t i, auto& data) { return Backward(CallLoss(loss_sum, data, mbs[i])); },
+        [] { return absl::OkStatus(); }, std::move(recompute));
   }
   template <typename LossSum, typename Data>
   static at::Tensor CallLoss(LossSum& loss_sum, Data& data, const MicroBatch& mb) {

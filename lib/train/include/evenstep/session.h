@@ -21,6 +21,7 @@
 #include <signal.h>
 
 #include <deque>
+#include <exception>
 #include <functional>
 #include <future>
 #include <memory>
@@ -31,6 +32,8 @@
 #include "absl/time/clock.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/launch_env.h"  // kPreemptedExitCode
+#include "evenstep/loader.h"
+#include "evenstep/loop_driver.h"
 
 namespace torch::optim {
 class LRScheduler;
@@ -45,6 +48,8 @@ class Timeline;
 namespace internal {
 class KeptValues;
 }
+template <typename Data>
+class LoopBatches;
 
 class Session {
  public:
@@ -246,6 +251,49 @@ class Session {
     return Step([](const MicroBatch& mb) -> const MicroBatch* { return &mb; },
                 [&](const MicroBatch* mb) { return loss_sum(mb->samples); });
   }
+  // The loop-shaped form: the trainer keeps its loop, its forward and its
+  // loss; evenstep hands out this rank's balanced micro-batches of the
+  // epoch's steps, loaded by `loader`, and Backward replaces
+  // `loss.backward()`, `optimizer.zero_grad()` and `optimizer.step()`:
+  //
+  //   for (int64_t epoch = es->first_epoch(); epoch < epochs; ++epoch) {
+  //     for (auto& batch : es->Batches(loader)) {      // was: *data_loader
+  //       auto output = model->forward(batch.data);
+  //       auto loss = torch::nll_loss(output, batch.target);
+  //       es->Backward(loss);                           // was: zero_grad, backward, step
+  //       if (es->step_ended()) print(es->last_report());
+  //     }
+  //     if (es->stopped()) break;                       // preempted, or a step failed
+  //     ... the end of the epoch ...
+  //   }
+  //   return ExitCode(es->Finish());
+  //
+  // Each step runs as Step(loader, loss) does (the gradient of the global
+  // batch's mean or sum, whatever the split; the sync, clipping, optimizer
+  // step, exchange, logs and checkpoints), with the loop's body as the loss
+  // function of each micro-batch: Backward returns after the micro-batch's
+  // backward pass (and, for a step's last one, after the whole step). An
+  // idle rank's step runs without entering the body. Checkpoints and a
+  // preemption's stop happen between steps, after the loop's code for the
+  // last one ran. The loop ends with the epoch, or at the first error (a
+  // step abandoned, a preemption: Finish then returns it). What it gives up:
+  // out-of-memory split-and-retry (it would run the body again; an
+  // out-of-memory error abandons the step on every rank: use the callback
+  // form, Step(loader, loss_of), for recovery) and several model parts. An
+  // exception or a `break` that leaves the body mid-step abandons the step on
+  // every rank (no peer waits for a timeout); a micro-batch whose body does
+  // not call Backward (a `continue`) does the same, naming it.
+  template <typename Data>
+  LoopBatches<Data> Batches(const Loader<Data>& loader);
+  // The current micro-batch's loss in the loop over Batches (see there).
+  void Backward(const at::Tensor& loss);
+  // In the loop over Batches: the last Backward completed a step
+  // (last_report() is its report).
+  bool step_ended() const { return loop_ != nullptr && loop_->at_boundary(); }
+  // A loop over Batches ended before its epoch did (a preemption, a failed
+  // step): leave the loop over epochs before its end-of-epoch code, then
+  // Finish returns why.
+  bool stopped() const { return !loop_status_.ok(); }
   // Evaluation split across all ranks by work (Evaluate in metrics.h), with
   // a timeline span; `fn(samples)` returns the metric sums of some of the
   // evaluation set's indices. The sums over the whole set, on every rank.
@@ -274,6 +322,8 @@ class Session {
   bool preempted() const { return preempted_; }
 
  private:
+  template <typename Data>
+  friend class LoopBatches;
   struct PendingSave {
     int64_t step;
     std::shared_future<absl::Status> done;
@@ -365,8 +415,10 @@ class Session {
   int run_dir_lock_ = -1;      // rank 0: RUN_DIR/.evenstep.lock, flock'ed while it lives
   bool finished_ = false;
   bool preempted_ = false;
-  int preempt_signal_ = 0;  // agreed at the last step: stop at the next boundary
-  bool save_due_ = false;   // --evenstep_ckpt_every: save at the next boundary
+  int preempt_signal_ = 0;                // agreed at the last step: stop at the next boundary
+  internal::LoopDriver* loop_ = nullptr;  // the running loop over Batches
+  absl::Status loop_status_;              // how the last loop over Batches ended
+  bool save_due_ = false;                 // --evenstep_ckpt_every: save at the next boundary
   std::vector<std::pair<int, struct sigaction>> old_handlers_;
   std::deque<PendingSave> pending_;  // saves in flight, oldest first
   int64_t save_failures_ = 0;        // failed saves this rank has seen
@@ -377,5 +429,77 @@ class Session {
   int64_t run_first_step_ = 0;      // the first failed save of the current run
   int64_t longest_first_step_ = 0;  // ... of the longest run
 };
+
+// The range Session::Batches returns: one epoch's micro-batches on this
+// rank (the Loader's Data), for a range-based for.
+template <typename Data>
+class LoopBatches {
+ public:
+  struct End {};
+  class Iterator {
+   public:
+    Iterator(internal::LoopDriver* driver, void* data) : driver_(driver), data_(data) {}
+    Data& operator*() const { return *static_cast<Data*>(data_); }
+    Data* operator->() const { return static_cast<Data*>(data_); }
+    Iterator& operator++() {
+      data_ = driver_->Next();
+      return *this;
+    }
+    bool operator!=(End) const { return data_ != nullptr; }
+    bool operator==(End) const { return data_ == nullptr; }
+
+   private:
+    internal::LoopDriver* driver_;
+    void* data_;
+  };
+
+  LoopBatches(Session& session, const Loader<Data>& loader)
+      : session_(session), loader_(loader), uncaught_(std::uncaught_exceptions()) {}
+  LoopBatches(const LoopBatches&) = delete;
+  LoopBatches& operator=(const LoopBatches&) = delete;
+  ~LoopBatches() {
+    if (driver_ == nullptr) return;
+    if (!driver_->done()) {
+      // Left mid-epoch: an open step is abandoned on every rank.
+      driver_->Abort(std::uncaught_exceptions() > uncaught_
+                         ? "an exception left the body of the loop over Session::Batches"
+                         : "the loop over Session::Batches was left before the epoch's end (a "
+                           "break or return)");
+    }
+    if (!driver_->status().ok()) session_.loop_status_ = driver_->status();
+    session_.loop_ = nullptr;
+  }
+  // Empty after a loop over Batches ended with an error (Finish returns it).
+  Iterator begin() {
+    if (!session_.loop_status_.ok()) return Iterator(nullptr, nullptr);
+    const int64_t epoch = session_.epoch();
+    driver_ = std::make_unique<internal::LoopDriver>(
+        [this, epoch](const internal::LoopDriver::Give& give,
+                      const internal::LoopDriver::Boundary& boundary) -> absl::Status {
+          while (session_.epoch() == epoch) {
+            absl::StatusOr<StepReport> report = session_.Around([&] {
+              return session_.step_->StepOnce(loader_, [&](Data& data) { return give(&data); });
+            });
+            if (!report.ok()) return report.status();
+            if (!boundary()) break;
+          }
+          return absl::OkStatus();
+        });
+    session_.loop_ = driver_.get();
+    return Iterator(driver_.get(), driver_->Next());
+  }
+  End end() const { return {}; }
+
+ private:
+  Session& session_;
+  Loader<Data> loader_;
+  int uncaught_;
+  std::unique_ptr<internal::LoopDriver> driver_;
+};
+
+template <typename Data>
+LoopBatches<Data> Session::Batches(const Loader<Data>& loader) {
+  return LoopBatches<Data>(*this, loader);
+}
 
 }  // namespace evenstep
