@@ -320,12 +320,15 @@ TEST_P(LoopShapedWorldTest, EveryStepEqualsOneProcessOnTheGlobalBatch) {
       }
     };
     auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
-    int64_t bodies = 0, step_ends = 0;
+    int64_t bodies = 0, step_ends = 0, samples_after_backward = 0;
     for (int64_t epoch = session.first_epoch(); epoch < 2; ++epoch) {
       for (auto& batch : session.Batches(loader)) {
         ++bodies;
         torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
         session.Backward(loss);
+        // The batch stays the loop's until its body ends (the engine has
+        // loaded the next micro-batch by now).
+        samples_after_backward += batch.target.size(0);
         if (!session.step_ended()) continue;
         ++step_ends;
         const int64_t step = session.last_report().step;
@@ -341,13 +344,18 @@ TEST_P(LoopShapedWorldTest, EveryStepEqualsOneProcessOnTheGlobalBatch) {
     EXPECT_GE(bodies, step_ends);
     // A step ends in the body of each rank that had micro-batches in it.
     evenstep::testing::WriteRanksFile(absl::StrCat("step_ends.", dist.rank()),
-                                      absl::StrCat(step_ends));
+                                      absl::StrCat(step_ends, " ", samples_after_backward));
   });
-  int64_t step_ends = 0;
+  int64_t step_ends = 0, samples = 0;
   for (int r = 0; r < world; ++r) {
-    step_ends += std::stoll(evenstep::testing::ReadRanksFile(absl::StrCat("step_ends.", r)));
+    std::vector<std::string> f =
+        absl::StrSplit(evenstep::testing::ReadRanksFile(absl::StrCat("step_ends.", r)), ' ');
+    ASSERT_EQ(f.size(), 2u);
+    step_ends += std::stoll(f[0]);
+    samples += std::stoll(f[1]);
   }
   const int64_t steps = 2 * kSamples / global_batch;
+  EXPECT_EQ(samples, 2 * kSamples) << "every sample of both epochs, once, on some rank";
   EXPECT_LE(step_ends, world * steps);
   // With 2 samples on 3 ranks a rank is idle in every step: it ran those
   // steps without entering the body.

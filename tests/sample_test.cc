@@ -305,6 +305,77 @@ std::string RankEpochLines(const std::string& output, const std::string& prefix)
   return lines;
 }
 
+// Rank `prefix`'s lines that start with `start`, without the prefix.
+std::string RankLinesStarting(const std::string& output, const std::string& prefix,
+                              const std::string& start) {
+  std::string lines;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    if (absl::ConsumePrefix(&line, prefix) && absl::StartsWith(line, start)) {
+      absl::StrAppend(&lines, line, "\n");
+    }
+  }
+  return lines;
+}
+
+// "Test set: Average loss: X | Accuracy: Y" lines -> {X, Y}.
+std::vector<std::pair<double, double>> TestFigures(const std::string& lines) {
+  std::vector<std::pair<double, double>> figures;
+  for (absl::string_view line : absl::StrSplit(lines, '\n', absl::SkipEmpty())) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    double loss = 0, accuracy = 0;
+    if (f.size() == 8 && absl::SimpleAtod(f[4], &loss) && absl::SimpleAtod(f[7], &accuracy)) {
+      figures.emplace_back(loss, accuracy);
+    }
+  }
+  return figures;
+}
+
+TEST(LoopMnistSampleTest, OneRankPrintsThePlainLoopsLinesTwoFollowItAndPreemptionResumes) {
+  // The loop-shaped port (samples/mnist.cc) of a plain torch::data trainer
+  // (samples/mnist_plain.cc): 1280 images, batches of 64, 3 epochs.
+  const PortedPair pair{
+      EVENSTEP_LOOP_MNIST, EVENSTEP_LOOP_MNIST_PLAIN, {"--samples=1280", "--epochs=3"}};
+  const ProcessResult plain_run = pair.RunPlain();
+  ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
+  const std::string plain_lines = RankLinesStarting(plain_run.output, "", "T");
+  ASSERT_EQ(TestFigures(plain_lines).size(), 3u) << plain_run.output;
+
+  // One rank, one micro-batch per step, torch's own random stream (no
+  // reseeding, so dropout draws as the plain loop does): every line.
+  evenstep::testing::ProcessSpec one = pair.Port(1, "one");
+  one.argv.push_back("--evenstep_reseed=false");
+  const ProcessResult on_one = pair.Run(one);
+  ASSERT_EQ(on_one.exit_code, 0) << on_one.output;
+  EXPECT_EQ(RankLinesStarting(on_one.output, "[0] ", "T"), plain_lines);
+
+  // Two ranks: half the batch each, the same curve (each epoch's test loss
+  // within 2 %).
+  const ProcessResult two = pair.Run(pair.Port(2, "two"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const auto want = TestFigures(plain_lines);
+  const auto got = TestFigures(RankLinesStarting(two.output, "[0] ", "Test set"));
+  ASSERT_EQ(got.size(), want.size()) << two.output;
+  for (size_t e = 0; e < want.size(); ++e) {
+    EXPECT_NEAR(got[e].first, want[e].first, 0.02 * want[e].first) << "epoch " << e + 1;
+  }
+
+  // SIGTERM to the launcher after epoch 1's test: the loop's current step
+  // completes, the next one saves it and the run exits 83; the rerun goes on
+  // inside that epoch, and the test lines of both are the uninterrupted
+  // run's, exactly.
+  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Test set");
+  ASSERT_TRUE(cut.has_value());
+  EXPECT_EQ(cut->exit_code, 83) << cut->output;
+  EXPECT_THAT(cut->output, HasSubstr("then stopping"));
+  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resuming from"));
+  EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", "Test set") +
+                RankLinesStarting(resumed.output, "[0] ", "Test set"),
+            RankLinesStarting(two.output, "[0] ", "Test set"))
+      << cut->output << resumed.output;
+}
+
 TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactly) {
   // 20 rows of 25 chunks, 2 epochs: 50 steps.
   const PortedPair pair{

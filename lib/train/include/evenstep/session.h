@@ -25,6 +25,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -478,7 +479,13 @@ class LoopBatches {
                       const internal::LoopDriver::Boundary& boundary) -> absl::Status {
           while (session_.epoch() == epoch) {
             absl::StatusOr<StepReport> report = session_.Around([&] {
-              return session_.step_->StepOnce(loader_, [&](Data& data) { return give(&data); });
+              return session_.step_->StepOnce(loader_, [&](Data& data) {
+                // Kept until the loop's body for it ends: the body may
+                // read it after Backward, while the engine hands out the
+                // next micro-batch.
+                Data& kept = held_[next_held_ ^= 1].emplace(std::move(data));
+                return give(&kept);
+              });
             });
             if (!report.ok()) return report.status();
             if (!boundary()) break;
@@ -495,6 +502,8 @@ class LoopBatches {
   Loader<Data> loader_;
   int uncaught_;
   std::unique_ptr<internal::LoopDriver> driver_;
+  std::optional<Data> held_[2];  // the micro-batch the body has, and the next
+  int next_held_ = 0;
 };
 
 template <typename Data>
