@@ -30,6 +30,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "evenstep/checkpoint_manifest.h"
+#include "evenstep/env.h"
 #include "evenstep/flags.h"
 #include "evenstep/session.h"
 #include "evenstep/status_macros.h"
@@ -433,6 +435,41 @@ TEST(LoopShapedMisuseTest, ABodyThatLeavesOrSkipsAMicroBatchEndsTheStepOnEveryRa
     (*es)->Backward(model->forward(torch::ones({1, 3})).sum());
     EXPECT_THAT((*es)->Finish().message(),
                 HasSubstr("Session::Backward outside a loop over Session::Batches"));
+  });
+}
+
+// Session reads its flags once, at Create: a flag changed while it runs
+// does not reach it, and the next Session has the new value. The second
+// Session on the same DistContext commits its own checkpoints (its writer
+// used to meet the first one's keys in the store, read their outcomes and
+// commit nothing, while Finish returned OK).
+TEST(SessionFlagsTest, FlagsAreReadOnceAtCreateAndTheNextSessionHasItsOwn) {
+  RunOnRanks(2, [](DistContext& dist) {
+    // The committed checkpoints of 4 steps ({} after a failure).
+    auto train = [&](const std::string& dir, int ckpt_every,
+                     int changed_to) -> std::vector<int64_t> {
+      SetFlags();
+      absl::SetFlag(&FLAGS_evenstep_ckpt_every, ckpt_every);
+      absl::SetFlag(&FLAGS_evenstep_ckpt_keep, 10);
+      torch::manual_seed(3);
+      torch::nn::Linear model(3, 1);
+      torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+      auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(kSamples, 1), dir);
+      EXPECT_TRUE(es.ok()) << es.status();
+      if (!es.ok()) return {};
+      absl::SetFlag(&FLAGS_evenstep_ckpt_every, changed_to);  // too late for this Session
+      for (int s = 0; s < 4; ++s) {
+        auto report = (*es)->Step(
+            [&](const std::vector<int64_t>& samples) { return LossSum(model, samples); });
+        EXPECT_TRUE(report.ok()) << report.status();
+      }
+      EXPECT_TRUE((*es)->Finish().ok());
+      auto listing = ListCheckpoints(*Env::Default(), dir + "/ckpt");
+      EXPECT_TRUE(listing.ok()) << listing.status();
+      return listing.ok() ? listing->committed : std::vector<int64_t>{};
+    };
+    EXPECT_EQ(train(RanksDir() + "/first", 3, 1), (std::vector<int64_t>{3, 4}));
+    EXPECT_EQ(train(RanksDir() + "/second", 2, 0), (std::vector<int64_t>{2, 4}));
   });
 }
 

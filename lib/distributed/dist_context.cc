@@ -66,6 +66,8 @@ struct DistContext::Groups {
   // groups announce which one and which step they are at
   // (internal::SyncOrder).
   compat::ProcessGroupPtr sync_order;
+  // CommitStores made so far: each gets keys of its own.
+  int commit_stores = 0;
   // The first collective that timed out or lost a peer: c10d cannot cancel
   // it, so a later collective on these groups would queue behind it or pair
   // with the wrong operation. Every later one fails at once with it.
@@ -585,8 +587,12 @@ absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
           "rank ", env_.rank, ": second store connection for I/O: ", internal::ErrorText(e)));
     }
   }
-  return std::unique_ptr<CommitStore>(
-      new C10dCommitStore(compat::MakePrefixStore("evenstep/io", std::move(base))));
+  // Each writer numbers its saves from 0 in its keys: a second one (the
+  // next Session's) in the same keys would read the first one's outcomes
+  // and never commit. Every rank makes them in the same order.
+  const int n = groups_->commit_stores++;
+  return std::unique_ptr<CommitStore>(new C10dCommitStore(
+      compat::MakePrefixStore(absl::StrCat("evenstep/io/", n), std::move(base))));
 }
 c10d::ProcessGroup& DistContext::control_group() { return *groups_->control; }
 c10d::ProcessGroup& DistContext::data_group() { return *groups_->data; }

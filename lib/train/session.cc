@@ -397,6 +397,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
     EVENSTEP_RETURN_IF_ERROR(RunSessionPreflight(ctx, preflight, options.dir, &config));
   }
   EVENSTEP_RETURN_IF_ERROR(CheckEvalCap(lengths));
+  // Read once: a later change of a flag does not reach this Session.
+  s->ckpt_every_ = absl::GetFlag(FLAGS_evenstep_ckpt_every);
+  s->ckpt_on_error_ = absl::GetFlag(FLAGS_evenstep_ckpt_on_error);
+  s->ckpt_max_failures_ = absl::GetFlag(FLAGS_evenstep_ckpt_max_failures);
+  s->eval_micro_batch_tokens_ = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
                             BalancedStep::Create(ctx, std::move(parts), std::move(lengths),
                                                  std::move(config), std::move(counts)),
@@ -665,15 +670,14 @@ absl::Status Session::AfterStep(StepReport* report) {
     // A save's outcome is known only when it ends, in the background: by the
     // step every rank agrees on it, later saves may have started and failed
     // too, so the count can exceed the limit.
-    const std::string mode = absl::GetFlag(FLAGS_evenstep_ckpt_on_error);
+    const std::string& mode = ckpt_on_error_;
     const std::string why =
         mode == "fail"
             ? absl::StrCat("--evenstep_ckpt_on_error=fail stops at the first failed save (",
                            static_cast<int64_t>(agreed_run), " in a row by now)")
             : absl::StrCat(static_cast<int64_t>(agreed_run),
                            " checkpoint saves failed in a row (--evenstep_ckpt_on_error=", mode,
-                           ", --evenstep_ckpt_max_failures=",
-                           absl::GetFlag(FLAGS_evenstep_ckpt_max_failures), ")");
+                           ", --evenstep_ckpt_max_failures=", ckpt_max_failures_, ")");
     return absl::DataLossError(absl::StrCat(
         "rank ", ctx_.rank(), ", step ", report->step, ": ", why,
         "; training stops rather than run on without checkpoints. ",
@@ -691,8 +695,7 @@ absl::Status Session::AfterStep(StepReport* report) {
                 << std::endl;
     }
   }
-  const int every = absl::GetFlag(FLAGS_evenstep_ckpt_every);
-  save_due_ = every > 0 && report->step % every == 0;
+  save_due_ = ckpt_every_ > 0 && report->step % ckpt_every_ == 0;
   return absl::OkStatus();
 }
 
@@ -813,9 +816,9 @@ namespace {
 // padded-token cap, else the training caps, else a rank's share of one
 // global batch; never below the longest evaluation sample (with the flag,
 // that is an error naming it).
-absl::Status SetEvalCaps(SamplerOptions& options, const std::vector<int64_t>& lengths, int world) {
+absl::Status SetEvalCaps(SamplerOptions& options, const std::vector<int64_t>& lengths, int world,
+                         int64_t flag) {
   const int64_t longest = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
-  const int64_t flag = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
   if (flag > 0) {
     if (flag < longest) {
       return absl::InvalidArgumentError(absl::StrCat("--evenstep_eval_micro_batch_tokens=", flag,
@@ -881,8 +884,9 @@ absl::StatusOr<std::vector<double>> Session::Evaluate(
   SamplerOptions options = step_->sampler().options();
   options.shuffle = false;
   options.min_micro_batches = 0;
-  EVENSTEP_RETURN_IF_ERROR(SetEvalCaps(options, lengths, ctx_.world_size()),
-                           "Session::Evaluate, rank ", ctx_.rank());
+  EVENSTEP_RETURN_IF_ERROR(
+      SetEvalCaps(options, lengths, ctx_.world_size(), eval_micro_batch_tokens_),
+      "Session::Evaluate, rank ", ctx_.rank());
   EVENSTEP_ASSIGN_OR_RETURN(Sampler set, Sampler::Create(lengths, options),
                             "Session::Evaluate: the evaluation set");
   const absl::Time begin = absl::Now();

@@ -145,8 +145,10 @@ class DistContext {
   // The store every rank shares (keys are namespaced by the caller).
   c10d::Store& store();
   // A CommitStore for background I/O threads over its own connection to the
-  // job's store (keys under "evenstep/io/"), so I/O never interleaves with
-  // the training thread's store traffic.
+  // job's store (keys under "evenstep/io/<n>/", n counting the stores made
+  // on this context), so I/O never interleaves with the training thread's
+  // store traffic and two writers' keys never meet. Collective in order:
+  // every rank makes its stores in the same order.
   absl::StatusOr<std::unique_ptr<CommitStore>> NewCommitStore();
   // Gloo over CPU tensors; for small control messages (fingerprints, cost fits).
   c10d::ProcessGroup& control_group();

@@ -426,6 +426,11 @@ class Session {
   int failure_run_ = 0;              // consecutive failed saves, the latest ones
   int longest_failure_run_ = 0;
   int stop_after_failures_ = 3;  // consecutive failures that stop training; 0 = never
+  // The flags Session reads after Create, as Create read them.
+  int ckpt_every_ = 0;
+  std::string ckpt_on_error_;
+  int ckpt_max_failures_ = 0;
+  int64_t eval_micro_batch_tokens_ = 0;
   absl::Status last_save_error_;
   int64_t run_first_step_ = 0;      // the first failed save of the current run
   int64_t longest_first_step_ = 0;  // ... of the longest run
