@@ -240,7 +240,14 @@ TEST_P(LoopStateTest, AStoppedAndResumedLoopPrintsEveryLineOfTheUninterruptedRun
            {"preempted_at_epoch_end", 8}, {"preempted_mid_epoch", 6}, {"finished_early", 7}}) {
     SCOPED_TRACE(stopped);
     RunOnRanksAgain(2, Named(stopped, stopped));
-    RunOnRanksAgain(2, Named(stopped + "_resumed", stopped));
+    const auto resumed = RunOnRanksAgain(2, Named(stopped + "_resumed", stopped));
+    // The optimizer's rate was decayed by the loop before the save: the
+    // resume says that a copy the loop keeps must be kept too.
+    ASSERT_FALSE(resumed.empty());
+    EXPECT_THAT(
+        resumed[0].output,
+        HasSubstr("), not the program's (0.05); if the loop keeps its own copy of the rate"))
+        << resumed[0].output;
     std::vector<std::string> first = LinesOf(stopped), second = LinesOf(stopped + "_resumed");
     ASSERT_FALSE(first.empty());
     const std::string last = first.back();
