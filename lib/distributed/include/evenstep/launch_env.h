@@ -26,9 +26,10 @@ namespace evenstep {
 inline constexpr int kPreemptedExitCode = 83;
 
 // The exit status for a loop that stops on `status`: 0 for OK,
-// kPreemptedExitCode for CANCELLED (what Session::Step returns after saving
-// a preempted step), 1 otherwise:
+// kPreemptedExitCode for CANCELLED (what Session::Step or Finish returns
+// once it has saved a preempted step), 1 otherwise:
 //   if (!report.ok()) { std::cerr << report.status() << "\n"; return ExitCode(report.status()); }
+//   return ExitCode(es->Finish());
 inline int ExitCode(const absl::Status& status) {
   if (status.ok()) return 0;
   return absl::IsCancelled(status) ? kPreemptedExitCode : 1;
