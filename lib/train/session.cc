@@ -458,11 +458,12 @@ absl::Status Session::Resume(const std::string& ckpt_dir, bool fallback) {
     return absl::OkStatus();
   }
   if (!loaded.ok()) return loaded.status();
-  if (ctx_.rank() == 0 && LearningRates(parts_) != set_by_program) {
+  if (const std::vector<std::vector<double>> saved = LearningRates(parts_);
+      ctx_.rank() == 0 && saved != set_by_program) {
     // The trap of a loop that keeps its own copy of the rate (pytorch-cpp's
     // tutorials): the optimizer resumes at the saved rate, the copy does not.
     std::cout << "[evenstep] resume: the optimizers' learning rates are the checkpoint's ("
-              << absl::StrJoin(LearningRates(parts_)[0], ", ") << "), not the program's ("
+              << absl::StrJoin(saved[0], ", ") << "), not the program's ("
               << absl::StrJoin(set_by_program[0], ", ")
               << "); if the loop keeps its own copy of the rate, keep that too "
                  "(Session::Keep(\"lr\", &lr))"
@@ -754,7 +755,7 @@ void Session::KeepValue(const std::string& name, T* value) {
         "run restores them before using them")));
     return;
   }
-  absl::Status s = kept_->Add(name, value, resumed_path_.empty() ? "" : resumed_kept_,
+  absl::Status s = kept_->Add(name, value, resumed_kept_,
                               [this](const std::string& tensor_name, at::Tensor* tensor) {
                                 return LoadResumedTensor(tensor_name, tensor);
                               });
@@ -903,23 +904,22 @@ absl::Status Session::Finish() {
   if (!created_ || finished_) return absl::OkStatus();
   finished_ = true;
   step_->CancelPrefetch();  // loads started for a step that will not run
+  absl::Status s;
   if (preempt_signal_ > 0) {
     // The last step's preemption: saved (and waited for) here, CANCELLED.
-    absl::Status s = StopForPreemption(preempt_signal_, last_step_);
-    metrics_->Close().IgnoreError();
-    if (timeline_) timeline_->Close().IgnoreError();
-    return s;
+    s = StopForPreemption(preempt_signal_, last_step_);
+  } else {
+    if (last_step_ > last_saved_) s = Checkpoint();
+    int64_t final_step = -1;
+    const absl::Status final_outcome = DrainSaves(&final_step);
+    if (s.ok() && !final_outcome.ok()) {
+      s = Annotate(final_outcome,
+                   absl::StrCat("the last checkpoint (step ", final_step, ") failed (",
+                                save_failures_, " failed saves in this run)"));
+    }
   }
-  absl::Status s;
-  if (last_step_ > last_saved_) s = Checkpoint();
-  int64_t final_step = -1;
-  const absl::Status final_outcome = DrainSaves(&final_step);
   // Every outcome was read through its ticket above.
   checkpointer_->WaitAll().IgnoreError();
-  if (s.ok() && !final_outcome.ok()) {
-    s = Annotate(final_outcome, absl::StrCat("the last checkpoint (step ", final_step, ") failed (",
-                                             save_failures_, " failed saves in this run)"));
-  }
   // A loop over Batches that ended early: its error is the run's.
   if (s.ok()) s = loop_status_;
   absl::Status m = metrics_->Close();
