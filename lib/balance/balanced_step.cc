@@ -34,6 +34,7 @@
 #include "absl/strings/str_join.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/micro_step_clock.h"
+#include "evenstep/internal/split_record.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -249,6 +250,7 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
   }
+  EVENSTEP_RETURN_IF_ERROR(step->OpenSplitLog());
   // Asked-for workers start now; the default ones with the first Loader.
   if (step->config_.data_workers > 0) step->StartWorkers();
   return step;
@@ -410,6 +412,58 @@ absl::StatusOr<StepReport> BalancedStep::Step(const std::vector<PartLoss>& losse
   return FinishStep();
 }
 
+struct BalancedStep::SplitLog {
+  std::unique_ptr<internal::SplitRecorder> recorder;  // null: not recording
+  std::string replay_file;                            // "": not replaying
+  std::map<int64_t, internal::SplitRecord> replay;
+  absl::Status error;  // the first failure, returned by the next BeginStep
+
+  // Replaces `plan` and `cap` by the record's for `step` of `batch`.
+  absl::Status Replay(int64_t step, const GlobalBatch& batch, Plan* plan, int64_t* cap) const {
+    auto it = replay.find(step);
+    if (it == replay.end()) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "step ", step, ": the split record ", replay_file, " has no such step (it holds ",
+          replay.empty()
+              ? std::string("none")
+              : absl::StrCat("steps ", replay.begin()->first, "-", replay.rbegin()->first),
+          ")"));
+    }
+    const internal::SplitRecord& r = it->second;
+    const internal::SplitRecord now = internal::RecordOf(step, batch, *plan, *cap);
+    if (r.epoch != now.epoch || r.batch_step != now.batch_step ||
+        r.batch_samples != now.batch_samples || r.batch_hash != now.batch_hash) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", step, ": the global batch (epoch ", now.epoch, ", step ", now.batch_step, ", ",
+          now.batch_samples, " samples) is not the one ", replay_file, " split (epoch ", r.epoch,
+          ", step ", r.batch_step, ", ", r.batch_samples,
+          " samples, or other samples): replay with the recorded run's seed, global batch and "
+          "data"));
+    }
+    *plan = r.plan;
+    *cap = r.memory_cap;
+    return absl::OkStatus();
+  }
+};
+
+absl::Status BalancedStep::OpenSplitLog() {
+  if (config_.split_record.empty() && config_.split_replay.empty()) return absl::OkStatus();
+  split_log_ = std::make_unique<SplitLog>();
+  if (!config_.split_replay.empty()) {
+    split_log_->replay_file = internal::SplitRecordFile(config_.split_replay, ctx_.rank());
+    EVENSTEP_ASSIGN_OR_RETURN(
+        split_log_->replay, internal::ReadSplitRecord(split_log_->replay_file, ctx_.world_size()),
+        "rank ", ctx_.rank(), ": replaying the splits of ", config_.split_replay);
+  }
+  if (!config_.split_record.empty()) {
+    EVENSTEP_ASSIGN_OR_RETURN(
+        split_log_->recorder,
+        internal::SplitRecorder::Open(internal::SplitRecordFile(config_.split_record, ctx_.rank())),
+        "rank ", ctx_.rank());
+  }
+  return absl::OkStatus();
+}
+
 BalancedStep::~BalancedStep() { CancelPrefetch(); }
 
 namespace {
@@ -435,16 +489,27 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
   if (!fits_.empty() && steps_done % config_.plan_interval == 0) {
     planner_.Update(fits_, next.batch.cost, sampler_.micro_batch_cost_cap());
   }
+  Plan plan = planner_.plan();
+  int64_t cap = MemoryCap();
+  const int64_t step = steps_done + 1;
+  if (split_log_ != nullptr && !split_log_->replay_file.empty() && split_log_->error.ok()) {
+    split_log_->error = split_log_->Replay(step, next.batch, &plan, &cap);
+  }
   std::vector<std::vector<int64_t>> parts;
   if (sampler_.options().streams > 0) {
     // Streams move between ranks only at an epoch's start.
-    if (next.batch.step == 0 || stream_shares_.empty()) stream_shares_ = planner_.plan().shares;
+    if (next.batch.step == 0 || stream_shares_.empty()) stream_shares_ = plan.shares;
     parts = sampler_.PartitionStreams(next.batch, stream_shares_);
   } else {
-    parts = SplitGlobalBatch(sampler_, next.batch, planner_.plan());
+    parts = SplitGlobalBatch(sampler_, next.batch, plan);
   }
-  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), MemoryCap());
+  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), cap);
   Label(next.batch, &next.micro);
+  if (split_log_ != nullptr && split_log_->recorder != nullptr && split_log_->error.ok()) {
+    split_log_->error =
+        split_log_->recorder->Append(internal::RecordOf(step, next.batch, plan, cap));
+  }
+  next.shares = std::move(plan.shares);
   planned_ = std::move(next);
 }
 
@@ -477,10 +542,15 @@ absl::Status BalancedStep::BeginStep() {
   began_ = true;
   cost_model_.BeginStep();
   if (!planned_) PlanNextStep(steps_);
+  if (split_log_ != nullptr && !split_log_->error.ok()) {
+    // Before any collective of the step: a record every rank replays lacks
+    // the step on every rank.
+    return Annotate(split_log_->error, absl::StrCat("BalancedStep: rank ", ctx_.rank()));
+  }
   batch_ = std::move(planned_->batch);
   micro_ = std::move(planned_->micro);
+  const std::vector<double> shares = std::move(planned_->shares);
   planned_.reset();
-  const Plan& plan = planner_.plan();
   scale_ = config_.objective == Objective::kSum ? 1.0 : batch_.count > 0 ? 1.0 / batch_.count : 0.0;
   loss_on_device_.assign(parts_.size(), at::Tensor());
   step_sums_.assign(sum_names_.size(), 0.0);
@@ -499,7 +569,7 @@ absl::Status BalancedStep::BeginStep() {
   }
   report_.global_count = batch_.count;
   report_.global_tokens = batch_.tokens;
-  report_.shares = plan.shares;
+  report_.shares = shares;
   for (const MicroBatch& mb : micro_) {
     report_.samples += static_cast<int64_t>(mb.samples.size());
     report_.tokens += mb.tokens;

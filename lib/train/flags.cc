@@ -98,6 +98,13 @@ ABSL_FLAG(bool, evenstep_reseed, true,
           "--evenstep_seed, the step, the rank and the micro-batch: dropout and augmentation "
           "drawn from them differ between ranks and repeat exactly after a resume. Every model "
           "part's micro-batch i starts from the same seed. false = leave the generators alone.");
+ABSL_FLAG(bool, evenstep_split_record, true,
+          "Under dynamic balance, record what split each step (the plan, each rank's memory cap) "
+          "in RUN_DIR/splits/rank-RRRRR.jsonl, one line per step, for --evenstep_replay.");
+ABSL_FLAG(std::string, evenstep_replay, "",
+          "A run directory whose split record (RUN_DIR/splits) this run replays: every step is "
+          "split across ranks and into micro-batches as recorded, so a dynamic-balance run "
+          "repeats bit for bit (same world size, seed, global batch and data). Empty = off.");
 ABSL_FLAG(bool, evenstep_drop_last, false,
           "Drop the smaller last global batch of each epoch instead of keeping it.");
 ABSL_FLAG(std::string, evenstep_normalize, "samples",
@@ -251,10 +258,13 @@ absl::StatusOr<DistOptions> DistOptions::FromFlags() {
                                      {"nccl", CommBackend::kNccl}}));
   options.collective_timeout = absl::GetFlag(FLAGS_evenstep_timeout);
   options.rendezvous_timeout = absl::GetFlag(FLAGS_evenstep_rendezvous_timeout);
-  EVENSTEP_RETURN_IF_ERROR(CheckTimeout("--evenstep_timeout", options.collective_timeout));
-  EVENSTEP_RETURN_IF_ERROR(
-      CheckTimeout("--evenstep_rendezvous_timeout", options.rendezvous_timeout));
+  EVENSTEP_RETURN_IF_ERROR(internal::CheckDistOptions(options));
   return options;
+}
+
+absl::Status internal::CheckDistOptions(const DistOptions& options) {
+  EVENSTEP_RETURN_IF_ERROR(CheckTimeout("--evenstep_timeout", options.collective_timeout));
+  return CheckTimeout("--evenstep_rendezvous_timeout", options.rendezvous_timeout);
 }
 
 absl::StatusOr<std::unique_ptr<DistContext>> DistContext::CreateFromFlags() {
@@ -362,8 +372,6 @@ absl::Status MemoryFromFlags(BalanceConfig* config) {
   }
   config->memory_limit_bytes = static_cast<int64_t>(limit_mb * (1 << 20));
   config->memory_headroom = absl::GetFlag(FLAGS_evenstep_memory_headroom);
-  EVENSTEP_RETURN_IF_ERROR(
-      InRange("evenstep_memory_headroom", config->memory_headroom, 0, 1, true));
   return absl::OkStatus();
 }
 
@@ -379,8 +387,21 @@ absl::Status CheckStreamBatch(const SamplerOptions& sampler) {
                    sampler.streams, " samples); leave --evenstep_global_batch unset"));
 }
 
-// The numeric balance flags' bounds, each error naming its flag.
-absl::Status CheckBalanceBounds(const BalanceConfig& config, double quadratic) {
+}  // namespace
+
+// The balance options' bounds, each error naming its flag.
+absl::Status internal::CheckBalanceConfig(const BalanceConfig& config) {
+  EVENSTEP_RETURN_IF_ERROR(InRange(
+      "evenstep_bucket_cap_mb", static_cast<double>(config.grad_sync.bucket_cap_bytes) / (1 << 20),
+      0, 1 << 20, true));
+  EVENSTEP_RETURN_IF_ERROR(InRange(
+      "evenstep_first_bucket_cap_mb",
+      static_cast<double>(config.grad_sync.first_bucket_cap_bytes) / (1 << 20), 0, 1 << 20, true));
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_memory_headroom", config.memory_headroom, 0, 1, true));
+  if (!(config.health_warn >= 0 && config.health_warn < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--evenstep_health_warn=", config.health_warn,
+                                                   ": expected a fraction in [0, 1) (0 = off)"));
+  }
   EVENSTEP_RETURN_IF_ERROR(
       NotBelow("evenstep_global_batch", static_cast<double>(config.sampler.global_batch), 1));
   EVENSTEP_RETURN_IF_ERROR(NotBelow("evenstep_micro_batch_samples",
@@ -402,7 +423,6 @@ absl::Status CheckBalanceBounds(const BalanceConfig& config, double quadratic) {
   // slot, and costs that stay finite for lengths up to 1e6.
   EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_data_workers", config.data_workers, -1, 256));
   EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_prefetch", config.prefetch, 1, 1024));
-  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_cost_quadratic", quadratic, 0, 1e6));
   if (config.planner.max_micro_batches > 0 &&
       config.sampler.min_micro_batches > config.planner.max_micro_batches) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -415,8 +435,6 @@ absl::Status CheckBalanceBounds(const BalanceConfig& config, double quadratic) {
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   BalanceConfig config;
@@ -466,12 +484,9 @@ absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
   config.prefetch_next_step = absl::GetFlag(FLAGS_evenstep_prefetch_next_step);
   config.pin_memory = absl::GetFlag(FLAGS_evenstep_pin_memory);
   config.health_warn = absl::GetFlag(FLAGS_evenstep_health_warn);
-  if (!(config.health_warn >= 0 && config.health_warn < 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("--evenstep_health_warn=", config.health_warn,
-                                                   ": expected a fraction in [0, 1) (0 = off)"));
-  }
   const double quadratic = absl::GetFlag(FLAGS_evenstep_cost_quadratic);
-  EVENSTEP_RETURN_IF_ERROR(CheckBalanceBounds(config, quadratic));
+  EVENSTEP_RETURN_IF_ERROR(InRange("evenstep_cost_quadratic", quadratic, 0, 1e6));
+  EVENSTEP_RETURN_IF_ERROR(internal::CheckBalanceConfig(config));
   EVENSTEP_RETURN_IF_ERROR(CheckStreamBatch(config.sampler));
   if (quadratic > 0) {
     config.cost = [quadratic](int64_t l) {

@@ -1,4 +1,4 @@
-// Session: BalancedStep + TrainCheckpointer + Timeline + MetricsLogger, from flags.
+// Session: BalancedStep + TrainCheckpointer + Timeline + MetricsLogger, from SessionOptions.
 #include "evenstep/session.h"
 
 #include <ATen/ATen.h>
@@ -18,15 +18,10 @@
 #include <iostream>
 #include <set>
 
-#include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
-#include "evenstep/flags.h"
-#include "evenstep/internal/choice.h"
-#include "evenstep/internal/flag_checks.h"
 #include "evenstep/internal/kept_values.h"
 #include "evenstep/metrics.h"
 #include "evenstep/preflight.h"
@@ -42,80 +37,14 @@ namespace {
 volatile std::sig_atomic_t g_preempt_signal = 0;
 extern "C" void OnPreemptSignal(int sig) { g_preempt_signal = sig; }
 
-absl::StatusOr<std::vector<int>> PreemptSignalsFromFlag() {
-  const std::string value = absl::GetFlag(FLAGS_evenstep_preempt_signals);
-  std::vector<int> signals;
-  for (absl::string_view name : absl::StrSplit(value, ',', absl::SkipWhitespace())) {
-    name = absl::StripAsciiWhitespace(name);
-    if (absl::StartsWithIgnoreCase(name, "SIG")) name.remove_prefix(3);
-    int sig = 0;
-    if (name == "TERM")
-      sig = SIGTERM;
-    else if (name == "USR1")
-      sig = SIGUSR1;
-    else if (name == "USR2")
-      sig = SIGUSR2;
-    else if (name == "INT")
-      sig = SIGINT;
-    else if (name == "HUP")
-      sig = SIGHUP;
-    else if (name == "CONT")
-      sig = SIGCONT;
-    if (sig == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--evenstep_preempt_signals=", value, ": unknown signal '", name,
-          "' (expected names from TERM, USR1, USR2, INT, HUP, CONT, comma-separated)"));
-    }
-    signals.push_back(sig);
-  }
-  return signals;
-}
-
-enum class ResumeMode { kNewest, kNewestValid, kOff };
-
-absl::StatusOr<ResumeMode> ResumeModeFromFlag() {
-  return internal::Choose<ResumeMode>("--evenstep_resume", absl::GetFlag(FLAGS_evenstep_resume),
-                                      {{"newest", ResumeMode::kNewest},
-                                       {"newest_valid", ResumeMode::kNewestValid},
-                                       {"off", ResumeMode::kOff},
-                                       {"true", ResumeMode::kNewest},
-                                       {"1", ResumeMode::kNewest},
-                                       {"false", ResumeMode::kOff},
-                                       {"0", ResumeMode::kOff}});
-}
-
-// Consecutive failed saves that stop training (0: never).
-absl::StatusOr<int> StopAfterFailedSaves() {
-  const int max_failures = absl::GetFlag(FLAGS_evenstep_ckpt_max_failures);
-  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_max_failures", max_failures, 0));
-  EVENSTEP_ASSIGN_OR_RETURN(const bool fail,
-                            internal::Choose<bool>("--evenstep_ckpt_on_error",
-                                                   absl::GetFlag(FLAGS_evenstep_ckpt_on_error),
-                                                   {{"warn", false}, {"fail", true}}));
-  return fail ? 1 : max_failures;
-}
-
 }  // namespace
-
-enum class PreflightMode { kOff, kReport, kWarn, kFail };
-
-absl::StatusOr<PreflightMode> PreflightModeFromFlag() {
-  return internal::Choose<PreflightMode>("--evenstep_preflight",
-                                         absl::GetFlag(FLAGS_evenstep_preflight),
-                                         {{"off", PreflightMode::kOff},
-                                          {"report", PreflightMode::kReport},
-                                          {"warn", PreflightMode::kWarn},
-                                          {"fail", PreflightMode::kFail},
-                                          {"false", PreflightMode::kOff},
-                                          {"0", PreflightMode::kOff}});
-}
 
 // The preflight of --evenstep_preflight (a collective), before training:
 // prints what the mode asks for on rank 0, fails with fail and outliers, and
 // seeds dynamic balancing's first shares with the ranks' compute speeds.
-absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode, const std::string& ckpt_dir,
-                                 BalanceConfig* config) {
-  EVENSTEP_ASSIGN_OR_RETURN(PreflightOptions options, PreflightOptions::FromFlags());
+namespace {
+absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode, PreflightOptions options,
+                                 const std::string& ckpt_dir, BalanceConfig* config) {
   options.ckpt_dir = ckpt_dir;
   EVENSTEP_ASSIGN_OR_RETURN(PreflightReport report, RunPreflight(ctx, options),
                             "Session::Create, rank ", ctx.rank(), ": preflight");
@@ -143,30 +72,6 @@ absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode, const std
   return absl::OkStatus();
 }
 
-absl::Status ValidateEvenstepFlags() {
-  EVENSTEP_RETURN_IF_ERROR(DistOptions::FromFlags().status());
-  EVENSTEP_RETURN_IF_ERROR(BalanceConfig::FromFlags().status());
-  EVENSTEP_RETURN_IF_ERROR(CheckpointOptionsFromFlags().status());
-  EVENSTEP_RETURN_IF_ERROR(
-      internal::NotBelow("evenstep_ckpt_every", absl::GetFlag(FLAGS_evenstep_ckpt_every), 0));
-  EVENSTEP_RETURN_IF_ERROR(
-      internal::NotBelow("evenstep_log_every", absl::GetFlag(FLAGS_evenstep_log_every), 1));
-  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow(
-      "evenstep_eval_micro_batch_tokens",
-      static_cast<double>(absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens)), 0));
-  if (absl::GetFlag(FLAGS_evenstep_run_dir).empty()) {
-    return absl::InvalidArgumentError(
-        "--evenstep_run_dir=: empty (a directory for checkpoints, logs and timelines)");
-  }
-  EVENSTEP_RETURN_IF_ERROR(ResumeModeFromFlag().status());
-  EVENSTEP_RETURN_IF_ERROR(PreflightModeFromFlag().status());
-  EVENSTEP_RETURN_IF_ERROR(PreflightOptions::FromFlags().status());
-  EVENSTEP_RETURN_IF_ERROR(StopAfterFailedSaves().status());
-  EVENSTEP_RETURN_IF_ERROR(PreemptSignalsFromFlag().status());
-  return absl::OkStatus();
-}
-
-namespace {
 // The DistContexts a Session runs on: a second Session on one would save
 // under the same checkpoint agreement and never commit.
 absl::Mutex sessions_mu;
@@ -311,8 +216,7 @@ namespace {
 // An evaluation cap below the longest training sample cannot be meant: say
 // so at Create, not at the first evaluation after hours of training
 // (Evaluate checks it again against the evaluation set's own lengths).
-absl::Status CheckEvalCap(const std::vector<int64_t>& lengths) {
-  const int64_t eval_cap = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
+absl::Status CheckEvalCap(const std::vector<int64_t>& lengths, int64_t eval_cap) {
   if (eval_cap <= 0 || lengths.empty()) return absl::OkStatus();
   const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
   if (eval_cap >= longest) return absl::OkStatus();
@@ -350,19 +254,48 @@ void SayStartingFresh(const std::string& dir) {
             << std::endl;
 }
 
+// RUN_DIR/splits records the splits of a dynamic-balance run; a replay
+// reads REPLAY/splits.
+absl::Status SplitRecordIn(const std::string& run_dir, const SessionOptions& options,
+                           BalanceConfig* config) {
+  if (!options.replay.empty() && config->split_replay.empty()) {
+    config->split_replay = options.replay + "/splits";
+  }
+  if (!options.split_record || !config->split_record.empty() ||
+      config->planner.mode != BalanceMode::kDynamic) {
+    return absl::OkStatus();
+  }
+  config->split_record = run_dir + "/splits";
+  return Env::Default()->CreateDirs(config->split_record);
+}
+
+// The flags' options, `run_dir` (when not empty) for --evenstep_run_dir.
+absl::StatusOr<SessionOptions> OptionsWithRunDir(const std::string& run_dir) {
+  EVENSTEP_ASSIGN_OR_RETURN(SessionOptions options, SessionOptions::FromFlags());
+  if (!run_dir.empty()) options.run_dir = run_dir;
+  return options;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::vector<ModelPart> parts,
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir,
                                                          std::vector<double> counts) {
-  EVENSTEP_RETURN_IF_ERROR(ValidateEvenstepFlags());
-  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<DistContext> ctx, DistContext::CreateFromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(SessionOptions options, OptionsWithRunDir(run_dir));
+  return Create(std::move(parts), std::move(lengths), std::move(options), std::move(counts));
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         SessionOptions options,
+                                                         std::vector<double> counts) {
+  EVENSTEP_RETURN_IF_ERROR(options.Validate());
+  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<DistContext> ctx, DistContext::Create(options.dist));
   DistContext& ref = *ctx;
   EVENSTEP_ASSIGN_OR_RETURN(
       std::unique_ptr<Session> s,
-      Create(ref, std::move(parts), std::move(lengths),
-             run_dir.empty() ? absl::GetFlag(FLAGS_evenstep_run_dir) : run_dir, std::move(counts)));
+      Create(ref, std::move(parts), std::move(lengths), std::move(options), std::move(counts)));
   s->owned_ctx_ = std::move(ctx);
   return s;
 }
@@ -372,7 +305,16 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
                                                          std::vector<int64_t> lengths,
                                                          const std::string& run_dir,
                                                          std::vector<double> counts) {
-  EVENSTEP_RETURN_IF_ERROR(ValidateEvenstepFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(SessionOptions options, OptionsWithRunDir(run_dir));
+  return Create(ctx, std::move(parts), std::move(lengths), std::move(options), std::move(counts));
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
+                                                         std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         SessionOptions options,
+                                                         std::vector<double> counts) {
+  EVENSTEP_RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<Session> s(new Session(ctx, parts));
   {
     absl::MutexLock lock(&sessions_mu);
@@ -385,23 +327,19 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
     }
     s->owns_context_ = true;
   }
+  const std::string run_dir = options.run_dir;
   EVENSTEP_RETURN_IF_ERROR(s->LockRunDir(run_dir));
-  EVENSTEP_ASSIGN_OR_RETURN(const ResumeMode resume, ResumeModeFromFlag());
-  EVENSTEP_ASSIGN_OR_RETURN(s->stop_after_failures_, StopAfterFailedSaves());
-  EVENSTEP_ASSIGN_OR_RETURN(const std::vector<int> preempt_signals, PreemptSignalsFromFlag());
-  EVENSTEP_ASSIGN_OR_RETURN(BalanceConfig config, BalanceConfig::FromFlags());
-  EVENSTEP_ASSIGN_OR_RETURN(CheckpointOptions options, CheckpointOptionsFromFlags());
-  if (options.dir.empty()) options.dir = run_dir + "/ckpt";
-  EVENSTEP_ASSIGN_OR_RETURN(const PreflightMode preflight, PreflightModeFromFlag());
-  if (preflight != PreflightMode::kOff) {
-    EVENSTEP_RETURN_IF_ERROR(RunSessionPreflight(ctx, preflight, options.dir, &config));
+  BalanceConfig config = options.balance;
+  EVENSTEP_RETURN_IF_ERROR(SplitRecordIn(run_dir, options, &config), "Session::Create, rank ",
+                           ctx.rank());
+  CheckpointOptions ckpt = options.checkpoint;
+  if (ckpt.dir.empty()) ckpt.dir = run_dir + "/ckpt";
+  if (options.preflight != PreflightMode::kOff) {
+    EVENSTEP_RETURN_IF_ERROR(
+        RunSessionPreflight(ctx, options.preflight, options.preflight_options, ckpt.dir, &config));
   }
-  EVENSTEP_RETURN_IF_ERROR(CheckEvalCap(lengths));
-  // Read once: a later change of a flag does not reach this Session.
-  s->ckpt_every_ = absl::GetFlag(FLAGS_evenstep_ckpt_every);
-  s->ckpt_on_error_ = absl::GetFlag(FLAGS_evenstep_ckpt_on_error);
-  s->ckpt_max_failures_ = absl::GetFlag(FLAGS_evenstep_ckpt_max_failures);
-  s->eval_micro_batch_tokens_ = absl::GetFlag(FLAGS_evenstep_eval_micro_batch_tokens);
+  EVENSTEP_RETURN_IF_ERROR(CheckEvalCap(lengths, options.eval_micro_batch_tokens));
+  s->options_ = options;  // read once: nothing changes a running Session's settings
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
                             BalancedStep::Create(ctx, std::move(parts), std::move(lengths),
                                                  std::move(config), std::move(counts)),
@@ -416,25 +354,25 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
           part.name, std::shared_ptr<torch::nn::Module>(part.module, [](torch::nn::Module*) {}));
     }
   }
-  EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, TrainCheckpointer::Create(ctx, options),
-                            "Session::Create, rank ", ctx.rank(), ": checkpoints in ", options.dir,
+  EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, TrainCheckpointer::Create(ctx, ckpt),
+                            "Session::Create, rank ", ctx.rank(), ": checkpoints in ", ckpt.dir,
                             " (--evenstep_ckpt_dir; default RUN_DIR/ckpt)");
-  if (absl::GetFlag(FLAGS_evenstep_timeline)) {
+  if (options.timeline) {
     EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()),
                               "Session::Create, rank ", ctx.rank(), ": the timeline in ", run_dir,
                               " (--evenstep_timeline)");
   }
   MetricsOptions metrics;
   metrics.dir = run_dir;
-  metrics.interval = absl::GetFlag(FLAGS_evenstep_log_every);
+  metrics.interval = options.log_every;
   EVENSTEP_ASSIGN_OR_RETURN(s->metrics_, MetricsLogger::Create(ctx, metrics),
                             "Session::Create, rank ", ctx.rank(), ": metric logs in ", run_dir);
-  if (resume != ResumeMode::kOff) {
-    EVENSTEP_RETURN_IF_ERROR(s->Resume(options.dir, resume == ResumeMode::kNewestValid));
+  if (options.resume != ResumeMode::kOff) {
+    EVENSTEP_RETURN_IF_ERROR(s->Resume(ckpt.dir, options.resume == ResumeMode::kNewestValid));
   } else if (ctx.rank() == 0) {
-    SayCommittedCheckpoints(options.dir);
+    SayCommittedCheckpoints(ckpt.dir);
   }
-  for (int sig : preempt_signals) {
+  for (int sig : options.preempt_signals) {
     struct sigaction action {};
     action.sa_handler = OnPreemptSignal;
     sigemptyset(&action.sa_mask);
@@ -667,18 +605,20 @@ absl::Status Session::AfterStep(StepReport* report) {
   report->checkpoint_failures = save_failures_;
   step_->ShareAtNextExchange(kSaveFailureRun, longest_failure_run_);
   const double agreed_run = report->agreed[kSaveFailureRun];
-  if (stop_after_failures_ > 0 && agreed_run >= stop_after_failures_) {
+  const bool fail_first = options_.ckpt_on_error == OnSaveError::kFail;
+  const int stop_after = fail_first ? 1 : options_.ckpt_max_failures;  // 0: never
+  if (stop_after > 0 && agreed_run >= stop_after) {
     // A save's outcome is known only when it ends, in the background: by the
     // step every rank agrees on it, later saves may have started and failed
     // too, so the count can exceed the limit.
-    const std::string& mode = ckpt_on_error_;
     const std::string why =
-        mode == "fail"
+        fail_first
             ? absl::StrCat("--evenstep_ckpt_on_error=fail stops at the first failed save (",
                            static_cast<int64_t>(agreed_run), " in a row by now)")
             : absl::StrCat(static_cast<int64_t>(agreed_run),
-                           " checkpoint saves failed in a row (--evenstep_ckpt_on_error=", mode,
-                           ", --evenstep_ckpt_max_failures=", ckpt_max_failures_, ")");
+                           " checkpoint saves failed in a row (--evenstep_ckpt_on_error=warn, "
+                           "--evenstep_ckpt_max_failures=",
+                           options_.ckpt_max_failures, ")");
     return absl::DataLossError(absl::StrCat(
         "rank ", ctx_.rank(), ", step ", report->step, ": ", why,
         "; training stops rather than run on without checkpoints. ",
@@ -696,7 +636,7 @@ absl::Status Session::AfterStep(StepReport* report) {
                 << std::endl;
     }
   }
-  save_due_ = ckpt_every_ > 0 && report->step % ckpt_every_ == 0;
+  save_due_ = options_.ckpt_every > 0 && report->step % options_.ckpt_every == 0;
   return absl::OkStatus();
 }
 
@@ -886,7 +826,7 @@ absl::StatusOr<std::vector<double>> Session::Evaluate(
   options.shuffle = false;
   options.min_micro_batches = 0;
   EVENSTEP_RETURN_IF_ERROR(
-      SetEvalCaps(options, lengths, ctx_.world_size(), eval_micro_batch_tokens_),
+      SetEvalCaps(options, lengths, ctx_.world_size(), options_.eval_micro_batch_tokens),
       "Session::Evaluate, rank ", ctx_.rank());
   EVENSTEP_ASSIGN_OR_RETURN(Sampler set, Sampler::Create(lengths, options),
                             "Session::Evaluate: the evaluation set");

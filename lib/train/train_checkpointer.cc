@@ -208,13 +208,20 @@ absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags() {
                                  absl::GetFlag(FLAGS_evenstep_ckpt_when_busy),
                                  {{"wait", WhenBusy::kWait}, {"skip", WhenBusy::kSkip}}));
   const double slice_mb = absl::GetFlag(FLAGS_evenstep_ckpt_slice_mb);
-  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_keep", options.keep, 1));
-  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_in_flight", options.max_in_flight, 1));
-  // At least 1 KiB: smaller slices only multiply the manifest's entries.
   EVENSTEP_RETURN_IF_ERROR(
       internal::InRange("evenstep_ckpt_slice_mb", slice_mb, 1.0 / 1024, 1 << 20));
   options.slice_bytes = std::max<int64_t>(1, static_cast<int64_t>(slice_mb * (1 << 20)));
+  EVENSTEP_RETURN_IF_ERROR(internal::CheckCheckpointOptions(options));
   return options;
+}
+
+absl::Status internal::CheckCheckpointOptions(const CheckpointOptions& options) {
+  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_keep", options.keep, 1));
+  EVENSTEP_RETURN_IF_ERROR(internal::NotBelow("evenstep_ckpt_in_flight", options.max_in_flight, 1));
+  // At least 1 KiB: smaller slices only multiply the manifest's entries.
+  return internal::InRange("evenstep_ckpt_slice_mb",
+                           static_cast<double>(options.slice_bytes) / (1 << 20), 1.0 / 1024,
+                           1 << 20);
 }
 
 TrainCheckpointer::TrainCheckpointer(DistContext& ctx, CheckpointOptions options,

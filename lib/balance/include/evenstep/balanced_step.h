@@ -206,6 +206,19 @@ struct BalanceConfig {
   // Called after the sync with the global gradient in param.grad(), before
   // clipping and the optimizer step (e.g. to log gradient norms).
   std::function<void()> after_sync;
+  // The split record: a directory (it must exist) where each rank appends
+  // what split each step, one JSON line per step (DIR/rank-RRRRR.jsonl: the
+  // plan's shares, fits and predicted times, the rank's memory cap, the
+  // global batch's hash); "" = none.
+  std::string split_record;
+  // A directory holding a split record: each step is split as recorded
+  // (the same plan and memory caps, so the same micro-batches on every
+  // rank) instead of as this run's measurements say: a dynamic-balance run
+  // replayed bit for bit. Create fails naming the file when it is missing
+  // or was recorded at another world size; a step the record lacks, or
+  // whose global batch differs from the record's (another seed, batch size
+  // or data), fails naming the step. "" = none.
+  std::string split_replay;
 
   // Everything from the --evenstep_* flags. InvalidArgument naming the flag
   // for a bad value.
@@ -767,7 +780,13 @@ class BalancedStep {
     std::vector<double> stream_shares_before;
     GlobalBatch batch;
     std::vector<MicroBatch> micro;
+    std::vector<double> shares;  // the plan that split it (recorded or replayed)
   };
+  // The split record being written and the one being replayed
+  // (BalanceConfig::split_record, split_replay); null = neither.
+  struct SplitLog;
+  std::unique_ptr<SplitLog> split_log_;
+  absl::Status OpenSplitLog();
   std::optional<NextStep> planned_;
   // Stream mode: the shares the current epoch's streams were assigned by
   // (fixed from the epoch's first step).

@@ -37,6 +37,8 @@ ABSL_DECLARE_FLAG(bool, evenstep_drop_last);
 ABSL_DECLARE_FLAG(bool, evenstep_shuffle);
 ABSL_DECLARE_FLAG(int64_t, evenstep_streams);
 ABSL_DECLARE_FLAG(bool, evenstep_reseed);
+ABSL_DECLARE_FLAG(bool, evenstep_split_record);
+ABSL_DECLARE_FLAG(std::string, evenstep_replay);
 ABSL_DECLARE_FLAG(std::string, evenstep_normalize);
 ABSL_DECLARE_FLAG(std::string, evenstep_loss_reduction);
 ABSL_DECLARE_FLAG(std::string, evenstep_objective);

@@ -1,7 +1,8 @@
 // Session: everything evenstep does for a training loop, behind one object —
 // balanced steps (BalancedStep), resume and sharded background checkpoints
 // (TrainCheckpointer), the per-rank timeline (Timeline) and logs (MetricsLogger),
-// evaluation split across all ranks (Evaluate). Every part is switched by
+// evaluation split across all ranks (Evaluate). Every part is configured by
+// SessionOptions (session_options.h), filled from code or from the
 // --evenstep_* flags; this is what keeps the diff to a user's loop small:
 //
 //   auto es = evenstep::Session::Create(**ctx, *model, optimizer, lengths, run_dir);
@@ -35,6 +36,7 @@
 #include "evenstep/launch_env.h"  // kPreemptedExitCode
 #include "evenstep/loader.h"
 #include "evenstep/loop_driver.h"
+#include "evenstep/session_options.h"
 
 namespace torch::optim {
 class LRScheduler;
@@ -55,12 +57,36 @@ class LoopBatches;
 class Session {
  public:
   // One Session per DistContext at a time: a second one is refused
-  // (FailedPrecondition) while the first exists.
-  // Validates every --evenstep_* flag (InvalidArgument naming the flag and
-  // its valid values), creates the parts from them, with RUN_DIR as the
-  // default place for checkpoints (RUN_DIR/ckpt), timelines and logs, and
-  // resumes (--evenstep_resume): from the newest committed checkpoint if
-  // there is one, an error naming it if it cannot be loaded.
+  // (FailedPrecondition) while the first exists; one after the other, each
+  // with its own options, is fine.
+  // Checks `options` (InvalidArgument naming the field and its flag),
+  // creates the parts from them, with options.run_dir as the default place
+  // for checkpoints (RUN_DIR/ckpt), timelines and logs, and resumes
+  // (options.resume): from the newest committed checkpoint if there is one,
+  // an error naming it if it cannot be loaded.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(DistContext& ctx,
+                                                         std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         SessionOptions options,
+                                                         std::vector<double> counts = {});
+  static absl::StatusOr<std::unique_ptr<Session>> Create(DistContext& ctx, torch::nn::Module& model,
+                                                         torch::optim::Optimizer& optimizer,
+                                                         std::vector<int64_t> lengths,
+                                                         SessionOptions options,
+                                                         std::vector<double> counts = {}) {
+    return Create(ctx, {ModelPart("model", model, optimizer)}, std::move(lengths),
+                  std::move(options), std::move(counts));
+  }
+  // The same on a DistContext created from options.dist and the launcher's
+  // environment, which the Session owns.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::vector<ModelPart> parts,
+                                                         std::vector<int64_t> lengths,
+                                                         SessionOptions options,
+                                                         std::vector<double> counts = {});
+
+  // The forms below take their options from the --evenstep_* flags
+  // (SessionOptions::FromFlags), with `run_dir` (when not empty) for
+  // --evenstep_run_dir.
   static absl::StatusOr<std::unique_ptr<Session>> Create(DistContext& ctx, torch::nn::Module& model,
                                                          torch::optim::Optimizer& optimizer,
                                                          std::vector<int64_t> lengths,
@@ -425,12 +451,7 @@ class Session {
   int64_t save_failures_ = 0;        // failed saves this rank has seen
   int failure_run_ = 0;              // consecutive failed saves, the latest ones
   int longest_failure_run_ = 0;
-  int stop_after_failures_ = 3;  // consecutive failures that stop training; 0 = never
-  // The flags Session reads after Create, as Create read them.
-  int ckpt_every_ = 0;
-  std::string ckpt_on_error_;
-  int ckpt_max_failures_ = 0;
-  int64_t eval_micro_batch_tokens_ = 0;
+  SessionOptions options_;  // as Create was given them (nothing rereads the flags)
   absl::Status last_save_error_;
   int64_t run_first_step_ = 0;      // the first failed save of the current run
   int64_t longest_first_step_ = 0;  // ... of the longest run

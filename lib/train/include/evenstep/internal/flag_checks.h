@@ -5,6 +5,12 @@
 
 #include "absl/status/status.h"
 
+namespace evenstep {
+struct BalanceConfig;
+struct CheckpointOptions;
+struct DistOptions;
+}  // namespace evenstep
+
 namespace evenstep::internal {
 
 // OK when value >= minimum; otherwise InvalidArgument
@@ -13,5 +19,11 @@ absl::Status NotBelow(const char* flag, double value, double minimum);
 // OK when value is finite and lo < value <= hi (lo_open) or lo <= value <= hi;
 // otherwise InvalidArgument "--FLAG=VALUE: must be in (LO, HI]" (or "[LO, HI]").
 absl::Status InRange(const char* flag, double value, double lo, double hi, bool lo_open = false);
+
+// The bounds of option structs that flags fill, each error naming the flag
+// of the bad field (the same checks for options filled in code).
+absl::Status CheckBalanceConfig(const BalanceConfig& config);
+absl::Status CheckDistOptions(const DistOptions& options);
+absl::Status CheckCheckpointOptions(const CheckpointOptions& options);
 
 }  // namespace evenstep::internal
