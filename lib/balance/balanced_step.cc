@@ -469,10 +469,11 @@ BalancedStep::~BalancedStep() { CancelPrefetch(); }
 namespace {
 // This rank's micro-batches of `batch` learn where they stand: the epoch,
 // their place, the global batch's totals.
-void Label(const GlobalBatch& batch, std::vector<MicroBatch>* micro) {
+void Label(const GlobalBatch& batch, uint64_t seed, std::vector<MicroBatch>* micro) {
   for (size_t i = 0; i < micro->size(); ++i) {
     MicroBatch& mb = (*micro)[i];
     mb.epoch = batch.epoch;
+    mb.seed = seed;
     mb.index = static_cast<int>(i);
     mb.global_samples = static_cast<int64_t>(batch.samples.size());
     mb.global_tokens = batch.tokens;
@@ -504,7 +505,7 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
     parts = SplitGlobalBatch(sampler_, next.batch, plan);
   }
   next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), cap);
-  Label(next.batch, &next.micro);
+  Label(next.batch, sampler_.options().seed, &next.micro);
   if (split_log_ != nullptr && split_log_->recorder != nullptr && split_log_->error.ok()) {
     split_log_->error =
         split_log_->recorder->Append(internal::RecordOf(step, next.batch, plan, cap));
@@ -905,7 +906,7 @@ void BalancedStep::RepackPlanned() {
   std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), MemoryCap());
   if (micro.size() == planned_->micro.size()) return;  // already within the cap
   CancelPrefetch();                                    // its loads were for the old micro-batches
-  Label(planned_->batch, &micro);
+  Label(planned_->batch, sampler_.options().seed, &micro);
   planned_->micro = std::move(micro);
 }
 

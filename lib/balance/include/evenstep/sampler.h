@@ -92,6 +92,7 @@ struct MicroBatch {
   // micro-batches of the step (0-based).
   int64_t epoch = 0;
   int index = 0;
+  uint64_t seed = 0;  // the sampler's seed (SampleGenerator's key)
   // ... and its global batch's samples and tokens over all ranks: the
   // denominators of a loss with several terms under Objective::kSum
   // (`term_a / mb.global_samples + term_b / mb.global_tokens`).

@@ -21,8 +21,10 @@
 // its tensors share their storage). BatchesOf(dataset) instead refers to the
 // caller's dataset: loaded on the training thread, or with
 // --evenstep_data_workers=N > 0 on N threads calling get_batch on that one
-// dataset concurrently. This header includes torch/data; nothing else of
-// evenstep does.
+// dataset concurrently. Random draws in the dataset's get(index) repeat
+// whichever worker runs them when they come from
+// evenstep::SampleGenerator(index) (sample_random.h). This header includes
+// torch/data; nothing else of evenstep does.
 #pragma once
 
 #include <torch/data/datasets/base.h>
@@ -33,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "evenstep/loader.h"
+#include "evenstep/sample_random.h"
 #include "evenstep/sampler.h"
 
 namespace evenstep {
@@ -56,6 +59,7 @@ template <typename Dataset>
 auto BatchesOf(Dataset& dataset) {
   return [&dataset](const MicroBatch& mb) {
     std::vector<size_t> indices(mb.samples.begin(), mb.samples.end());
+    internal::SampleDrawScope draws(mb.seed, mb.epoch);  // SampleGenerator(index) in get
     return dataset.get_batch(indices);
   };
 }
