@@ -33,9 +33,7 @@ namespace evenstep {
 namespace {
 
 using ::evenstep::testing::RanksDir;
-using ::evenstep::testing::ReadRanksFile;
 using ::evenstep::testing::RunOnRanks;
-using ::evenstep::testing::WriteRanksFile;
 using ::testing::HasSubstr;
 
 constexpr int kSamples = 48;  // 4 steps of 12 per epoch
