@@ -1,7 +1,6 @@
 #include "evenstep/async_appender.h"
 
 #include <chrono>
-#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "evenstep/io_runtime.h"
@@ -12,8 +11,7 @@ namespace evenstep {
 absl::StatusOr<std::unique_ptr<AsyncAppender>> AsyncAppender::Create(const std::string& path,
                                                                      size_t flush_bytes, Env* env) {
   Env& e = env != nullptr ? *env : *Env::Default();
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  if (!dir.empty()) EVENSTEP_RETURN_IF_ERROR(e.CreateDirs(dir));
+  EVENSTEP_RETURN_IF_ERROR(e.CreateDirs(ParentDir(path)));
   EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<File> file, e.Create(path));
   return std::unique_ptr<AsyncAppender>(new AsyncAppender(path, std::move(file), flush_bytes));
 }

@@ -1,6 +1,12 @@
-// PosixEnv: Env over POSIX syscalls.
+// PosixEnv: Env over POSIX syscalls. No std::filesystem: the torch wheel's
+// libtorch_cpu.so exports its own copies of std::filesystem's functions
+// (remove_all and the directory iterators among them), and which copy a
+// program binds to depends on its link order; a mismatched one crashed a
+// GPU run's test processes. Directories are listed, made and removed here
+// with opendir/mkdir/unlink/rmdir, and paths are normalised as strings.
 #include "evenstep/env.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -9,9 +15,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -154,27 +161,10 @@ class PosixEnv : public Env {
     if (::unlink(path.c_str()) != 0) return ErrnoStatus(errno, "remove", path);
     return absl::OkStatus();
   }
-  absl::Status CreateDirs(const std::string& dir) override {
-    std::error_code error;
-    std::filesystem::create_directories(dir, error);
-    if (error) return ErrnoStatus(error.value(), "create directory", dir);
-    return absl::OkStatus();
-  }
-  absl::Status RemoveTree(const std::string& dir) override {
-    std::error_code error;
-    std::filesystem::remove_all(dir, error);
-    if (error) return ErrnoStatus(error.value(), "remove directory", dir);
-    return absl::OkStatus();
-  }
+  absl::Status CreateDirs(const std::string& dir) override { return internal::MakeDirs(dir); }
+  absl::Status RemoveTree(const std::string& dir) override { return internal::RemoveTree(dir); }
   absl::StatusOr<std::vector<std::string>> List(const std::string& dir) override {
-    std::error_code error;
-    std::vector<std::string> names;
-    for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
-      names.push_back(entry.path().filename().string());
-    }
-    if (error) return ErrnoStatus(error.value(), "list", dir);
-    std::sort(names.begin(), names.end());
-    return names;
+    return internal::ListDir(dir);
   }
   absl::StatusOr<int64_t> FreeSpace(const std::string& dir) override {
     struct statvfs st;
@@ -204,15 +194,87 @@ absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path, 
 }
 
 std::string NormalPath(const std::string& path) {
-  std::filesystem::path p = std::filesystem::path(path).lexically_normal();
-  if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
-  return p.empty() ? "." : p.string();
+  const bool absolute = !path.empty() && path[0] == '/';
+  std::vector<absl::string_view> parts;
+  for (absl::string_view part : absl::StrSplit(path, '/', absl::SkipEmpty())) {
+    if (part == ".") continue;
+    if (part == ".." && !parts.empty() && parts.back() != "..") {
+      parts.pop_back();
+    } else if (part != ".." || !absolute) {
+      parts.push_back(part);  // ".." above the root is the root
+    }
+  }
+  const std::string joined = absl::StrJoin(parts, "/");
+  if (absolute) return "/" + joined;
+  return joined.empty() ? "." : joined;
 }
 
 std::string ParentDir(const std::string& path) {
-  const std::filesystem::path p(NormalPath(path));
-  return p.has_parent_path() ? p.parent_path().string() : ".";
+  const std::string p = NormalPath(path);
+  const size_t slash = p.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : p.substr(0, slash);
 }
+
+std::string BaseName(const std::string& path) {
+  const std::string p = NormalPath(path);
+  const size_t slash = p.rfind('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+namespace internal {
+
+absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, "list", dir);
+  std::vector<std::string> names;
+  errno = 0;
+  while (const struct dirent* entry = ::readdir(d)) {
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  const int error = errno;
+  ::closedir(d);
+  if (error != 0) return ErrnoStatus(error, "list", dir);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+absl::Status MakeDirs(const std::string& dir) {
+  const std::string target = NormalPath(dir);
+  std::string prefix = target[0] == '/' ? "/" : "";
+  for (absl::string_view part : absl::StrSplit(target, '/', absl::SkipEmpty())) {
+    if (!prefix.empty() && prefix != "/") prefix += '/';
+    absl::StrAppend(&prefix, part);
+    if (::mkdir(prefix.c_str(), 0755) == 0) continue;
+    const int error = errno;
+    struct stat st;
+    if (error == EEXIST && ::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
+    return ErrnoStatus(error == EEXIST ? ENOTDIR : error, "create directory", prefix);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoveTree(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? absl::OkStatus() : ErrnoStatus(errno, "remove", path);
+  }
+  if (!S_ISDIR(st.st_mode)) {  // a file or a link (never followed)
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(errno, "remove", path);
+    return absl::OkStatus();
+  }
+  EVENSTEP_ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDir(path));
+  for (const std::string& name : names) {
+    EVENSTEP_RETURN_IF_ERROR(RemoveTree(path + "/" + name));
+  }
+  if (::rmdir(path.c_str()) != 0 && errno != ENOENT) {
+    return ErrnoStatus(errno, "remove directory", path);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
 
 std::vector<std::string> MissingDirs(Env& env, const std::string& dir) {
   std::vector<std::string> missing;
@@ -253,7 +315,7 @@ absl::Status WriteFileAtomically(Env& env, const std::string& path, const char* 
     env.Remove(tmp).IgnoreError();
     return s;
   }
-  s = env.SyncDir(std::filesystem::path(path).parent_path().string());
+  s = env.SyncDir(ParentDir(path));
   if (!s.ok() && remove_if_unsynced) env.Remove(path).IgnoreError();
   return s;
 }

@@ -1,11 +1,13 @@
 // BuildShardImage: HDF5 container layout in memory (see h5_shard.h).
 #include "evenstep/internal/h5_shard.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <hdf5.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
-#include <sys/resource.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +24,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "evenstep/status_macros.h"
+#include "nlohmann/json.hpp"
+
+extern char** environ;
 
 namespace evenstep::internal {
 namespace {
@@ -207,8 +212,6 @@ absl::StatusOr<std::string> BuildShardImage(std::vector<ShardDataset>* datasets)
   return image;
 }
 
-namespace {
-
 std::vector<std::string> CheckShardFileHere(const std::string& path,
                                             const std::vector<ShardDataset>& expected) {
   std::lock_guard<std::mutex> lock(Hdf5Mutex());
@@ -294,6 +297,115 @@ std::vector<std::string> CheckShardFileHere(const std::string& path,
   return problems;
 }
 
+std::string ShardCheckRequest(const std::vector<ShardDataset>& expected) {
+  nlohmann::json datasets = nlohmann::json::array();
+  for (const ShardDataset& d : expected) {
+    datasets.push_back({{"path", d.path},
+                        {"dtype", d.dtype},
+                        {"shape", d.shape},
+                        {"tensor", d.tensor},
+                        {"offset", d.offset},
+                        {"bytes", d.bytes}});
+  }
+  return datasets.dump();
+}
+
+absl::StatusOr<std::vector<ShardDataset>> ParseShardCheckRequest(const std::string& text) {
+  std::vector<ShardDataset> expected;
+  try {
+    for (const nlohmann::json& j : nlohmann::json::parse(text)) {
+      ShardDataset d;
+      d.path = j.at("path").get<std::string>();
+      d.dtype = j.at("dtype").get<std::string>();
+      d.shape = j.at("shape").get<std::vector<int64_t>>();
+      d.tensor = j.at("tensor").get<std::string>();
+      d.offset = j.at("offset").get<int64_t>();
+      d.bytes = j.at("bytes").get<int64_t>();
+      expected.push_back(std::move(d));
+    }
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("not a shard check request: ", e.what()));
+  }
+  return expected;
+}
+
+namespace {
+
+// The checker program: $EVENSTEP_H5CHECK, else the one installed with this
+// library (LIBDIR/../libexec/evenstep-h5check, as GNUInstallDirs lays them
+// out), else the build tree's.
+std::string CheckerProgram() {
+  if (const char* set = std::getenv("EVENSTEP_H5CHECK"); set != nullptr && *set != '\0') {
+    return set;
+  }
+#ifdef EVENSTEP_H5CHECK_FROM_LIB
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&CheckShardFile), &info) != 0 && info.dli_fname != nullptr) {
+    const std::string lib = info.dli_fname;
+    const size_t slash = lib.rfind('/');
+    const std::string installed =
+        (slash == std::string::npos ? std::string(".") : lib.substr(0, slash)) + "/" +
+        EVENSTEP_H5CHECK_FROM_LIB;
+    if (::access(installed.c_str(), X_OK) == 0) return installed;
+  }
+#endif
+#ifdef EVENSTEP_H5CHECK_BUILD_PATH
+  return EVENSTEP_H5CHECK_BUILD_PATH;
+#else
+  return "evenstep-h5check";
+#endif
+}
+
+// Writes `request` to `in` and reads `*out` from `out` until the child
+// closes it or `deadline`; false on the deadline. SIGPIPE (a child that
+// died before reading) is blocked on this thread and discarded: the
+// caller's process never sees it.
+bool Exchange(int in, int out, const std::string& request,
+              std::chrono::steady_clock::time_point deadline, std::string* text) {
+  sigset_t pipe_signal, old;
+  sigemptyset(&pipe_signal);
+  sigaddset(&pipe_signal, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_signal, &old);
+  size_t sent = 0;
+  bool timed_out = false;
+  char buffer[4096];
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      timed_out = true;
+      break;
+    }
+    struct pollfd fds[2] = {{out, POLLIN, 0}, {in, POLLOUT, 0}};
+    const int ready = ::poll(fds, in >= 0 ? 2 : 1, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) {
+      timed_out = ready == 0;
+      break;
+    }
+    if (in >= 0 && fds[1].revents != 0) {
+      const ssize_t w = ::write(in, request.data() + sent, request.size() - sent);
+      if (w > 0) sent += static_cast<size_t>(w);
+      if (w < 0 && errno != EINTR && errno != EAGAIN) sent = request.size();  // EPIPE: it died
+      if (sent == request.size()) {
+        ::close(in);
+        in = -1;
+      }
+    }
+    if (fds[0].revents == 0) continue;
+    const ssize_t n = ::read(out, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    text->append(buffer, static_cast<size_t>(n));
+  }
+  if (in >= 0) ::close(in);
+  const struct timespec now = {0, 0};
+  while (sigtimedwait(&pipe_signal, nullptr, &now) > 0) {
+  }
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  return !timed_out;
+}
+
 }  // namespace
 
 std::vector<std::string> CheckShardFile(const std::string& path,
@@ -309,69 +421,46 @@ std::vector<std::string> CheckShardFile(const std::string& path,
   }
   // libhdf5 is not hardened against hostile files (the manifest fuzzer finds
   // heap overflows and huge allocations inside it on corrupt object headers),
-  // so it parses the shard in a child process: a crash, a runaway allocation
-  // or a hang there is a finding about the file, not the end of the caller.
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) return {absl::StrCat(path, ": pipe: ", std::strerror(errno))};
-  const pid_t child = ::fork();
-  if (child < 0) {
-    ::close(fds[0]);
-    ::close(fds[1]);
-    return {absl::StrCat(path, ": fork: ", std::strerror(errno))};
+  // so it parses the shard in a process of its own: a crash, a runaway
+  // allocation or a hang there is a finding about the file, not the end of
+  // the caller. That process is a program started with posix_spawn
+  // (tools/evenstep_h5check.cc), never a fork of the caller: a threaded
+  // trainer's fork would inherit locks (malloc's, HDF5's) that another
+  // thread held, and could deadlock in the child.
+  const std::string program = CheckerProgram();
+  int to_child[2], from_child[2];
+  if (::pipe2(to_child, O_CLOEXEC) != 0) {
+    return {absl::StrCat(path, ": pipe: ", std::strerror(errno))};
   }
-  if (child == 0) {
-    ::close(fds[0]);
-    const int null = ::open("/dev/null", O_WRONLY);
-    if (null >= 0) ::dup2(null, STDERR_FILENO);  // HDF5's own diagnostics
-#if !defined(__SANITIZE_ADDRESS__)
-    // 4 GiB of address space beyond what the process already maps (a
-    // trainer on a GPU maps tens of GiB before HDF5 allocates anything).
-    rlim_t mapped = 0;
-    if (const int statm = ::open("/proc/self/statm", O_RDONLY | O_CLOEXEC); statm >= 0) {
-      char pages[64] = {};
-      if (::read(statm, pages, sizeof(pages) - 1) > 0) {
-        mapped = static_cast<rlim_t>(std::strtoull(pages, nullptr, 10)) *
-                 static_cast<rlim_t>(::sysconf(_SC_PAGESIZE));
-      }
-      ::close(statm);
-    }
-    struct rlimit limit = {mapped + (rlim_t{4} << 30), mapped + (rlim_t{4} << 30)};
-    ::setrlimit(RLIMIT_AS, &limit);
-#endif
-    std::string out;
-    for (const std::string& p : CheckShardFileHere(path, expected)) out += p + '\n';
-    for (size_t done = 0; done < out.size();) {
-      const ssize_t w = ::write(fds[1], out.data() + done, out.size() - done);
-      if (w <= 0) break;
-      done += static_cast<size_t>(w);
-    }
-    ::_exit(0);
+  if (::pipe2(from_child, O_CLOEXEC) != 0) {
+    ::close(to_child[0]);
+    ::close(to_child[1]);
+    return {absl::StrCat(path, ": pipe: ", std::strerror(errno))};
   }
-  ::close(fds[1]);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, to_child[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, from_child[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  std::string arg0 = program, arg1 = path;
+  char* argv[] = {arg0.data(), arg1.data(), nullptr};
+  pid_t child = -1;
+  const int spawned = ::posix_spawn(&child, program.c_str(), &actions, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(to_child[0]);
+  ::close(from_child[1]);
+  if (spawned != 0) {
+    ::close(to_child[1]);
+    ::close(from_child[0]);
+    return {absl::StrCat(path, ": not checked: cannot start the HDF5 checker ", program, " (",
+                         std::strerror(spawned), "; EVENSTEP_H5CHECK names another)")};
+  }
+  ::fcntl(to_child[1], F_SETFL, O_NONBLOCK);
   std::string text;
-  char buffer[4096];
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  bool timed_out = false;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      timed_out = true;
-      break;
-    }
-    struct pollfd pfd = {fds[0], POLLIN, 0};
-    const int ready = ::poll(&pfd, 1, static_cast<int>(left.count()));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) {
-      timed_out = ready == 0;
-      break;
-    }
-    const ssize_t n = ::read(fds[0], buffer, sizeof(buffer));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    text.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fds[0]);
+  const bool timed_out =
+      !Exchange(to_child[1], from_child[0], ShardCheckRequest(expected),
+                std::chrono::steady_clock::now() + std::chrono::seconds(120), &text);
+  ::close(from_child[0]);
   if (timed_out) ::kill(child, SIGKILL);
   int status = 0;
   while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {

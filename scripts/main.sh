@@ -9,7 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install_deps.sh
-./scripts/build.sh evenstep-run evenstep-report evenstep-ckpt train_fortunes
+# Everything the install rules name, so that `cmake --install build` (usage.md)
+# works after this command too.
+./scripts/build.sh evenstep evenstep-run evenstep-report evenstep-ckpt evenstep-preflight \
+  train_fortunes
 build_dir=${EVENSTEP_BUILD_DIR:-build}
 nproc_ranks=${EVENSTEP_NPROC:-2}
 run=fortunes

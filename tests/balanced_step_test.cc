@@ -597,6 +597,43 @@ TEST(OutOfMemoryTest, ASampleThatDoesNotFitAloneStopsTheRunNamingIt) {
   });
 }
 
+// A caching allocator holds blocks it no longer hands out (earlier steps',
+// a failed attempt's): rank 1's budget of 24 padded tokens is 4 while 20
+// are cached, as at the start and after each out-of-memory error. Released
+// before each retry (BalanceConfig::release_cache; CUDA's emptyCache by
+// default), the recovery is the one without a cache: every gradient exact,
+// the learned cap within the real budget. Not released, even one sample
+// does not fit: the run stops naming it, as with a real 4-token budget.
+TEST(OutOfMemoryTest, TheAllocatorsCacheIsReleasedBeforeTheRetry) {
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s = OomScenario(5);
+    s.oom.cached_tokens = 20;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    ExpectAllStepsRan(run, s);
+    ASSERT_EQ(run.steps.size(), 5u);
+    const std::vector<int64_t>& caps = run.steps.back().state.memory_caps;
+    ASSERT_EQ(caps.size(), 2u);
+    EXPECT_GE(caps[1], 10) << "the cap learned the cache, not the budget";
+    EXPECT_LE(caps[1], 24);
+    if (ctx.rank() == 1) EXPECT_GE(run.cache_releases, 1);
+  });
+}
+
+TEST(OutOfMemoryTest, ACacheNeverReleasedLeavesOneSampleWithoutRoom) {
+  RunOnRanks(2, [](DistContext& ctx) {
+    BalanceScenario s = OomScenario(2);
+    s.oom.cached_tokens = 20;
+    s.oom.release = false;
+    const BalanceRun run = TrainBalanced(ctx, s);
+    EXPECT_FALSE(run.status.ok());
+    if (ctx.rank() == 1) {
+      EXPECT_GE(run.cache_releases, 1);
+      EXPECT_THAT(std::string(run.status.message()),
+                  ContainsRegex("alone on rank 1: it does not fit even by itself: "));
+    }
+  });
+}
+
 // --evenstep_oom=fail abandons the step at once.
 TEST(OutOfMemoryTest, TheFailPolicyStopsTheRunAtTheFirstOutOfMemory) {
   RunOnRanks(2, [](DistContext& ctx) {

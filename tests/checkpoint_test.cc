@@ -9,18 +9,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <future>
 #include <iterator>
 #include <map>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "evenstep/checkpoint_reader.h"
 #include "evenstep/checkpoint_writer.h"
-#include "evenstep/fault_env.h"
+#include "tests/testing/fault_env.h"
 #include "tests/testing/in_process_commit_store.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/temp_dir.h"
@@ -643,6 +645,46 @@ TEST(CheckpointTest, VerifyOpensEveryShardWithHdf5) {
   const std::vector<std::string> problems = (*reader)->CheckStructure();
   ASSERT_EQ(problems.size(), 1u);
   EXPECT_THAT(problems[0], HasSubstr(shard));
+}
+
+// The HDF5 structure check runs in evenstep-h5check, started with
+// posix_spawn, never in a fork of the caller (a threaded trainer's fork
+// inherits locks another thread held): from a process where another thread
+// allocates all the while, every check of a good checkpoint ends without a
+// problem. A checker that crashes, fails or is missing is named, and the
+// caller survives (one that exits without reading its request raises no
+// SIGPIPE here).
+TEST(CheckpointTest, TheStructureCheckRunsInAProgramOfItsOwn) {
+  TempDir dir;
+  ASSERT_TRUE(SaveAsRanks(dir.path(), MakeState(4, 1), 2).ok());
+  auto reader = CheckpointReader::Open(*Env::Default(), CheckpointPath(dir.path(), 4));
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load()) std::vector<std::string> strings(64, std::string(100, 'x'));
+  });
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_THAT((*reader)->CheckStructure(), ::testing::IsEmpty()) << "check " << i;
+  }
+  stop = true;
+  churn.join();
+  const std::string fake = dir.path() + "/fake_checker";
+  for (const auto& [script, says] : std::vector<std::pair<std::string, std::string>>{
+           {"kill -SEGV $$", "died of signal 11"}, {"exit 3", "exited with 3"}}) {
+    { std::ofstream(fake) << "#!/bin/sh\n" << script << "\n"; }
+    ASSERT_EQ(::chmod(fake.c_str(), 0755), 0);
+    ::setenv("EVENSTEP_H5CHECK", fake.c_str(), 1);
+    const std::vector<std::string> problems = (*reader)->CheckStructure();
+    ASSERT_EQ(problems.size(), 2u) << script;  // one per shard
+    EXPECT_THAT(problems[0], HasSubstr("HDF5 cannot read it (the library " + says)) << script;
+  }
+  ::setenv("EVENSTEP_H5CHECK", "/nonexistent/evenstep-h5check", 1);
+  const std::vector<std::string> problems = (*reader)->CheckStructure();
+  ::unsetenv("EVENSTEP_H5CHECK");
+  ASSERT_EQ(problems.size(), 2u);
+  EXPECT_THAT(
+      problems[0],
+      HasSubstr("not checked: cannot start the HDF5 checker /nonexistent/evenstep-h5check"));
 }
 
 TEST(CheckpointTest, PythonReaderRefusesWhatTheCppReaderRefuses) {

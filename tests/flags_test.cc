@@ -149,6 +149,11 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_shuffle", {"maybe"}},
       {"evenstep_streams", {"-1", "x"}},
       {"evenstep_reseed", {"sometimes"}},
+      {"evenstep_split_record", {"maybe"}},
+      {"evenstep_replay",
+       {},
+       "any directory is a valid value; one without a split record fails Session::Create "
+       "naming the file (split_replay_test: AReplayThatCannotBeExactIsRefusedNamingWhy)"},
       {"evenstep_run_dir", {""}},
       {"evenstep_prefetch_next_step", {"maybe"}},
       {"evenstep_pin_memory", {"sometimes"}},

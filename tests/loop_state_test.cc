@@ -275,15 +275,26 @@ INSTANTIATE_TEST_SUITE_P(Forms, LoopStateTest, ::testing::Values(Form::kCallback
 // step's whole global batch (mean loss, SGD with momentum), at worlds 1-3,
 // with several micro-batches per rank and (world 3, global batch 2) an idle
 // rank in every step.
+// SetFlags under dynamic balance, a global batch of `global_batch` and a
+// MEAN loss.
+void SetDynamicFlags(int global_batch) {
+  SetFlags();
+  absl::SetFlag(&FLAGS_evenstep_balance, "dynamic");
+  absl::SetFlag(&FLAGS_evenstep_global_batch, global_batch);
+  absl::SetFlag(&FLAGS_evenstep_loss_reduction, "mean");
+}
+
+// "world<W>_batch<B>" for a (world, global batch) parameter.
+std::string WorldBatchName(const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
+  return absl::StrCat("world", std::get<0>(info.param), "_batch", std::get<1>(info.param));
+}
+
 class LoopShapedWorldTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(LoopShapedWorldTest, EveryStepEqualsOneProcessOnTheGlobalBatch) {
   const auto [world, global_batch] = GetParam();
   RunOnRanks(world, [global_batch = global_batch](DistContext& dist) {
-    SetFlags();
-    absl::SetFlag(&FLAGS_evenstep_balance, "dynamic");
-    absl::SetFlag(&FLAGS_evenstep_global_batch, global_batch);
-    absl::SetFlag(&FLAGS_evenstep_loss_reduction, "mean");
+    SetDynamicFlags(global_batch);
     absl::SetFlag(&FLAGS_evenstep_ckpt_every, 0);
     torch::manual_seed(5);
     torch::nn::Linear model(3, 1), plain(3, 1);
@@ -374,10 +385,74 @@ TEST_P(LoopShapedWorldTest, EveryStepEqualsOneProcessOnTheGlobalBatch) {
 INSTANTIATE_TEST_SUITE_P(Worlds, LoopShapedWorldTest,
                          ::testing::Values(std::make_tuple(1, 6), std::make_tuple(2, 6),
                                            std::make_tuple(3, 6), std::make_tuple(3, 2)),
-                         [](const auto& info) {
-                           return absl::StrCat("world", std::get<0>(info.param), "_batch",
-                                               std::get<1>(info.param));
-                         });
+                         WorldBatchName);
+
+// KeepSum: the body's running sums (a loss times the batch's samples, a
+// count) hold the whole global batch's after every step, on every rank, an
+// idle one included, and the loop's reset at the epoch's end holds.
+class KeepSumTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(KeepSumTest, RunningSumsInTheBodyHoldEveryRanksAdditions) {
+  const auto [world, global_batch] = GetParam();
+  RunOnRanks(world, [global_batch = global_batch](DistContext& dist) {
+    SetDynamicFlags(global_batch);
+    torch::manual_seed(5);
+    torch::nn::Linear model(3, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(kSamples, 1),
+                              RanksDir() + "/run");
+    ASSERT_TRUE(es.ok()) << es.status();
+    Session& session = **es;
+    double running = 0;
+    int64_t seen = 0;
+    session.KeepSum("running", &running);
+    session.KeepSum("seen", &seen);
+    auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
+    std::string lines;
+    // The steps' global mean losses times their samples, from every step's
+    // report (an idle rank's steps included: its body sees none of them).
+    double from_reports = 0;
+    session.set_user_state([&](const StepReport& r) { from_reports += r.loss * r.global_count; },
+                           [] { return std::string("{}"); });
+    for (int64_t epoch = 0; epoch < 2; ++epoch) {
+      for (auto& batch : session.Batches(loader)) {
+        torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
+        running += loss.item<double>() * static_cast<double>(batch.target.size(0));
+        seen += batch.target.size(0);
+        session.Backward(loss);
+        if (session.step_ended()) {
+          const StepReport& r = session.last_report();
+          EXPECT_EQ(seen,
+                    static_cast<int64_t>(r.step - epoch * (kSamples / global_batch)) * global_batch)
+              << "rank " << dist.rank() << ", step " << r.step;
+          EXPECT_NEAR(running, from_reports, 1e-6 * std::max(1.0, from_reports))
+              << "rank " << dist.rank() << ", step " << r.step;
+        }
+      }
+      ASSERT_FALSE(session.stopped());
+      EXPECT_EQ(seen, kSamples) << "rank " << dist.rank() << ", epoch " << epoch;
+      EXPECT_NEAR(running, from_reports, 1e-6 * std::max(1.0, from_reports))
+          << "rank " << dist.rank() << ", epoch " << epoch;
+      lines += absl::StrFormat("epoch %d running %a seen %d\n", epoch, running, seen);
+      running = 0;  // the loop's own reset, on every rank
+      seen = 0;
+      from_reports = 0;
+    }
+    ASSERT_TRUE(session.Finish().ok());
+    evenstep::testing::WriteRanksFile(absl::StrCat("sums-", dist.rank()), lines);
+  });
+  // Every rank holds the same sums, bit for bit.
+  for (int r = 1; r < world; ++r) {
+    EXPECT_EQ(evenstep::testing::ReadRanksFile(absl::StrCat("sums-", r)),
+              evenstep::testing::ReadRanksFile("sums-0"))
+        << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, KeepSumTest,
+                         ::testing::Values(std::make_tuple(1, 6), std::make_tuple(2, 6),
+                                           std::make_tuple(3, 2)),
+                         WorldBatchName);
 
 // What the loop's body does wrong on one rank, at step 2.
 enum class Misstep { kSkipBackward, kThrow, kBreak, kBackwardTwice };

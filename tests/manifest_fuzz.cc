@@ -29,6 +29,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "evenstep/checkpoint_reader.h"
+#include "evenstep/env.h"
 #include "evenstep/internal/h5_shard.h"
 #include "evenstep/internal/names.h"
 
@@ -261,7 +262,7 @@ int main(int argc, char** argv) {
   Env& env = *Env::Default();
   const Seed seed = MakeSeed();
   auto write = [&](const std::string& manifest, const std::vector<std::string>& shards) {
-    fs::remove_all(dir);
+    evenstep::internal::RemoveTree(dir).IgnoreError();
     fs::create_directories(dir);
     WriteAll(dir + "/manifest.json", manifest);
     for (size_t r = 0; r < shards.size(); ++r) {
@@ -325,7 +326,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  fs::remove_all(work);
+  evenstep::internal::RemoveTree(work).IgnoreError();
   std::cout << "manifest_fuzz: " << runs << " mutated checkpoints in " << seconds << " s, "
             << accepted << " accepted and read back intact, the rest refused (";
   for (const auto& [word, n] : first_words) std::cout << word << " " << n << "; ";

@@ -143,6 +143,7 @@ int main(int argc, char** argv) {
   }
   WritePidFile();
   if (scenario == "hang") {
+    evenstep::PrepareLaunchedRank();  // as a trainer's main does first
     sleep(600);
     return 0;
   }

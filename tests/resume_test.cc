@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "evenstep/checkpoint_manifest.h"
+#include "evenstep/env.h"
 #include "evenstep/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -281,13 +282,13 @@ class ResumeTest : public ::testing::TestWithParam<Corruption> {
     const auto r = Train(template_, 4, {});
     for (const ProcessResult& p : r) ASSERT_EQ(p.exit_code, 0) << Describe(r);
   }
-  static void TearDownTestSuite() { fs::remove_all(template_); }
+  static void TearDownTestSuite() { evenstep::internal::RemoveTree(template_).IgnoreError(); }
   void SetUp() override {
     char tmpl[] = "/tmp/evenstep_resume_XXXXXX";
     dir_ = mkdtemp(tmpl);
     fs::copy(template_, dir_, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { evenstep::internal::RemoveTree(dir_).IgnoreError(); }
   std::string ckpt(int64_t step) const { return CheckpointPath(dir_ + "/ckpt", step); }
 
   static std::string template_;
@@ -357,7 +358,7 @@ TEST_F(ResumeTest, BalancingExtrasAResumeRefusesAreRefusedByEveryTool) {
   const std::string reader = absl::StrCat("/usr/bin/python3 ", EVENSTEP_CKPT_READER, " ");
   for (const auto& [edit, expect] : cases) {
     SCOPED_TRACE(expect);
-    fs::remove_all(dir_);
+    evenstep::internal::RemoveTree(dir_).IgnoreError();
     fs::copy(template_, dir_, fs::copy_options::recursive);
     EditManifest(ckpt(4), edit);
     auto r = Train(dir_, 6, {});
@@ -380,7 +381,7 @@ TEST_F(ResumeTest, BalancingExtrasAResumeRefusesAreRefusedByEveryTool) {
     EXPECT_THAT(out, HasSubstr(expect)) << out;
   }
   // Python reads 1e999 as inf; the reader, like the C++ tools, refuses it.
-  fs::remove_all(dir_);
+  evenstep::internal::RemoveTree(dir_).IgnoreError();
   fs::copy(template_, dir_, fs::copy_options::recursive);
   ReplaceInFile(ckpt(4) + "/manifest.json", "\"extras\": {", "\"extras\": {\"x\": 1e999, ");
   auto [rc, out] = Shell(reader + ckpt(4) + " 2>&1");
@@ -478,7 +479,7 @@ class MountedTest : public ::testing::Test {
   }
   void TearDown() override {
     if (mounted_) Shell("umount " + mnt_);
-    fs::remove_all(dir_);
+    evenstep::internal::RemoveTree(dir_).IgnoreError();
   }
   bool Mount(const std::string& options) {
     auto [rc, out] = Shell(absl::StrCat("mount -t tmpfs -o ", options, " tmpfs ", mnt_));

@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "evenstep/checkpoint_manifest.h"
 #include "evenstep/env.h"
 #include "evenstep/flags.h"
+#include "evenstep/log.h"
 #include "evenstep/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -201,6 +203,39 @@ TEST(SessionOptionsTest, TwoSessionsOneAfterTheOtherRunAsTheirOwnOptionsSay) {
     // Options are not flags: the flags are as they were.
     EXPECT_EQ(absl::GetFlag(FLAGS_evenstep_global_batch), 64);
     EXPECT_EQ(absl::GetFlag(FLAGS_evenstep_ckpt_every), 0);
+  });
+}
+
+// Every line the library prints goes through the one sink: an application
+// that replaces it gets the Session's lines (a fresh start, then a resume),
+// without the prefix, which is the default sink's.
+TEST(LogSinkTest, TheSessionsLinesReachAReplacedSink) {
+  RunOnRanks(1, [](DistContext& dist) {
+    std::vector<std::string> lines;
+    SetLogSink([&](LogLevel, absl::string_view line) { lines.emplace_back(line); });
+    SessionOptions options;
+    options.run_dir = RanksDir() + "/logged";
+    options.balance.sampler.global_batch = 6;
+    options.timeline = false;
+    for (int run = 0; run < 2; ++run) {
+      torch::nn::Linear model(3, 1);
+      torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+      auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(12, 1), options);
+      ASSERT_TRUE(es.ok()) << es.status();
+      if (run == 0) {
+        ASSERT_TRUE(
+            (*es)
+                ->Step([&](const std::vector<int64_t>& samples) { return LossSum(model, samples); })
+                .ok());
+      }
+      ASSERT_TRUE((*es)->Finish().ok());
+    }
+    SetLogSink(nullptr);
+    EXPECT_THAT(lines, ::testing::Contains(::testing::StartsWith("no committed checkpoint in ")));
+    EXPECT_THAT(lines, ::testing::Contains(::testing::HasSubstr("resuming from ")));
+    for (const std::string& line : lines) {
+      EXPECT_FALSE(absl::StartsWith(line, "[evenstep]")) << "the prefix is the sink's: " << line;
+    }
   });
 }
 

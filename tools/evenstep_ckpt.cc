@@ -13,11 +13,11 @@
 // every checksum): a checkpoint verify refuses is never shown as intact nor
 // written out (exit 1, the problems named). Every command also checks the
 // extras as a resume does (evenstep::CheckTrainExtras: the balancing state).
+#include <sys/stat.h>
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -54,9 +54,11 @@ absl::StatusOr<std::unique_ptr<evenstep::CheckpointReader>> OpenCheckpoint(const
 
 int64_t DirBytes(const std::string& dir) {
   int64_t total = 0;
-  std::error_code error;
-  for (const auto& e : std::filesystem::directory_iterator(dir, error)) {
-    if (e.is_regular_file()) total += static_cast<int64_t>(e.file_size());
+  auto names = evenstep::internal::ListDir(dir);
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>{}) {
+    struct stat st;
+    const std::string path = dir + "/" + name;
+    if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
   }
   return total;
 }

@@ -15,6 +15,7 @@
 // chrome://tracing), RUN_DIR/report.json, and with Debian's
 // python3-matplotlib RUN_DIR/phases.png, RUN_DIR/arrival_skew.png,
 // RUN_DIR/memory.png and RUN_DIR/report.html.
+#include <dirent.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -22,7 +23,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -166,17 +166,25 @@ namespace {
 // DIR/trace.json); false, said, when there are none.
 bool LoadTraces(const std::string& dir, std::map<int, RankTrace>* ranks) {
   json merged = json::array();
-  std::error_code error;
   std::vector<std::string> files;
-  for (const auto& e : std::filesystem::directory_iterator(dir, error)) {
-    const std::string name = e.path().filename().string();
+  // opendir, not std::filesystem (see io/env.cc): this tool links no torch,
+  // but keeps to the rule of the code that does.
+  DIR* listing = ::opendir(dir.c_str());
+  const bool error = listing == nullptr;
+  while (listing != nullptr) {
+    const struct dirent* e = ::readdir(listing);
+    if (e == nullptr) break;
+    const std::string name = e->d_name;
     if (absl::StartsWith(name, "trace-") && absl::EndsWith(name, ".json")) {
-      files.push_back(e.path().string());
+      files.push_back(dir + "/" + name);
     }
   }
+  if (listing != nullptr) ::closedir(listing);
   // Segment order: trace-RRRRR.json, then trace-RRRRR.1.json, ...
   auto segment_of_file = [](const std::string& path) {
-    const std::string name = std::filesystem::path(path).stem().string();  // trace-RRRRR[.N]
+    // trace-RRRRR[.N].json -> trace-RRRRR[.N]
+    std::string name = path.substr(path.rfind('/') + 1);
+    name.resize(name.size() - 5);
     const size_t dot = name.find('.');
     int n = 0;
     if (dot != std::string::npos && !absl::SimpleAtoi(name.substr(dot + 1), &n)) n = 0;

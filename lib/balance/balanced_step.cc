@@ -35,6 +35,7 @@
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/micro_step_clock.h"
 #include "evenstep/internal/split_record.h"
+#include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -218,7 +219,7 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
       CheckMicroBatchBound(sampler.options(), config.planner.max_micro_batches, ctx.world_size()));
   EVENSTEP_ASSIGN_OR_RETURN(const TopologyChoice topology,
                             ApplySyncTopology(ctx, config.sync_topology, &config.grad_sync));
-  if (topology.say && ctx.rank() == 0) std::cerr << "evenstep: " << topology.line << std::endl;
+  if (topology.say && ctx.rank() == 0) Log(LogLevel::kInfo, topology.line);
   // A failed gradient bucket names the ranks that never reached the sync.
   config.grad_sync.diagnosis.arrive = [&ctx] { return ctx.MarkArrival(); };
   config.grad_sync.diagnosis.diagnose = [&ctx](int64_t seq, const std::string& what,
@@ -331,6 +332,9 @@ void BalancedStep::StartPart(size_t k) {
   syncs_at_begin_ = part.sync->syncs_completed();
   part_sums_ = {step_sums_, step_sum_tensors_, loss_on_device_[k]};
   slot_pieces_.assign(micro_.size(), 1);
+  released_for_.clear();
+  released_bytes_ = 0;
+  unsplit_retries_ = 0;
   if (parts_.size() > 1) {
     // What the plain loop's zero_grad does before this model's backward: drop
     // what other parts' backwards left here, and their use marks.
@@ -738,23 +742,61 @@ absl::Status BalancedStep::OutOfMemory(size_t slot, bool backward_started,
   // (an out-of-memory error in a loss function comes here outside Backward).
   absl::Cleanup note = [this] { NoteGradients(); };
   const std::string why = absl::StrCat("out of memory: ", what);
-  NoteFailedSize(micro_[slot]);
   if (!Recovers()) {
+    NoteFailedSize(micro_[slot]);
     return Abandon(slot, absl::StrCat(why, config_.oom == BalanceConfig::OomPolicy::kFail
                                                ? " (--evenstep_oom=fail)"
                                                : " (not retried: the loop calls Backward itself)"));
   }
   const size_t n = micro_.size();
+  // With the allocator's cache released the micro-batch may fit as it is.
+  const size_t split = RetryAfterReleasingCache(slot) ? n : slot;
+  if (split < n) NoteFailedSize(micro_[slot]);
   if (backward_started && slot + 1 == n) {
     // This rank's failure mark is in the part's synchronisation: every rank
     // learns of it, and all agree to run the part again.
     EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(true, false));
     if (!retry) return Abandon(slot, why);
-    return Replay(0, n - 1, slot);
+    return Replay(0, n - 1, split);
   }
   // Nothing accumulated yet (in the loss function), or part of this
   // micro-batch's gradient did (in backward): the part again from the start.
-  return Replay(backward_started ? 0 : slot, slot, slot);
+  return Replay(backward_started ? 0 : slot, slot, split);
+}
+
+std::string BalancedStep::TooLargeAlone(const MicroBatch& piece, const std::string& error) const {
+  const int64_t sample = piece.samples.empty() ? -1 : piece.samples[0];
+  return absl::StrCat(
+      "out of memory with sample ", sample, " (length ", piece.max_length, ") alone on rank ",
+      ctx_.rank(), ": it does not fit even by itself",
+      released_bytes_ > 0
+          ? absl::StrFormat(" (after %.1f MiB the allocator held cached were released)",
+                            static_cast<double>(released_bytes_) / (1 << 20))
+          : std::string(),
+      ": ", error);
+}
+
+bool BalancedStep::RetryAfterReleasingCache(size_t slot) {
+  // Every failed attempt may leave blocks cached: released before every retry.
+  const int64_t released =
+      config_.release_cache ? config_.release_cache() : memory_probe_.ReleaseCache();
+  if (released <= 0) return false;
+  released_bytes_ += released;
+  // Retried as it was once per size until it fits (a success forgets it),
+  // and at most a few times per micro-batch of the part: the recovery ends.
+  const int pieces = slot < slot_pieces_.size() ? slot_pieces_[slot] : 1;
+  const bool unsplit = unsplit_retries_ < 2 * static_cast<int>(micro_.size()) + 2 &&
+                       released_for_.insert({slot, pieces}).second;
+  if (unsplit) ++unsplit_retries_;
+  Log(LogLevel::kWarning,
+      absl::StrFormat("rank %d, step %d: out of memory in micro-batch %d of %d: released %.1f MiB "
+                      "the allocator held cached%s",
+                      ctx_.rank(), steps_ + 1, slot + 1, micro_.size(),
+                      static_cast<double>(released) / (1 << 20),
+                      !unsplit     ? std::string()
+                      : pieces > 1 ? absl::StrCat("; retrying it in ", pieces, " pieces")
+                                   : std::string("; retrying it whole")));
+  return unsplit;
 }
 
 absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
@@ -790,6 +832,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
         if (memory_budget_ > 0) memory_probe_.Lap();
         try {
           MicroStep(recompute_(run[q]), run[q], sync_now);
+          released_for_.erase({j, slot_pieces_[j]});  // it fits now
           if (slot_pieces_[j] > 1) {
             largest = std::max(largest, run[q].padded_tokens());
           }
@@ -797,19 +840,16 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
           const bool started = backward_started_;
           backward_started_ = false;
           if (sync_now && started && SyncedDespiteFailure()) continue;  // the gradient is whole
-          NoteFailedSize(run[q]);
-          if (run[q].samples.size() <= 1) {
-            const int64_t sample = run[q].samples.empty() ? -1 : run[q].samples[0];
-            return Abandon(
-                j, absl::StrCat("out of memory with sample ", sample, " (length ",
-                                run[q].max_length, ") alone on rank ", ctx_.rank(),
-                                ": it does not fit even by itself: ", internal::ErrorText(e)));
+          const bool unsplit = RetryAfterReleasingCache(j);
+          if (!unsplit) NoteFailedSize(run[q]);
+          if (!unsplit && run[q].samples.size() <= 1) {
+            return Abandon(j, TooLargeAlone(run[q], internal::ErrorText(e)));
           }
           if (sync_now && started) {
             EVENSTEP_ASSIGN_OR_RETURN(const bool retry, VoteToRetry(true, false));
             if (!retry) return Abandon(j, internal::ErrorText(e));
           }
-          split_more(j);
+          if (!unsplit) split_more(j);
           from = 0;
           again = true;
         } catch (const std::exception& e) {
@@ -829,13 +869,13 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
       for (size_t j : split) {
         const MicroBatch& mb = micro_[j];
         ++report_.oom_splits;
-        std::cerr << absl::StrFormat(
-                         "[evenstep] rank %d, step %d: out of memory in micro-batch %d of %d (%d "
-                         "samples, %d padded tokens): split in %d and retried; this rank's "
-                         "micro-batches are now capped at %d padded tokens",
-                         ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(), mb.padded_tokens(),
-                         std::min<size_t>(slot_pieces_[j], mb.samples.size()), MemoryCap())
-                  << std::endl;
+        Log(LogLevel::kWarning,
+            absl::StrFormat("rank %d, step %d: out of memory in micro-batch %d of %d (%d "
+                            "samples, %d padded tokens): split in %d and retried; this rank's "
+                            "micro-batches are now capped at %d padded tokens",
+                            ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(),
+                            mb.padded_tokens(),
+                            std::min<size_t>(slot_pieces_[j], mb.samples.size()), MemoryCap()));
       }
       RepackPlanned();
     }
@@ -884,16 +924,16 @@ void BalancedStep::PredictMemoryCap() {
   predicted_cap_ = cap;
   const MemoryFit::Line line = memory_fits_[bound].line();
   constexpr double kMiB = 1 << 20;
-  std::cerr << absl::StrFormat(
-                   "[evenstep] rank %d, step %d: micro-batches capped at %d padded tokens, "
-                   "predicted from this rank's peak memory%s (%.1f MiB + %.3f MiB per padded "
-                   "token, within %.0f %% of a %.1f MiB limit)",
-                   ctx_.rank(), steps_, cap,
-                   parts_.size() > 1 ? absl::StrCat(" in part '", parts_[bound].spec.name, "'")
-                                     : std::string(),
-                   line.fixed_bytes / kMiB, line.per_token_bytes / kMiB,
-                   config_.memory_headroom * 100, memory_budget_ / config_.memory_headroom / kMiB)
-            << std::endl;
+  Log(LogLevel::kWarning,
+      absl::StrFormat("rank %d, step %d: micro-batches capped at %d padded tokens, "
+                      "predicted from this rank's peak memory%s (%.1f MiB + %.3f MiB per padded "
+                      "token, within %.0f %% of a %.1f MiB limit)",
+                      ctx_.rank(), steps_, cap,
+                      parts_.size() > 1 ? absl::StrCat(" in part '", parts_[bound].spec.name, "'")
+                                        : std::string(),
+                      line.fixed_bytes / kMiB, line.per_token_bytes / kMiB,
+                      config_.memory_headroom * 100,
+                      memory_budget_ / config_.memory_headroom / kMiB));
   if (before <= 0 || MemoryCap() < before) RepackPlanned();
 }
 

@@ -124,6 +124,20 @@ MemoryPeak MemoryProbe::End() {
   return out;
 }
 
+int64_t MemoryProbe::ReleaseCache() {
+#if EVENSTEP_HAVE_NCCL
+  if (device_stats_) {
+    namespace alloc = c10::cuda::CUDACachingAllocator;
+    const c10::DeviceIndex index = CudaIndex(device_);
+    const int64_t before = alloc::getDeviceStats(index).reserved_bytes[kAggregate].current;
+    alloc::emptyCache();
+    const int64_t after = alloc::getDeviceStats(index).reserved_bytes[kAggregate].current;
+    return std::max<int64_t>(0, before - after);
+  }
+#endif
+  return 0;
+}
+
 int64_t MemoryProbe::Lap() {
 #if EVENSTEP_HAVE_NCCL
   if (device_stats_) {

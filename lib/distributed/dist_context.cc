@@ -45,6 +45,7 @@
 #include "evenstep/internal/group_registry.h"
 #include "evenstep/internal/launch_generation.h"
 #include "evenstep/internal/store_server.h"
+#include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -160,6 +161,7 @@ void CatchPipeSignal() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const DistOptions& options) {
+  PrepareLaunchedRank();  // line-buffered stdout, early preemption exits 83
   EVENSTEP_ASSIGN_OR_RETURN(LaunchEnv env, DetectLaunchEnv());
   return Create(env, options);
 }
@@ -363,9 +365,9 @@ absl::Status DistContext::CreateGroups() {
   const std::string& device = gloo_device_;
   if (env_.world_size > env_.local_world_size && env_.local_rank == 0) {
     // One line per host: where its ranks listen, before anything connects.
-    std::cerr << "[evenstep] host " << HostName() << " (rank " << env_.rank << "): Gloo on "
-              << (device.rfind("if:", 0) == 0 ? device.substr(3) : device) << " ("
-              << GlooWhy(device, env_.master_addr) << ")" << std::endl;
+    Log(LogLevel::kWarning, absl::StrCat("host ", HostName(), " (rank ", env_.rank, "): Gloo on ",
+                                         device.rfind("if:", 0) == 0 ? device.substr(3) : device,
+                                         " (", GlooWhy(device, env_.master_addr), ")"));
   }
   if (env_.world_size > env_.local_world_size) {
     EVENSTEP_RETURN_IF_ERROR(CheckGlooReachable());

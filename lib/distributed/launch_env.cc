@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -18,30 +20,10 @@
 namespace evenstep {
 namespace {
 
-// A rank started by a launcher (evenstep-run, torchrun, srun with RANK set)
-// writes its stdout into a pipe or a file, which stdio buffers in blocks:
-// a loop's progress lines would appear only when the rank exits. Line
-// buffering from the start, before main writes anything (like Python's
-// PYTHONUNBUFFERED under torchrun); EVENSTEP_STDOUT_BUFFERED=1 keeps stdio's
-// default.
-const bool kStdoutLineBuffered = [] {
-  const char* keep = std::getenv("EVENSTEP_STDOUT_BUFFERED");
-  if (std::getenv("RANK") == nullptr || isatty(STDOUT_FILENO) ||
-      (keep != nullptr && std::string(keep) == "1")) {
-    return false;
-  }
-  return setvbuf(stdout, nullptr, _IOLBF, BUFSIZ) == 0;
-}();
-
 // A rank started by a launcher that gets SIGTERM or SIGUSR1 (the default
 // --evenstep_preempt_signals) before its Session installs its own handlers
-// (while torch loads, during the rendezvous, while the model is built) has
-// run no step of this run: nothing is lost, and the rerun resumes from the
-// last checkpoint. It exits at once with kPreemptedExitCode, saying so, so
-// that the launcher and the scheduler see a preemption rather than a rank
-// killed by a signal (128 + 15). A handler the program installed itself is
-// kept (only the default action is replaced), and the Session's handlers
-// replace this one while it exists.
+// has run no step of this run: it says so and exits kPreemptedExitCode
+// (PrepareLaunchedRank).
 extern "C" void ExitPreemptedBeforeSession(int sig) {
   char line[] =
       "[evenstep] signal 00 outside a Session: no step of this run in progress, nothing to save; "
@@ -53,8 +35,18 @@ extern "C" void ExitPreemptedBeforeSession(int sig) {
   _exit(kPreemptedExitCode);
 }
 
-const bool kEarlyPreemptExit = [] {
-  if (std::getenv("RANK") == nullptr) return false;
+// Line-buffered stdout for a rank whose stdout is a pipe or a file
+// (EVENSTEP_STDOUT_BUFFERED=1 keeps stdio's default).
+void LineBufferStdout() {
+  const char* keep = std::getenv("EVENSTEP_STDOUT_BUFFERED");
+  if (isatty(STDOUT_FILENO) || (keep != nullptr && std::string(keep) == "1")) return;
+  std::fflush(stdout);  // what was printed before keeps its order
+  setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
+}
+
+// The default action of SIGTERM and SIGUSR1 (a program's own handler is
+// kept) replaced by ExitPreemptedBeforeSession.
+void ExitOnEarlyPreemption() {
   for (int sig : {SIGTERM, SIGUSR1}) {
     struct sigaction old {};
     if (sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
@@ -63,8 +55,7 @@ const bool kEarlyPreemptExit = [] {
     sigemptyset(&action.sa_mask);
     sigaction(sig, &action, nullptr);
   }
-  return true;
-}();
+}
 
 constexpr int kDefaultMasterPort = 29500;
 
@@ -353,6 +344,16 @@ absl::StatusOr<int> SlurmTasksOnNode(absl::string_view tasks_per_node, int node_
   }
   return absl::InvalidArgumentError(
       absl::StrCat("node ", node_index, " is beyond \"", tasks_per_node, "\" (", node, " nodes)"));
+}
+
+bool PrepareLaunchedRank() {
+  if (std::getenv("RANK") == nullptr) return false;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    LineBufferStdout();
+    ExitOnEarlyPreemption();
+  });
+  return true;
 }
 
 }  // namespace evenstep

@@ -14,6 +14,7 @@
 #include "evenstep/async_appender.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -103,10 +104,10 @@ absl::Status MetricsLogger::Consume() {
   if (done->index % ctx_.world_size() == ctx_.rank()) {
     aggregate_->Append(line.dump() + "\n");
     if (options_.console) {
-      std::string text = absl::StrFormat("[evenstep] step %d", done->step);
+      std::string text = absl::StrFormat("step %d", done->step);
       for (const auto& [name, mean] : last_means_)
         absl::StrAppendFormat(&text, "  %s %.4g", name, mean);
-      std::cout << text << std::endl;
+      ::evenstep::Log(LogLevel::kInfo, text);
     }
   }
   return absl::OkStatus();

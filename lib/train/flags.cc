@@ -23,6 +23,7 @@
 #include "evenstep/grad_sync.h"
 #include "evenstep/internal/choice.h"
 #include "evenstep/internal/flag_checks.h"
+#include "evenstep/log.h"
 #include "evenstep/preflight.h"
 #include "evenstep/status_macros.h"
 
@@ -589,7 +590,7 @@ void SetFlagDefaults(absl::string_view settings) {
   for (absl::string_view setting : absl::StrSplit(settings, ' ', absl::SkipEmpty())) {
     if (absl::Status s = SetFlagDefault(setting); !s.ok()) {
       // A bug in the program, not bad input: stop as absl::ParseCommandLine does.
-      std::cerr << "evenstep::SetFlagDefaults: " << s.message() << std::endl;
+      Log(LogLevel::kWarning, absl::StrCat("SetFlagDefaults: ", s.message()));
       std::exit(2);
     }
   }

@@ -12,17 +12,20 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <csignal>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
 #include <set>
+#include <type_traits>
+#include <variant>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "evenstep/internal/kept_values.h"
+#include "evenstep/log.h"
 #include "evenstep/metrics.h"
 #include "evenstep/preflight.h"
 #include "evenstep/status_macros.h"
@@ -36,6 +39,19 @@ namespace {
 // The last preemption signal received (0 = none), set by the handler.
 volatile std::sig_atomic_t g_preempt_signal = 0;
 extern "C" void OnPreemptSignal(int sig) { g_preempt_signal = sig; }
+
+// A KeepSum variable, whatever its type, as a double and back.
+double Read(const std::variant<double*, int64_t*, size_t*, int*>& value) {
+  return std::visit([](auto* p) { return static_cast<double>(*p); }, value);
+}
+void Write(const std::variant<double*, int64_t*, size_t*, int*>& value, double v) {
+  std::visit(
+      [v](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        *p = std::is_floating_point_v<T> ? static_cast<T>(v) : static_cast<T>(std::llround(v));
+      },
+      value);
+}
 
 }  // namespace
 
@@ -54,10 +70,9 @@ absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode, Preflight
   }
   if (ctx.rank() == 0) {
     if (mode == PreflightMode::kReport) {
-      std::cout << report.Table() << std::flush;
+      Log(LogLevel::kReport, report.Table());
     } else {
-      for (const std::string& o : outliers) std::cout << "[evenstep] preflight: " << o << "\n";
-      std::cout << std::flush;
+      for (const std::string& o : outliers) Log(LogLevel::kWarning, "preflight: " + o);
     }
   }
   if (mode == PreflightMode::kFail && !outliers.empty()) {
@@ -230,9 +245,10 @@ absl::Status CheckEvalCap(const std::vector<int64_t>& lengths, int64_t eval_cap)
 void SayCommittedCheckpoints(const std::string& dir) {
   absl::StatusOr<CheckpointListing> listing = ListCheckpoints(*Env::Default(), dir);
   if (listing.ok() && !listing->committed.empty()) {
-    std::cout << "[evenstep] --evenstep_resume=off: " << dir
-              << " already holds committed checkpoints up to step " << listing->committed.back()
-              << "; saves of those steps will fail rather than overwrite them" << std::endl;
+    Log(LogLevel::kWarning,
+        absl::StrCat("--evenstep_resume=off: ", dir,
+                     " already holds committed checkpoints up to step ", listing->committed.back(),
+                     "; saves of those steps will fail rather than overwrite them"));
   }
 }
 
@@ -246,12 +262,12 @@ void SayStartingFresh(const std::string& dir) {
       if (absl::StartsWith(n, "step-")) absl::StrAppend(&uncommitted, " ", n);
     }
   }
-  std::cout << "[evenstep] no committed checkpoint in " << dir << ": starting at step 1"
-            << (uncommitted.empty()
-                    ? std::string()
-                    : absl::StrCat(" (never committed, a save that was interrupted:", uncommitted,
-                                   ")"))
-            << std::endl;
+  Log(LogLevel::kInfo,
+      absl::StrCat("no committed checkpoint in ", dir, ": starting at step 1",
+                   uncommitted.empty() ? std::string()
+                                       : absl::StrCat(" (never committed, a save that was "
+                                                      "interrupted:",
+                                                      uncommitted, ")")));
 }
 
 // RUN_DIR/splits records the splits of a dynamic-balance run; a replay
@@ -340,6 +356,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
   }
   EVENSTEP_RETURN_IF_ERROR(CheckEvalCap(lengths, options.eval_micro_batch_tokens));
   s->options_ = options;  // read once: nothing changes a running Session's settings
+  // KeepSum's additions join the step sums after each part's sync.
+  config.after_sync = [session = s.get(), user = std::move(config.after_sync)] {
+    if (user) user();
+    session->AddKeptSums();
+  };
   EVENSTEP_ASSIGN_OR_RETURN(s->step_,
                             BalancedStep::Create(ctx, std::move(parts), std::move(lengths),
                                                  std::move(config), std::move(counts)),
@@ -400,19 +421,19 @@ absl::Status Session::Resume(const std::string& ckpt_dir, bool fallback) {
       ctx_.rank() == 0 && saved != set_by_program) {
     // The trap of a loop that keeps its own copy of the rate (pytorch-cpp's
     // tutorials): the optimizer resumes at the saved rate, the copy does not.
-    std::cout << "[evenstep] resume: the optimizers' learning rates are the checkpoint's ("
-              << absl::StrJoin(saved[0], ", ") << "), not the program's ("
-              << absl::StrJoin(set_by_program[0], ", ")
-              << "); if the loop keeps its own copy of the rate, keep that too "
-                 "(Session::Keep(\"lr\", &lr))"
-              << std::endl;
+    Log(LogLevel::kInfo,
+        absl::StrCat("resume: the optimizers' learning rates are the checkpoint's (",
+                     absl::StrJoin(saved[0], ", "), "), not the program's (",
+                     absl::StrJoin(set_by_program[0], ", "),
+                     "); if the loop keeps its own copy of the rate, keep that too "
+                     "(Session::Keep(\"lr\", &lr))"));
   }
   if (ctx_.rank() == 0) {
     for (const std::string& skipped : loaded->skipped) {
-      std::cout << "[evenstep] resume: skipped unusable " << skipped << std::endl;
+      Log(LogLevel::kWarning, "resume: skipped unusable " + skipped);
     }
-    std::cout << "[evenstep] resuming from " << loaded->path << " (step " << loaded->step << ")"
-              << std::endl;
+    Log(LogLevel::kInfo,
+        absl::StrCat("resuming from ", loaded->path, " (step ", loaded->step, ")"));
   }
   first_step_ = loaded->step + 1;
   resumed_path_ = loaded->path;
@@ -448,12 +469,11 @@ absl::Status Session::LockRunDir(const std::string& given) {
   double verdict = 0;
   std::string why;
   if (ctx_.rank() == 0) {
-    std::error_code error;
-    std::filesystem::create_directories(run_dir, error);
+    const absl::Status made = Env::Default()->CreateDirs(run_dir);
     const std::string path = run_dir + "/.evenstep.lock";
-    if (error) {
+    if (!made.ok()) {
       verdict = 2;
-      why = absl::StrCat("cannot create it: ", error.message());
+      why = absl::StrCat("cannot create it: ", made.message());
     } else if ((run_dir_lock_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
       verdict = 2;
       why = absl::StrCat("cannot open ", path, ": ", strerror(errno));
@@ -505,19 +525,21 @@ absl::Status Session::BeforeStep() {
   }
   // Shared in this step's exchange: after it, every rank knows.
   step_->ShareAtNextExchange(kPreemptSignal, static_cast<double>(g_preempt_signal));
+  for (KeptSum& k : kept_sums_) k.start = k.added = Read(k.value);
   return absl::OkStatus();
 }
 
 absl::Status Session::StopForPreemption(int signal, int64_t step) {
   if (ctx_.rank() == 0 && !preempted_) {
-    std::cout << "[evenstep] preemption (signal " << signal << ") at step " << step << ": "
-              << (last_step_ > last_saved_ ? "saving" : "already saving") << " step " << step;
+    std::string line =
+        absl::StrCat("preemption (signal ", signal, ") at step ", step, ": ",
+                     last_step_ > last_saved_ ? "saving" : "already saving", " step ", step);
     if (!pending_.empty()) {
       // Saves in flight complete (and commit) first; none is abandoned.
-      std::cout << " after " << pending_.size() << " save(s) in flight (from step "
-                << pending_.front().step << ")";
+      absl::StrAppend(&line, " after ", pending_.size(), " save(s) in flight (from step ",
+                      pending_.front().step, ")");
     }
-    std::cout << ", then stopping" << std::endl;
+    Log(LogLevel::kInfo, line + ", then stopping");
   }
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();
@@ -544,9 +566,9 @@ void Session::Observe(int64_t step, const absl::Status& outcome) {
     longest_first_step_ = run_first_step_;
   }
   last_save_error_ = outcome;
-  std::cerr << "[evenstep] rank " << ctx_.rank() << ": the checkpoint of step " << step
-            << " FAILED (" << save_failures_ << " failed saves so far): " << outcome.message()
-            << std::endl;
+  Log(LogLevel::kWarning,
+      absl::StrCat("rank ", ctx_.rank(), ": the checkpoint of step ", step, " FAILED (",
+                   save_failures_, " failed saves so far): ", outcome.message()));
 }
 
 absl::Status Session::DrainSaves(int64_t* last_step) {
@@ -572,14 +594,18 @@ absl::Status Session::AfterStep(StepReport* report) {
   last_step_ = report->step;
   last_report_ = *report;
   StepSchedulers(*report);
+  if (ctx_.world_size() > 1) {
+    // Every rank's additions: the same value on every rank.
+    for (const KeptSum& k : kept_sums_) Write(k.value, k.start + report->sum(k.sum));
+  }
   if (user_update_) user_update_(*report);
   if (timeline_) timeline_->AddStep(*report);
   if (ctx_.rank() == 0) {
     for (const std::string& alert : report->health_alerts) {
-      std::cout << "[evenstep] health: " << alert << std::endl;
+      Log(LogLevel::kWarning, "health: " + alert);
     }
     for (const std::string& line : report->oom_recoveries) {
-      std::cout << "[evenstep] out of memory: " << line << std::endl;
+      Log(LogLevel::kWarning, "out of memory: " + line);
     }
   }
   metrics_->Log(report->step, "loss", report->loss);
@@ -630,10 +656,10 @@ absl::Status Session::AfterStep(StepReport* report) {
   if (const double signal = report->agreed[kPreemptSignal]; signal > 0) {
     preempt_signal_ = static_cast<int>(signal);
     if (ctx_.rank() == 0) {
-      std::cout << "[evenstep] preemption (signal " << preempt_signal_ << ") at step "
-                << report->step << ": step " << report->step
-                << " is saved when the loop next calls Step or Finish, which then stop"
-                << std::endl;
+      Log(LogLevel::kInfo, absl::StrCat("preemption (signal ", preempt_signal_, ") at step ",
+                                        report->step, ": step ", report->step,
+                                        " is saved when the loop next calls Step or Finish, "
+                                        "which then stop"));
     }
   }
   save_due_ = options_.ckpt_every > 0 && report->step % options_.ckpt_every == 0;
@@ -707,6 +733,30 @@ void Session::KeepValue(const std::string& name, T* value) {
   }
 }
 
+template <typename T>
+void Session::KeepSumOf(const std::string& name, T* value) {
+  KeepValue(name, value);
+  if (!setup_error_.ok() || value == nullptr) return;
+  KeptSum kept;
+  kept.sum = "kept/" + name;
+  kept.value = value;
+  KeepError(step_->DeclareSum(kept.sum));
+  kept_sums_.push_back(std::move(kept));
+}
+
+void Session::KeepSum(const std::string& name, double* value) { KeepSumOf(name, value); }
+void Session::KeepSum(const std::string& name, int64_t* value) { KeepSumOf(name, value); }
+void Session::KeepSum(const std::string& name, size_t* value) { KeepSumOf(name, value); }
+void Session::KeepSum(const std::string& name, int* value) { KeepSumOf(name, value); }
+
+void Session::AddKeptSums() {
+  for (KeptSum& k : kept_sums_) {
+    const double now = Read(k.value);
+    step_->AddToSum(k.sum, now - k.added);
+    k.added = now;
+  }
+}
+
 void Session::Keep(const std::string& name, double* value) { KeepValue(name, value); }
 void Session::Keep(const std::string& name, float* value) { KeepValue(name, value); }
 void Session::Keep(const std::string& name, int64_t* value) { KeepValue(name, value); }
@@ -740,9 +790,9 @@ absl::Status Session::Checkpoint() {
   if (!ticket.ok()) return ticket.status();
   if (ticket->skipped) {
     if (ctx_.rank() == 0) {
-      std::cout << "[evenstep] checkpoint of step " << last_step_
-                << " skipped: earlier saves are still writing (--evenstep_ckpt_when_busy=skip)"
-                << std::endl;
+      Log(LogLevel::kInfo, absl::StrCat("checkpoint of step ", last_step_,
+                                        " skipped: earlier saves are still writing "
+                                        "(--evenstep_ckpt_when_busy=skip)"));
     }
     return absl::OkStatus();
   }

@@ -29,6 +29,7 @@
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/flag_checks.h"
 #include "evenstep/internal/optimizer_state.h"
+#include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -776,12 +777,12 @@ std::vector<std::string> TrainCheckpointer::StructureProblems(const CheckpointRe
                                                               const std::string& path) const {
   std::vector<std::string> problems = reader.CheckStructure(ctx_.rank(), ctx_.world_size());
   for (const std::string& p : problems) {
-    std::cerr << "[evenstep] rank " << ctx_.rank() << ": resumed from " << path
-              << ", whose data checksums hold, but a shard's HDF5 structure is damaged: " << p
-              << ". The training state is right (read by offset); h5py and evenstep-ckpt "
-                 "consolidate/export cannot read that shard (evenstep-ckpt verify lists it); "
-                 "the next save writes whole shards"
-              << std::endl;
+    Log(LogLevel::kWarning,
+        absl::StrCat("rank ", ctx_.rank(), ": resumed from ", path,
+                     ", whose data checksums hold, but a shard's HDF5 structure is damaged: ", p,
+                     ". The training state is right (read by offset); h5py and evenstep-ckpt "
+                     "consolidate/export cannot read that shard (evenstep-ckpt verify lists it); "
+                     "the next save writes whole shards"));
   }
   return problems;
 }

@@ -35,6 +35,13 @@ if(NOT last_output MATCHES "consumer: rank 0/1 \\(local 0/1\\) via single proces
   message(FATAL_ERROR "unexpected consumer output: ${last_output}")
 endif()
 message(STATUS "${last_output}")
+# Checkpoint retention through several rotations and a tree removal.
+run(${CMAKE_COMMAND} -E env "LD_LIBRARY_PATH=${torch_lib}:$ENV{LD_LIBRARY_PATH}"
+    "${WORK_DIR}/build/consumer" "${WORK_DIR}/rotations")
+if(NOT last_output MATCHES "kept: 4 5\nremoved: yes")
+  message(FATAL_ERROR "unexpected consumer output (checkpoint rotations): ${last_output}")
+endif()
+message(STATUS "${last_output}")
 # The installed tools start from the prefix as they are, without
 # LD_LIBRARY_PATH (their RUNPATH finds libevenstep.so and libtorch).
 run(${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH

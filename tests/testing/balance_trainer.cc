@@ -224,6 +224,7 @@ class Trainer {
   void CheckAgainstOneProcess();
   torch::Tensor Loss(const Loaded& batch, int s, int call);
   bool PlantedOom(const std::vector<int64_t>& samples, int s);
+  int64_t cached_tokens_ = 0;  // Oom::cached_tokens: held by the simulated allocator
   void Sleep(int s);
   bool RunStep(int s);
   absl::Status AfterStep(int s, const StepReport& report);
@@ -272,6 +273,15 @@ absl::Status Trainer::Configure() {
   }
   if (s_.virtual_time) {
     config_.now = [this] { return absl::UnixEpoch() + absl::Microseconds(virtual_us_.load()); };
+  }
+  if (s_.oom.cached_tokens > 0) {
+    if (rank_ == s_.oom.rank) cached_tokens_ = s_.oom.cached_tokens;  // earlier steps' blocks
+    config_.release_cache = [this]() -> int64_t {
+      ++run_.cache_releases;
+      const int64_t released = s_.oom.release ? cached_tokens_ : 0;
+      cached_tokens_ -= released;
+      return released << 20;
+    };
   }
   config_.after_sync = [this] { CheckAgainstOneProcess(); };
   return absl::OkStatus();
@@ -363,10 +373,13 @@ bool Trainer::PlantedOom(const std::vector<int64_t>& samples, int s) {
   const bool in_last = std::all_of(samples.begin(), samples.end(), [&](int64_t i) {
     return std::find(last.begin(), last.end(), i) != last.end();
   });
-  if (padded <= s_.oom.tokens || (s_.oom.where == "synced" && !in_last)) return false;
+  if (padded <= s_.oom.tokens - cached_tokens_ || (s_.oom.where == "synced" && !in_last)) {
+    return false;
+  }
   std::cout << "injected oom step " << s << " padded " << padded << " " << s_.oom.where
             << std::endl;
   run_.injected_oom_steps.push_back(s);
+  cached_tokens_ = s_.oom.cached_tokens;  // what the failed attempt left cached
   if (s_.oom.where == "forward") {
     C10_THROW_ERROR(OutOfMemoryError, "injected: out of memory in the loss");
   }

@@ -76,6 +76,13 @@ struct BalanceScenario {
     // under a memory limit of tokens x that + 160 MiB (the real allocator's
     // error instead of an injected one).
     int64_t cuda_mb_per_token = 0;
+    // A caching allocator, simulated: this many padded tokens' worth are
+    // cached from the start (earlier steps' blocks) and again after each
+    // injected error (the failed attempt's), lowering the budget until
+    // BalanceConfig::release_cache (scripted here) frees them; with
+    // `release` false that hook frees nothing.
+    int64_t cached_tokens = 0;
+    bool release = true;
   } oom;
   int load_jitter_ms = 0;     // the load sleeps 0..N ms, fixed per micro-batch
   bool owned_loader = false;  // an evenstep::Loader made before the loop
@@ -125,6 +132,7 @@ struct BalanceRun {
   int64_t resumed_step = 0;  // Duty::kCheckpoint with resume
   std::vector<int64_t> resumed_memory_caps;
   std::vector<int> injected_oom_steps;           // this rank's injected errors
+  int cache_releases = 0;                        // calls of the scripted release_cache
   bool reduction_in_flight_after_step4 = false;  // rank 0 with metrics_dir
   double eval_loss_sum = 0, eval_tokens = 0;
   int max_ahead = 0, loads = 0, worker_loads = 0;

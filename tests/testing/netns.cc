@@ -6,12 +6,12 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "evenstep/env.h"
 
 namespace evenstep::testing {
 namespace {
@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<SimulatedCluster>> SimulatedCluster::Create(int h
     if (absl::Status s = Sh(setup); !s.ok()) return s;
     // Debian's /etc/hosts: the host's own name on 127.0.1.1.
     const std::string dir = "/etc/netns/" + ns;
-    std::filesystem::create_directories(dir);
+    internal::MakeDirs(dir).IgnoreError();  // failing, writing the hosts file says so
     std::ofstream hosts_file(dir + "/hosts");
     hosts_file << "127.0.0.1\tlocalhost\n127.0.1.1\t" << c->names_[k] << "\n";
     for (int j = 0; j < hosts; ++j) {
@@ -100,8 +100,7 @@ absl::StatusOr<std::unique_ptr<SimulatedCluster>> SimulatedCluster::Create(int h
 SimulatedCluster::~SimulatedCluster() {
   for (const std::string& ns : spaces_) {
     Sh("ip netns del " + ns).IgnoreError();
-    std::error_code ignored;
-    std::filesystem::remove_all("/etc/netns/" + ns, ignored);
+    internal::RemoveTree("/etc/netns/" + ns).IgnoreError();
   }
   if (!switch_space_.empty()) Sh("ip netns del " + switch_space_).IgnoreError();
 }

@@ -4,14 +4,13 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <system_error>
+
+#include "evenstep/env.h"
 
 namespace evenstep::testing {
 
 TempDir::TempDir(const std::string& prefix, Where where) {
-  const bool memory = where == Where::kMemory && std::filesystem::is_directory("/dev/shm") &&
-                      access("/dev/shm", W_OK) == 0;
+  const bool memory = where == Where::kMemory && access("/dev/shm", W_OK) == 0;
   std::string tmpl = (memory ? "/dev/shm/" : "/tmp/") + prefix + "_XXXXXX";
   if (mkdtemp(tmpl.data()) == nullptr) {
     perror("mkdtemp");
@@ -20,9 +19,8 @@ TempDir::TempDir(const std::string& prefix, Where where) {
   path_ = tmpl;
 }
 
-TempDir::~TempDir() {
-  std::error_code ignored;
-  std::filesystem::remove_all(path_, ignored);
-}
+// POSIX removal (evenstep's own): std::filesystem::remove_all may bind to
+// the copy the torch wheel's libtorch_cpu.so exports (io/env.cc).
+TempDir::~TempDir() { internal::RemoveTree(path_).IgnoreError(); }
 
 }  // namespace evenstep::testing

@@ -112,6 +112,19 @@ absl::StatusOr<std::string> ReadFileToString(Env& env, const std::string& path,
 std::string NormalPath(const std::string& path);
 // The directory holding `path` ("." for a bare name).
 std::string ParentDir(const std::string& path);
+// The last component of `path`, normalised ("." for ".").
+std::string BaseName(const std::string& path);
+
+namespace internal {
+// PosixEnv's directory work in POSIX calls (never std::filesystem, whose
+// functions the torch wheel's libraries export copies of): the names in
+// `dir` (sorted, without . and ..); `dir` and its missing ancestors;
+// `path` and everything below it (OK when it does not exist; links are
+// removed, never followed).
+absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir);
+absl::Status MakeDirs(const std::string& dir);
+absl::Status RemoveTree(const std::string& path);
+}  // namespace internal
 // `dir` and those of its ancestors that do not exist, innermost first,
 // normalised: up to the first that exists (or the root, or ".").
 std::vector<std::string> MissingDirs(Env& env, const std::string& dir);

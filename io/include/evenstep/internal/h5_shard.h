@@ -44,10 +44,20 @@ absl::StatusOr<std::string> BuildShardImage(std::vector<ShardDataset>* datasets)
 // holds: its HDF5 type and "dtype" attribute, its shape, contiguous layout,
 // offset and storage size. The problems found, each naming the file and the
 // dataset (empty when they agree). The file must be known to be a regular
-// file (CheckpointReader::Open checks it); HDF5 opens it by path, in a child
-// process (libhdf5 is not safe on hostile metadata): a crash, a hang (120 s)
-// or a runaway allocation there comes back as a problem naming the file.
+// file (CheckpointReader::Open checks it); HDF5 opens it by path, in the
+// checker program evenstep-h5check started with posix_spawn (libhdf5 is not
+// safe on hostile metadata, and a fork of a threaded caller is not safe for
+// it): a crash, a hang (120 s) or a runaway allocation there comes back as
+// a problem naming the file. The program: $EVENSTEP_H5CHECK, else the one
+// installed beside libevenstep (LIB/../libexec/evenstep-h5check), else the
+// build tree's.
 std::vector<std::string> CheckShardFile(const std::string& path,
                                         const std::vector<ShardDataset>& expected);
+// The same check in this process (what evenstep-h5check runs).
+std::vector<std::string> CheckShardFileHere(const std::string& path,
+                                            const std::vector<ShardDataset>& expected);
+// `expected` as the checker reads it on its stdin (JSON), and back.
+std::string ShardCheckRequest(const std::vector<ShardDataset>& expected);
+absl::StatusOr<std::vector<ShardDataset>> ParseShardCheckRequest(const std::string& text);
 
 }  // namespace evenstep::internal

@@ -67,6 +67,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -156,6 +157,14 @@ struct BalanceConfig {
   // (the resident set keeps freed memory), so nothing is predicted there.
   int64_t memory_limit_bytes = 0;
   double memory_headroom = 0.9;
+  // Frees what the device allocator holds cached but unallocated (the
+  // blocks a failed attempt left, fragments) before an out-of-memory retry;
+  // returns the bytes it released. When it released any, the micro-batch
+  // (or piece) that ran out of memory is first retried as it was, and split
+  // (or, for one sample, judged too large) only if it fails again. Null =
+  // MemoryProbe::ReleaseCache (CUDA's emptyCache; nothing on the CPU). A
+  // test or a simulation may script it.
+  std::function<int64_t()> release_cache;
   // A micro-step's peak bytes, asked as it ends (after its backward, with the
   // micro-batch or piece that ran); -1 = not known. Null = the device
   // allocator's (MemoryProbe::Lap). A test or a simulation may script it.
@@ -681,6 +690,18 @@ class BalancedStep {
   absl::Status Replay(size_t from, size_t until, size_t failed);
   // Pieces each micro-batch of the running part runs in (1: whole).
   std::vector<int> slot_pieces_;
+  // The (micro-batch, pieces) retried after releasing the allocator's cache
+  // that have not fitted since: each is retried so once.
+  std::set<std::pair<size_t, int>> released_for_;
+  int64_t released_bytes_ = 0;  // released in the running part
+  int unsplit_retries_ = 0;     // retries after a release without a split, this part
+  // Releases the allocator's cache before retrying `slot` at its current
+  // pieces; true when that retry should run unsplit (bytes were released
+  // and it was not retried so before).
+  bool RetryAfterReleasingCache(size_t slot);
+  // The error of a one-sample piece that ran out of memory after the cache
+  // was released (or with nothing to release): it cannot fit.
+  std::string TooLargeAlone(const MicroBatch& piece, const std::string& error) const;
   // After the part's synchronisation was abandoned (not timed out): every
   // rank says whether it ran out of memory and whether it failed otherwise;
   // true when some rank ran out of memory and none failed otherwise, on

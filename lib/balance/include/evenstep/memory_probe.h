@@ -47,6 +47,9 @@ class MemoryProbe {
   // times the caching allocator's memory fraction (where this libtorch has
   // one); 0 where unknown (the CPU).
   int64_t DeviceLimit() const;
+  // Frees the blocks the device allocator holds cached but unallocated
+  // (CUDA's emptyCache); the reserved bytes that released. 0 on the CPU.
+  int64_t ReleaseCache();
 
  private:
   c10::Device device_;

@@ -35,6 +35,17 @@ inline int ExitCode(const absl::Status& status) {
   return absl::IsCancelled(status) ? kPreemptedExitCode : 1;
 }
 
+// For a rank started by a launcher (RANK set; nothing otherwise): stdout
+// line-buffered when it is a pipe or a file (a loop's progress appears as it
+// is printed; EVENSTEP_STDOUT_BUFFERED=1 keeps stdio's block buffering), and
+// SIGTERM and SIGUSR1, where the program left their default action, exit at
+// once with kPreemptedExitCode and a line saying that no step was in
+// progress, until a Session installs its own handlers (it saves the step,
+// then stops). DistContext::Create calls it; call it first in main to cover
+// what comes before (loading data, building the model). Nothing of it runs
+// before main. Idempotent; true when RANK is set.
+bool PrepareLaunchedRank();
+
 enum class Launcher {
   kNone,      // no launcher variables: a world of size 1, no network
   kTorchrun,  // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT

@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -179,6 +180,24 @@ class Session {
   void Keep(const std::string& name, std::vector<double>* value);
   void Keep(const std::string& name, std::vector<int64_t>* value);
   void Keep(const std::string& name, at::Tensor* value);
+  // A running sum the loop adds to (a training loss, correct predictions),
+  // kept as Keep does and summed over the ranks: after every step the
+  // variable holds, on every rank, its value before the step plus what
+  // every rank added to it during the step, as one process adding the whole
+  // global batch would have it. Add to it in the loop's body before
+  // Backward (in the callback form: in the loss function); the loop may
+  // reset or set it between steps, on every rank alike. On one rank the
+  // variable is left as the loop leaves it. Each addition is logged as the
+  // step sum "kept/<name>". In the callback form a micro-batch retried after
+  // an out-of-memory error runs its loss function again, so its additions
+  // count twice: there, add through AddToSum (which the retry rewinds).
+  //   double running_loss = 0; int64_t num_correct = 0;
+  //   es.KeepSum("running_loss", &running_loss);
+  //   es.KeepSum("num_correct", &num_correct);
+  void KeepSum(const std::string& name, double* value);
+  void KeepSum(const std::string& name, int64_t* value);
+  void KeepSum(const std::string& name, size_t* value);
+  void KeepSum(const std::string& name, int* value);
   // The loop's state as one JSON document, for state that is not a few
   // variables: `update(report)` runs inside Step after every completed step;
   // `save()` returns the state as JSON when a checkpoint is taken (at an
@@ -420,6 +439,19 @@ class Session {
   std::function<std::string()> user_state_;
   std::string resumed_user_state_ = "{}";
   std::unique_ptr<internal::KeptValues> kept_;  // Keep's variables
+  // KeepSum's variables: the value at the step's start, and at the last
+  // addition to the step sum.
+  struct KeptSum {
+    std::string sum;  // "kept/<name>"
+    std::variant<double*, int64_t*, size_t*, int*> value;
+    double start = 0, added = 0;
+  };
+  std::vector<KeptSum> kept_sums_;
+  template <typename T>
+  void KeepSumOf(const std::string& name, T* value);
+  // What each kept sum gained since its last addition, into its step sum
+  // (after each part's sync, before the exchange).
+  void AddKeptSums();
   std::string resumed_kept_;  // the resumed checkpoint's kept values ("" = no resume)
   StepReport last_report_;
   struct StreamState {

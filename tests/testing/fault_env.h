@@ -1,7 +1,8 @@
-// FaultEnv: an Env for tests that wraps another (usually Env::Default()) and
-// counts its write points — Create, PWrite, Sync, Close, Rename, SyncDir,
-// Remove, CreateDirs, RemoveTree — so a test can run an operation once to
-// count them and then fail or crash at each one in turn:
+// FaultEnv (in the test library, not in libevenstep): an Env for tests that
+// wraps another (usually Env::Default()) and counts its write points —
+// Create, PWrite, Sync, Close, Rename, SyncDir, Remove, CreateDirs,
+// RemoveTree — so a test can run an operation once to count them and then
+// fail or crash at each one in turn:
 //
 //   FaultEnv env(Env::Default());
 //   env.FailAt(7, ENOSPC);          // the 7th write point returns ENOSPC

@@ -1,9 +1,8 @@
 // FaultEnv: write-point counting, injected errors and simulated crashes.
-#include "evenstep/fault_env.h"
+#include "tests/testing/fault_env.h"
 
 #include <unistd.h>
 
-#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -123,8 +122,7 @@ void FaultEnv::RecoverFromCrash() {
   // with everything below them.
   for (auto& [parent, dirs] : new_dirs_) {
     for (const std::string& dir : dirs) {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir, ignored);
+      internal::RemoveTree(dir).IgnoreError();
     }
   }
   new_dirs_.clear();
