@@ -17,9 +17,12 @@ CollectiveWait WaitCollective(c10d::Work* work, absl::Duration timeout, absl::Ti
   return {false, "", absl::Now() - since};
 }
 
+// Gloo words its own deadline in several ways ("Timed out waiting ... for
+// recv", "Application timeout caused pair closure"), and may fire a moment
+// before ours: each is a timeout.
 bool TimedOut(absl::Duration elapsed, absl::Duration timeout, absl::string_view error) {
   return elapsed >= timeout || absl::StrContains(error, "Timed out") ||
-         absl::StrContains(error, "timed out");
+         absl::StrContains(error, "timed out") || absl::StrContains(error, "timeout");
 }
 
 absl::Status CollectiveFailed(int rank, absl::string_view what, const CollectiveWait& outcome,
