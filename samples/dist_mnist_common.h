@@ -20,9 +20,12 @@ namespace evenstep::samples {
 
 class SyntheticDigits : public torch::data::datasets::Dataset<SyntheticDigits> {
  public:
-  explicit SyntheticDigits(int64_t n, uint64_t seed = 7) {
-    torch::manual_seed(seed);
+  // `pattern_seed` (0: `seed`) draws the classes' patterns: a test set
+  // with its own seed and the training set's patterns is the same task.
+  explicit SyntheticDigits(int64_t n, uint64_t seed = 7, uint64_t pattern_seed = 0) {
+    torch::manual_seed(pattern_seed == 0 ? seed : pattern_seed);
     const torch::Tensor patterns = torch::rand({10, 1, 28, 28});
+    if (pattern_seed != 0) torch::manual_seed(seed);
     targets_ = torch::randint(0, 10, {n}, torch::kLong);
     images_ = (patterns.index_select(0, targets_) + 0.5 * torch::randn({n, 1, 28, 28})).clamp(0, 1);
   }

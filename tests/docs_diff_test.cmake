@@ -14,7 +14,7 @@ string(SUBSTRING "${diff}" ${at} -1 body)
 file(READ "${DOC}" readme)
 string(FIND "${readme}" "```diff\n${body}```" at)
 if(at EQUAL -1)
-  message(FATAL_ERROR "docs/usage.md's sample diff is stale; paste the output of\n"
+  message(FATAL_ERROR "${DOC}: the sample diff is stale; paste the output of\n"
                       "  cd samples && diff -u ${PLAIN} ${WRAPPED}\n"
                       "(without its first two lines) into the ```diff block")
 endif()

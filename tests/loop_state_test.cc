@@ -17,8 +17,13 @@
 // micro-batches per rank; an idle rank); a body that skips Backward,
 // throws, breaks out mid-step or calls Backward twice on one rank ends that
 // step on every rank with the same named error.
+//
+// evenstep::Kept / KeptSum declared inside the loop over epochs (reset at
+// each epoch's top) come back exactly after a preemption inside an epoch,
+// at an epoch's end, and after Finish outside their scope.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <limits>
@@ -33,6 +38,7 @@
 #include "evenstep/checkpoint_manifest.h"
 #include "evenstep/env.h"
 #include "evenstep/flags.h"
+#include "evenstep/kept.h"
 #include "evenstep/session.h"
 #include "evenstep/status_macros.h"
 #include "evenstep/torch_data.h"
@@ -454,6 +460,75 @@ INSTANTIATE_TEST_SUITE_P(Worlds, KeepSumTest,
                                            std::make_tuple(3, 2)),
                          WorldBatchName);
 
+// Kept / KeptSum declared where pytorch-cpp's tutorials declare their
+// running loss, correct count and batch index: at the top of each epoch's
+// body. `name` says how the run ends: "whole" (3 epochs), "mid" (preempted
+// before step 6, inside epoch 1), "boundary" (preempted before step 8, the
+// last of epoch 1: the save comes after the next epoch's top reset the
+// variables), "short" (2 epochs, Finish after the loop: the variables are
+// out of scope), each "_resumed" going on in the same directory. Rank 0
+// writes every step's and epoch's line to RanksDir()/<name>.txt.
+void EpochScopedLoop(DistContext& dist, const std::string& name, const std::string& run_dir) {
+  SetFlags();
+  absl::SetFlag(&FLAGS_evenstep_loss_reduction, "mean");
+  const int preempt_before = name == "mid" ? 6 : name == "boundary" ? 8 : 0;
+  const int epochs = name == "short" ? 2 : kEpochs;
+  torch::manual_seed(3);
+  torch::nn::Linear model(3, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05));
+  auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(kSamples, 1), run_dir);
+  ASSERT_TRUE(es.ok()) << es.status();
+  Session& session = **es;
+  auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
+  std::string text;
+  for (int64_t epoch = session.first_epoch(); epoch < epochs; ++epoch) {
+    KeptSum<float> running_loss(session, "running_loss", 0.0);
+    KeptSum<size_t> seen(session, "seen", 0);
+    Kept<size_t> batch_index(session, "batch_index", 0);
+    for (auto& batch : session.Batches(loader)) {
+      torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
+      running_loss += loss.item<float>() * static_cast<float>(batch.target.size(0));
+      seen += batch.target.size(0);
+      session.Backward(loss);
+      ++batch_index;
+      if (!session.step_ended()) continue;
+      const int64_t step = session.last_report().step;
+      absl::StrAppend(&text,
+                      absl::StrFormat("step %d batches %d running %a seen %d\n", step,
+                                      batch_index.value(), running_loss.value(), seen.value()));
+      if (step + 1 == preempt_before && dist.rank() == 0) std::raise(SIGTERM);
+    }
+    if (session.stopped()) break;
+    // Read through the variables' conversions, as the loop's own code does.
+    const float mean = running_loss / kSamples;
+    const size_t count = seen;
+    absl::StrAppend(&text, absl::StrFormat("epoch %d mean %a seen %d\n", epoch, mean, count));
+  }
+  const absl::Status finished = session.Finish();
+  EXPECT_EQ(finished.ok(), !session.preempted()) << finished;
+  if (dist.rank() == 0) evenstep::testing::WriteRanksFile(name + ".txt", text);
+}
+
+TEST(EpochScopedKeptTest, VariablesDeclaredInTheEpochResumeInsideAndBetweenEpochsExactly) {
+  auto run = [](DistContext& dist) {
+    EpochScopedLoop(dist, std::getenv("LOOP_RUN"), RanksDir() + "/" + std::getenv("LOOP_DIR"));
+  };
+  RunOnRanks(2, run, Named("whole", "whole"));
+  const std::string whole = evenstep::testing::ReadRanksFile("whole.txt");
+  ASSERT_EQ(std::count(whole.begin(), whole.end(), '\n'), 12 + kEpochs) << whole;
+  for (const std::string stopped : {"mid", "boundary", "short"}) {
+    SCOPED_TRACE(stopped);
+    RunOnRanksAgain(2, Named(stopped, stopped));
+    RunOnRanksAgain(2, Named(stopped + "_resumed", stopped));
+    // Together, the lines of the uninterrupted run: the running sums and
+    // the batch index of a resumed epoch go on from the checkpoint, a new
+    // epoch's start from the declarations.
+    EXPECT_EQ(evenstep::testing::ReadRanksFile(stopped + ".txt") +
+                  evenstep::testing::ReadRanksFile(stopped + "_resumed.txt"),
+              whole);
+  }
+}
+
 // What the loop's body does wrong on one rank, at step 2.
 enum class Misstep { kSkipBackward, kThrow, kBreak, kBackwardTwice };
 
@@ -591,6 +666,29 @@ TEST(LoopStateMisuseTest, MisuseIsNamedByTheNextStepWhichRunsNothing) {
     s = FirstStep(
         dist, RanksDir() + "/late", [&](Session& es) { es.Keep("lr", &lr); }, 1);
     EXPECT_THAT(s.message(), HasSubstr("Session::Keep('lr'), rank " + std::to_string(dist.rank()) +
+                                       ": called after the first step"))
+        << s;
+    // evenstep::Kept: two live variables of one name, another type or kind
+    // for a name declared before, a first declaration after the first step.
+    s = FirstStep(dist, RanksDir() + "/live",
+                  [&](Session& es) { Kept<double> a(es, "x", 1), b(es, "x", 2); });
+    EXPECT_THAT(s.message(), HasSubstr("evenstep::Kept('x'): declared again while the variable of "
+                                       "that name is still in scope"))
+        << s;
+    s = FirstStep(dist, RanksDir() + "/type", [&](Session& es) {
+      { Kept<double> a(es, "x", 1); }
+      Kept<int> b(es, "x", 2);
+    });
+    EXPECT_THAT(s.message(), HasSubstr("evenstep::Kept('x'): declared again with another type"))
+        << s;
+    s = FirstStep(dist, RanksDir() + "/kind", [&](Session& es) {
+      { KeptSum<double> a(es, "x", 1); }
+      Kept<double> b(es, "x", 2);
+    });
+    EXPECT_THAT(s.message(), HasSubstr("declared before as a KeptSum and now as a Kept")) << s;
+    s = FirstStep(
+        dist, RanksDir() + "/late_kept", [&](Session& es) { KeptSum<double> a(es, "x"); }, 1);
+    EXPECT_THAT(s.message(), HasSubstr("Session::Keep('x'), rank " + std::to_string(dist.rank()) +
                                        ": called after the first step"))
         << s;
     // The run that saves: lr, a tensor that is undefined, one of 2 values.

@@ -376,6 +376,144 @@ TEST(LoopMnistSampleTest, OneRankPrintsThePlainLoopsLinesTwoFollowItAndPreemptio
       << cut->output << resumed.output;
 }
 
+// The two numbers after `first` and `second` in each of `lines` (e.g.
+// "Loss: X, Accuracy: Y"), in order.
+std::vector<std::pair<double, double>> Figures(const std::string& lines, const std::string& first,
+                                               const std::string& second) {
+  std::vector<std::pair<double, double>> figures;
+  for (absl::string_view line : absl::StrSplit(lines, '\n', absl::SkipEmpty())) {
+    const size_t a = line.find(first), b = line.find(second);
+    if (a == absl::string_view::npos || b == absl::string_view::npos) continue;
+    double x = 0, y = 0;
+    absl::string_view xs = line.substr(a + first.size()), ys = line.substr(b + second.size());
+    xs = xs.substr(0, xs.find(',')), ys = ys.substr(0, ys.find(','));
+    if (absl::SimpleAtod(xs, &x) && absl::SimpleAtod(ys, &y)) figures.emplace_back(x, y);
+  }
+  return figures;
+}
+
+// The loop-shaped port of pytorch-cpp's convolutional network tutorial
+// (samples/cnn.cc) beside its plain loop (samples/cnn_plain.cc): 1000
+// images, batches of 100, 3 epochs. The plain loop draws its order from a
+// RandomSampler, the port from evenstep's shuffle, so the runs follow one
+// curve rather than print the same lines; SIGTERM inside epoch 2 and a
+// rerun print the uninterrupted run's epoch and test lines exactly (the
+// epoch's running loss and correct count, declared at its top, resume
+// with the sums the stopped run had reached).
+TEST(CnnSampleTest, OneAndTwoRanksFollowThePlainLoopAndAResumedEpochKeepsItsRunningSums) {
+  const PortedPair pair{EVENSTEP_CNN, EVENSTEP_CNN_PLAIN, {"--samples=1000", "--epochs=3"}};
+  const ProcessResult plain_run = pair.RunPlain();
+  ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
+  const auto plain = Figures(RankLinesStarting(plain_run.output, "", "E") +
+                                 RankLinesStarting(plain_run.output, "", "Testset"),
+                             "Loss: ", "Accuracy: ");
+  ASSERT_EQ(plain.size(), 4u) << plain_run.output;
+  for (int world : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat(world, " rank(s)"));
+    const ProcessResult run = pair.Run(pair.Port(world, absl::StrCat("world", world)));
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    // The epoch lines on every rank (the same sums), the test set on rank 0.
+    EXPECT_EQ(RankLinesStarting(run.output, absl::StrCat("[", world - 1, "] "), "Epoch ["),
+              RankLinesStarting(run.output, "[0] ", "Epoch ["));
+    EXPECT_EQ(RankLinesStarting(run.output, absl::StrCat("[", world - 1, "] "), "Testset"),
+              world == 1 ? RankLinesStarting(run.output, "[0] ", "Testset") : "");
+    const auto port = Figures(RankLinesStarting(run.output, "[0] ", "E") +
+                                  RankLinesStarting(run.output, "[0] ", "Testset"),
+                              "Loss: ", "Accuracy: ");
+    ASSERT_EQ(port.size(), plain.size()) << run.output;
+    // The last epoch and the test set (the first epochs' figures move with
+    // the order the samples come in).
+    for (size_t i = plain.size() - 2; i < plain.size(); ++i) {
+      EXPECT_NEAR(port[i].first, plain[i].first, 0.25 * plain[i].first + 0.01) << "line " << i;
+      EXPECT_NEAR(port[i].second, plain[i].second, 0.05) << "line " << i;
+    }
+  }
+  const ProcessResult two = pair.Run(pair.Port(2, "two"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Epoch [1/3]");
+  ASSERT_TRUE(cut.has_value());
+  EXPECT_EQ(cut->exit_code, 83) << cut->output;
+  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resuming from"));
+  for (const char* start : {"Epoch [", "Testset"}) {
+    EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", start) +
+                  RankLinesStarting(resumed.output, "[0] ", start),
+              RankLinesStarting(two.output, "[0] ", start))
+        << cut->output << resumed.output;
+  }
+}
+
+// The loop-shaped port of pytorch-cpp's variational autoencoder tutorial
+// (samples/vae.cc, a batch-SUM objective, a random draw in the model)
+// beside its plain loop (samples/vae_plain.cc): 1000 images, batches of
+// 100, 3 epochs, a progress line every 2 batches. Two ranks follow the
+// plain curve (each epoch's mean reconstruction loss within 10 %) and
+// write the epoch's images; SIGTERM inside epoch 2 and a rerun print the uninterrupted run's
+// lines exactly; a dynamic-balance run replayed from its split record
+// prints the original's lines, bit for bit.
+TEST(VaeSampleTest, TwoRanksFollowThePlainLoopPreemptionResumesAndADynamicRunReplays) {
+  const evenstep::testing::TempDir image_dir{"evenstep_vae_images"};
+  const std::string images = image_dir.path();
+  const PortedPair pair{
+      EVENSTEP_VAE,
+      EVENSTEP_VAE_PLAIN,
+      {"--samples=1000", "--epochs=3", "--log_every=2", "--output_dir=" + images + "/"}};
+  const ProcessResult plain_run = pair.RunPlain();
+  ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
+  EXPECT_TRUE(std::filesystem::exists(images + "/sampled-3.pgm")) << plain_run.output;
+  std::filesystem::remove_all(images);
+  std::filesystem::create_directories(images);
+  // Each epoch's mean reconstruction loss over its 5 progress lines.
+  auto epoch_means = [](const std::string& lines) {
+    std::vector<double> means;
+    const auto figures = Figures(lines, "Reconstruction loss: ", "KL-divergence: ");
+    for (size_t i = 0; i + 5 <= figures.size(); i += 5) {
+      double sum = 0;
+      for (size_t j = i; j < i + 5; ++j) sum += figures[j].first;
+      means.push_back(sum / 5);
+    }
+    return means;
+  };
+  const std::vector<double> plain = epoch_means(RankLinesStarting(plain_run.output, "", "Epoch ["));
+  ASSERT_EQ(plain.size(), 3u) << plain_run.output;
+
+  const ProcessResult two = pair.Run(pair.Port(2, "two"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const std::string lines = RankLinesStarting(two.output, "[0] ", "Epoch [");
+  const std::vector<double> port = epoch_means(lines);
+  ASSERT_EQ(port.size(), plain.size()) << two.output;
+  for (size_t e = 0; e < plain.size(); ++e) {
+    EXPECT_NEAR(port[e], plain[e], 0.1 * plain[e]) << "epoch " << e + 1;
+  }
+  EXPECT_TRUE(std::filesystem::exists(images + "/sampled-3.pgm")) << two.output;
+
+  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Epoch [2/3], Step [2/");
+  ASSERT_TRUE(cut.has_value());
+  EXPECT_EQ(cut->exit_code, 83) << cut->output;
+  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", "Epoch [") +
+                RankLinesStarting(resumed.output, "[0] ", "Epoch ["),
+            lines)
+      << cut->output << resumed.output;
+
+  evenstep::testing::ProcessSpec dynamic = pair.Port(2, "dynamic");
+  dynamic.argv.push_back("--evenstep_balance=dynamic");
+  const ProcessResult original = pair.Run(dynamic);
+  ASSERT_EQ(original.exit_code, 0) << original.output;
+  evenstep::testing::ProcessSpec replay = pair.Port(2, "replayed");
+  replay.argv.push_back("--evenstep_balance=dynamic");
+  replay.argv.push_back("--evenstep_replay=" + pair.dir.path() + "/dynamic");
+  const ProcessResult replayed = pair.Run(replay);
+  ASSERT_EQ(replayed.exit_code, 0) << replayed.output;
+  for (const char* rank : {"[0] ", "[1] "}) {
+    EXPECT_EQ(RankLinesStarting(replayed.output, rank, "Epoch ["),
+              RankLinesStarting(original.output, rank, "Epoch ["))
+        << rank;
+  }
+}
+
 TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactly) {
   // 20 rows of 25 chunks, 2 epochs: 50 steps.
   const PortedPair pair{

@@ -144,12 +144,13 @@ absl::Status KeptValues::Add(const std::string& name, Pointer value, const std::
   if (std::visit([](auto* p) { return p == nullptr; }, value)) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": a null pointer"));
   }
-  for (const auto& kept : kept_) {
-    if (kept.first == name) {
+  for (const Entry& kept : kept_) {
+    if (kept.name == name) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": registered twice; every kept variable needs its own name"));
     }
   }
+  // Null: the variable's scope had ended when the checkpoint was taken.
   if (!saved.empty()) {
     const json all = json::parse(saved, nullptr, false);
     if (!all.is_object() || !all.contains(name)) {
@@ -159,6 +160,10 @@ absl::Status KeptValues::Add(const std::string& name, Pointer value, const std::
           "it did not Keep it; keep the same names in every run of a run directory)"));
     }
     const json& entry = all[name];
+    if (entry.is_null()) {
+      kept_.push_back({name, value});
+      return absl::OkStatus();
+    }
     EVENSTEP_RETURN_IF_ERROR(std::visit(
         [&](auto* p) -> absl::Status {
           using T = std::remove_pointer_t<decltype(p)>;
@@ -173,22 +178,58 @@ absl::Status KeptValues::Add(const std::string& name, Pointer value, const std::
         },
         value));
   }
-  kept_.emplace_back(name, value);
+  kept_.push_back({name, value});
   return absl::OkStatus();
+}
+
+absl::Status KeptValues::Rebind(const std::string& name, Pointer value) {
+  const std::string where = absl::StrCat("evenstep::Kept('", name, "')");
+  for (Entry& kept : kept_) {
+    if (kept.name != name) continue;
+    if (kept.value.index() != value.index()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": declared again with another type; every kept variable keeps its type"));
+    }
+    if (kept.bound) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where,
+          ": declared again while the variable of that name is still in scope; two live "
+          "kept variables need two names"));
+    }
+    kept.value = value;
+    kept.bound = true;
+    return absl::OkStatus();
+  }
+  return absl::NotFoundError(absl::StrCat(where, ": never registered"));
+}
+
+void KeptValues::Unbind(const std::string& name) {
+  for (Entry& kept : kept_) {
+    if (kept.name == name) kept.bound = false;
+  }
+}
+
+bool KeptValues::Has(const std::string& name) const {
+  for (const Entry& kept : kept_) {
+    if (kept.name == name) return true;
+  }
+  return false;
 }
 
 std::string KeptValues::Json() const {
   json out = json::object();
-  for (const auto& [name, value] : kept_) {
-    out[name] = std::visit([](auto* p) { return Encode(*p); }, value);
+  for (const Entry& kept : kept_) {
+    out[kept.name] =
+        kept.bound ? std::visit([](auto* p) { return Encode(*p); }, kept.value) : json();
   }
   return out.dump();
 }
 
 void KeptValues::AddTensors(NamedTensors* out) const {
-  for (const auto& [name, value] : kept_) {
-    if (auto* const* t = std::get_if<at::Tensor*>(&value); t != nullptr && (*t)->defined()) {
-      out->emplace_back("loop/" + name, **t);
+  for (const Entry& kept : kept_) {
+    if (auto* const* t = std::get_if<at::Tensor*>(&kept.value);
+        kept.bound && t != nullptr && (*t)->defined()) {
+      out->emplace_back("loop/" + kept.name, **t);
     }
   }
 }

@@ -41,10 +41,11 @@ volatile std::sig_atomic_t g_preempt_signal = 0;
 extern "C" void OnPreemptSignal(int sig) { g_preempt_signal = sig; }
 
 // A KeepSum variable, whatever its type, as a double and back.
-double Read(const std::variant<double*, int64_t*, size_t*, int*>& value) {
+using SumPointer = std::variant<double*, float*, int64_t*, size_t*, int*>;
+double Read(const SumPointer& value) {
   return std::visit([](auto* p) { return static_cast<double>(*p); }, value);
 }
-void Write(const std::variant<double*, int64_t*, size_t*, int*>& value, double v) {
+void Write(const SumPointer& value, double v) {
   std::visit(
       [v](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
@@ -525,7 +526,9 @@ absl::Status Session::BeforeStep() {
   }
   // Shared in this step's exchange: after it, every rank knows.
   step_->ShareAtNextExchange(kPreemptSignal, static_cast<double>(g_preempt_signal));
-  for (KeptSum& k : kept_sums_) k.start = k.added = Read(k.value);
+  for (SumBinding& k : kept_sums_) {
+    if (k.bound) k.start = k.added = Read(k.value);
+  }
   return absl::OkStatus();
 }
 
@@ -596,7 +599,9 @@ absl::Status Session::AfterStep(StepReport* report) {
   StepSchedulers(*report);
   if (ctx_.world_size() > 1) {
     // Every rank's additions: the same value on every rank.
-    for (const KeptSum& k : kept_sums_) Write(k.value, k.start + report->sum(k.sum));
+    for (const SumBinding& k : kept_sums_) {
+      if (k.bound) Write(k.value, k.start + report->sum(k.sum));
+    }
   }
   if (user_update_) user_update_(*report);
   if (timeline_) timeline_->AddStep(*report);
@@ -737,7 +742,7 @@ template <typename T>
 void Session::KeepSumOf(const std::string& name, T* value) {
   KeepValue(name, value);
   if (!setup_error_.ok() || value == nullptr) return;
-  KeptSum kept;
+  SumBinding kept;
   kept.sum = "kept/" + name;
   kept.value = value;
   KeepError(step_->DeclareSum(kept.sum));
@@ -745,17 +750,64 @@ void Session::KeepSumOf(const std::string& name, T* value) {
 }
 
 void Session::KeepSum(const std::string& name, double* value) { KeepSumOf(name, value); }
+void Session::KeepSum(const std::string& name, float* value) { KeepSumOf(name, value); }
 void Session::KeepSum(const std::string& name, int64_t* value) { KeepSumOf(name, value); }
 void Session::KeepSum(const std::string& name, size_t* value) { KeepSumOf(name, value); }
 void Session::KeepSum(const std::string& name, int* value) { KeepSumOf(name, value); }
 
 void Session::AddKeptSums() {
-  for (KeptSum& k : kept_sums_) {
+  for (SumBinding& k : kept_sums_) {
+    if (!k.bound) continue;
     const double now = Read(k.value);
     step_->AddToSum(k.sum, now - k.added);
     k.added = now;
   }
 }
+
+template <typename T>
+void Session::BindKept(const std::string& name, T* value, bool sum) {
+  if (!kept_->Has(name)) {
+    if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+      if (sum) return KeepSumOf(name, value);
+    }
+    return KeepValue(name, value);
+  }
+  absl::Status s = kept_->Rebind(name, value);
+  const std::string key = "kept/" + name;
+  auto binding = std::find_if(kept_sums_.begin(), kept_sums_.end(),
+                              [&](const SumBinding& k) { return k.sum == key; });
+  if (s.ok() && sum != (binding != kept_sums_.end())) {
+    s = absl::InvalidArgumentError(
+        absl::StrCat("evenstep::Kept('", name, "'): declared before as a Kept", sum ? "" : "Sum",
+                     " and now as a Kept", sum ? "Sum" : "", "; keep one kind per name"));
+  }
+  if (!s.ok()) {
+    KeepError(absl::Status(s.code(), absl::StrCat(s.message(), " (rank ", ctx_.rank(), ")")));
+    return;
+  }
+  if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+    if (sum) {
+      binding->value = value;
+      binding->start = binding->added = static_cast<double>(*value);
+      binding->bound = true;
+    }
+  }
+}
+
+void Session::UnbindKept(const std::string& name) {
+  kept_->Unbind(name);
+  for (SumBinding& k : kept_sums_) {
+    if (k.sum == "kept/" + name) k.bound = false;
+  }
+}
+
+template void Session::BindKept(const std::string&, double*, bool);
+template void Session::BindKept(const std::string&, float*, bool);
+template void Session::BindKept(const std::string&, int64_t*, bool);
+template void Session::BindKept(const std::string&, int*, bool);
+template void Session::BindKept(const std::string&, size_t*, bool);
+template void Session::BindKept(const std::string&, bool*, bool);
+template void Session::BindKept(const std::string&, std::string*, bool);
 
 void Session::Keep(const std::string& name, double* value) { KeepValue(name, value); }
 void Session::Keep(const std::string& name, float* value) { KeepValue(name, value); }

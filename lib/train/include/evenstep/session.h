@@ -194,7 +194,11 @@ class Session {
   //   double running_loss = 0; int64_t num_correct = 0;
   //   es.KeepSum("running_loss", &running_loss);
   //   es.KeepSum("num_correct", &num_correct);
+  // A variable the loop declares inside its loop over epochs (reset at each
+  // epoch's top) is kept by declaring it as evenstep::Kept<T> or
+  // evenstep::KeptSum<T> instead (evenstep/kept.h).
   void KeepSum(const std::string& name, double* value);
+  void KeepSum(const std::string& name, float* value);
   void KeepSum(const std::string& name, int64_t* value);
   void KeepSum(const std::string& name, size_t* value);
   void KeepSum(const std::string& name, int* value);
@@ -441,12 +445,23 @@ class Session {
   std::unique_ptr<internal::KeptValues> kept_;  // Keep's variables
   // KeepSum's variables: the value at the step's start, and at the last
   // addition to the step sum.
-  struct KeptSum {
+  struct SumBinding {
     std::string sum;  // "kept/<name>"
-    std::variant<double*, int64_t*, size_t*, int*> value;
+    std::variant<double*, float*, int64_t*, size_t*, int*> value;
     double start = 0, added = 0;
+    bool bound = true;  // false: an evenstep::KeptSum out of scope
   };
-  std::vector<KeptSum> kept_sums_;
+  std::vector<SumBinding> kept_sums_;
+  template <typename T>
+  friend class Kept;
+  template <typename T>
+  friend class KeptSum;
+  // evenstep::Kept / KeptSum: `name` bound to `*value` (the first time: as
+  // Keep / KeepSum register it; again: the new variable replaces the old
+  // one, whose scope ended); Unbind when the variable's scope ends.
+  template <typename T>
+  void BindKept(const std::string& name, T* value, bool sum);
+  void UnbindKept(const std::string& name);
   template <typename T>
   void KeepSumOf(const std::string& name, T* value);
   // What each kept sum gained since its last addition, into its step sum

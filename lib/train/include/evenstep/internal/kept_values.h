@@ -31,16 +31,33 @@ class KeptValues {
   // infinities included), a tensor through `load` (as "loop/<name>").
   // InvalidArgument for an empty or repeated name, a null pointer, or a
   // saved value of another type; FailedPrecondition when `saved` lacks it.
+  // A saved null (the variable's scope had ended when the checkpoint was
+  // taken, see Unbind) leaves `*value` as it is.
   absl::Status Add(const std::string& name, Pointer value, const std::string& saved,
                    const TensorLoader& load);
+  // `name` (registered, now unbound) bound to the new variable `value`
+  // (evenstep::Kept declared again, e.g. in the next epoch): NotFound for a
+  // name never registered, InvalidArgument for another type or a name whose
+  // variable is still bound (two live variables of one name).
+  absl::Status Rebind(const std::string& name, Pointer value);
+  // `name`'s variable went out of scope: checkpoints save it as null until
+  // it is bound again.
+  void Unbind(const std::string& name);
+  bool Has(const std::string& name) const;
   // The values as they are now: a JSON object (a tensor's entry says
-  // whether it was defined) and the defined tensors, as "loop/<name>".
+  // whether it was defined; an unbound variable is null) and the defined
+  // tensors, as "loop/<name>".
   std::string Json() const;
   void AddTensors(NamedTensors* out) const;
   bool empty() const { return kept_.empty(); }
 
  private:
-  std::vector<std::pair<std::string, Pointer>> kept_;
+  struct Entry {
+    std::string name;
+    Pointer value;
+    bool bound = true;
+  };
+  std::vector<Entry> kept_;
 };
 
 }  // namespace evenstep::internal
