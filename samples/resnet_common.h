@@ -1,11 +1,10 @@
 // The deep residual network of prabhuomkar/pytorch-cpp
-// (tutorials/intermediate/deep_residual_network) on synthetic CIFAR-10-shaped
-// images: three stages of two residual blocks (widths w, 2w, 4w; the
-// original's w = 16), and the original's augmentation (zero padding of 4, a
-// random horizontal flip, a random crop back to size) drawn per sample from a
-// generator keyed by (epoch, sample index), so that it is the same whichever
-// batch, rank, micro-batch or data worker a sample lands in, and after a
-// resume. The dataset's target carries {label, sample index}.
+// (tutorials/intermediate/deep_residual_network; written here in its
+// shape, not copied) on synthetic CIFAR-10-shaped images: three stages of
+// two residual blocks (widths w, 2w, 4w; the original's w = 16), and the
+// original's augmentation (zero padding of 4, a random horizontal flip, a
+// random crop back to size) as tensor transforms drawing from torch's
+// default generator.
 #pragma once
 
 #include <torch/torch.h>
@@ -13,25 +12,28 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "samples/dist_mnist_common.h"  // SampleGenerator, Fail
+#include "samples/dist_mnist_common.h"  // Fail
 
 namespace evenstep::samples {
 
-// n images [3, size, size] in [0, 1]: a fixed pattern per class plus noise.
+// n images [3, size, size] in [0, 1]: a fixed pattern per class (the same
+// for every seed) plus noise; the target is the label, as CIFAR-10's.
 class SyntheticImages : public torch::data::datasets::Dataset<SyntheticImages> {
  public:
-  SyntheticImages(int64_t n, int64_t size) {
+  SyntheticImages(int64_t n, int64_t size, uint64_t seed = 11) {
     torch::manual_seed(11);
     const torch::Tensor patterns = torch::rand({10, 3, size, size});
+    torch::manual_seed(seed);
     labels_ = torch::randint(0, 10, {n}, torch::kLong);
     images_ =
         (patterns.index_select(0, labels_) + 0.3 * torch::randn({n, 3, size, size})).clamp(0, 1);
   }
   torch::data::Example<> get(size_t index) override {
     const auto i = static_cast<int64_t>(index);
-    return {images_[i], torch::stack({labels_[i], torch::tensor(i)})};
+    return {images_[i], labels_[i]};
   }
   torch::optional<size_t> size() const override { return images_.size(0); }
 
@@ -39,25 +41,40 @@ class SyntheticImages : public torch::data::datasets::Dataset<SyntheticImages> {
   torch::Tensor images_, labels_;
 };
 
-// A stacked batch, augmented for `epoch`: each image padded by 4, flipped
-// with probability 1/2 and cropped back at a random offset.
-struct Augmented {
-  torch::Tensor images, labels;
-};
-inline Augmented Augment(const torch::data::Example<>& batch, int64_t epoch) {
-  const int64_t size = batch.data.size(-1);
-  const torch::Tensor padded = torch::constant_pad_nd(batch.data, {4, 4, 4, 4}, 0);
-  std::vector<torch::Tensor> images;
-  for (int64_t i = 0; i < batch.data.size(0); ++i) {
-    at::Generator g = SampleGenerator(epoch, batch.target[i][1].item<int64_t>(), 2);
-    const torch::Tensor draws = torch::randint(0, 9, {3}, g, torch::kLong);  // flip, y, x
-    torch::Tensor image = padded[i];
-    if (draws[0].item<int64_t>() % 2 == 1) image = image.flip(-1);
-    const int64_t y = draws[1].item<int64_t>(), x = draws[2].item<int64_t>();
-    images.push_back(image.slice(-2, y, y + size).slice(-1, x, x + size));
+// The tutorial's augmentation, as tensor transforms of one image each
+// drawing from torch's default generator (as the tutorial's transform.h
+// does): zero padding, a horizontal flip with probability 1/2, a crop at a
+// random offset.
+class ConstantPad : public torch::data::transforms::TensorTransform<> {
+ public:
+  explicit ConstantPad(int64_t padding) : padding_(padding) {}
+  torch::Tensor operator()(torch::Tensor input) override {
+    return torch::constant_pad_nd(input, {padding_, padding_, padding_, padding_}, 0);
   }
-  return {torch::stack(images), batch.target.select(1, 0)};
-}
+
+ private:
+  int64_t padding_;
+};
+
+class RandomHorizontalFlip : public torch::data::transforms::TensorTransform<> {
+ public:
+  torch::Tensor operator()(torch::Tensor input) override {
+    return torch::rand(1).item<double>() < 0.5 ? input.flip(-1) : input;
+  }
+};
+
+class RandomCrop : public torch::data::transforms::TensorTransform<> {
+ public:
+  explicit RandomCrop(std::vector<int64_t> size) : size_(std::move(size)) {}
+  torch::Tensor operator()(torch::Tensor input) override {
+    const int64_t y = torch::randint(0, input.size(-2) - size_[0] + 1, {1}).item<int64_t>();
+    const int64_t x = torch::randint(0, input.size(-1) - size_[1] + 1, {1}).item<int64_t>();
+    return input.slice(-2, y, y + size_[0]).slice(-1, x, x + size_[1]);
+  }
+
+ private:
+  std::vector<int64_t> size_;
+};
 
 inline torch::nn::Sequential Conv3x3Bn(int64_t in, int64_t out, int64_t stride) {
   using namespace torch::nn;
@@ -102,27 +119,5 @@ struct ResNetImpl : torch::nn::Module {
   torch::nn::Linear fc;
 };
 TORCH_MODULE(ResNet);
-
-// The original's running epoch metrics (loss per sample, accuracy): Add
-// prints each step's loss and correct predictions, EndEpoch the epoch's
-// figures, and starts them again. Json/Restore for a checkpoint.
-struct EpochMetrics {
-  double loss_sum = 0, correct = 0, samples = 0, step = 0;
-  double batch_correct = 0;  // the current batch's, while its loss is computed
-  void Add(double loss, double count, double right) {
-    loss_sum += loss * count, correct += right, samples += count, step += 1;
-    std::printf("step %.0f loss %.9g correct %.0f\n", step, loss, right);
-  }
-  void EndEpoch(int64_t epoch, int64_t epochs) {
-    std::printf("Epoch [%lld/%lld], Trainset - Loss: %.4f, Accuracy: %.4f\n",
-                static_cast<long long>(epoch + 1), static_cast<long long>(epochs),
-                loss_sum / samples, correct / samples);
-    loss_sum = correct = samples = 0;
-  }
-  std::string Json() const { return NumbersJson({loss_sum, correct, samples, step}); }
-  void Restore(const std::string& json) {
-    RestoreNumbers(json, {&loss_sum, &correct, &samples, &step});
-  }
-};
 
 }  // namespace evenstep::samples

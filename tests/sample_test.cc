@@ -559,110 +559,74 @@ TEST(LmSampleTest, OneAndTwoRanksReproduceThePlainLoopAndPreemptionResumesExactl
       << stopped.output << resumed.output;
 }
 
-// The ResNet port (samples/resnet.cc: a torch::optim::StepLR stepped per
-// epoch, per-sample augmentation keyed by (epoch, sample) in an
-// evenstep::Loader on the data workers, accuracy as a step sum, the running
-// epoch metrics kept in the checkpoint) against its plain loop
-// (samples/resnet_plain.cc), 50 steps over 5 epochs with a decay every 2: one
-// rank gives the plain losses and correct counts to float noise; two ranks
-// (BatchNorm over half the batch) the same curve; SIGTERM after the first
-// decay, and the rerun goes on with the uninterrupted run's losses, correct
-// counts and epoch lines exactly.
-// step -> {loss, correct} from "step S loss X correct C" lines.
-std::map<int, std::pair<double, double>> ResNetSteps(const std::string& output,
-                                                     const std::string& prefix) {
-  std::map<int, std::pair<double, double>> steps;
-  for (absl::string_view line : absl::StrSplit(output, '\n')) {
-    if (!absl::ConsumePrefix(&line, prefix)) continue;
-    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    int step = 0;
-    double loss = 0, correct = 0;
-    if (f.size() == 6 && f[0] == "step" && f[2] == "loss" && f[4] == "correct" &&
-        absl::SimpleAtoi(f[1], &step) && absl::SimpleAtod(f[3], &loss) &&
-        absl::SimpleAtod(f[5], &correct)) {
-      steps[step] = {loss, correct};
-    }
-  }
-  return steps;
-}
-
+// The loop-shaped port of pytorch-cpp's deep residual network tutorial
+// (samples/resnet.cc) beside its plain loop (samples/resnet_plain.cc): 2000
+// images, batches of 100, 5 epochs, the loop's own learning rate divided by
+// 3 after epochs 2 and 4, augmentation by tensor transforms drawing from
+// torch's default generator (the port loads on the training thread:
+// data_workers=0). The plain loop's RandomSampler and evenstep's shuffle
+// order the samples differently, so one and two ranks follow the plain
+// curve (the last epoch's and the test set's loss within 10 %); SIGTERM
+// inside epoch 3 and a rerun print the uninterrupted run's epoch and test
+// lines exactly (running sums, the decayed rate and the draws all resume);
+// a run of 2 epochs extended to 5 in the same run directory prints epochs
+// 3-5 as the uninterrupted run does.
 TEST(ResNetSampleTest, OneAndTwoRanksFollowThePlainLoopAndPreemptionResumesExactly) {
-  // 1000 images, global batch 100: epochs of 10 steps; the rate falls after
-  // epochs 2 and 4.
   const PortedPair pair{
       EVENSTEP_RESNET,
       EVENSTEP_RESNET_PLAIN,
-      {"--samples=1000", "--epochs=5", "--decay_every=2", "--image=16", "--width=8"}};
+      {"--samples=2000", "--epochs=5", "--decay_every=2", "--image=16", "--width=8"}};
   const ProcessResult plain_run = pair.RunPlain();
   ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
-  const auto plain = ResNetSteps(plain_run.output, "");
-  ASSERT_EQ(plain.size(), 50u) << plain_run.output;
-  EXPECT_LT(plain.at(50).first, plain.at(1).first);  // it learns
-
-  const ProcessResult one = pair.Run(pair.Port(1, "one"));
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  const auto on_one = ResNetSteps(one.output, "[0] ");
-  ASSERT_EQ(on_one.size(), 50u) << one.output;
-  for (const auto& [step, figures] : plain) {
-    EXPECT_NEAR(on_one.at(step).first, figures.first, 1e-5 * figures.first) << "step " << step;
-    EXPECT_EQ(on_one.at(step).second, figures.second) << "step " << step;
+  const auto plain = Figures(RankLinesStarting(plain_run.output, "", "E") +
+                                 RankLinesStarting(plain_run.output, "", "Testset"),
+                             "Loss: ", "Accuracy: ");
+  ASSERT_EQ(plain.size(), 6u) << plain_run.output;
+  EXPECT_LT(plain[4].first, plain[0].first);  // it learns
+  for (int world : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat(world, " rank(s)"));
+    const ProcessResult run = pair.Run(pair.Port(world, absl::StrCat("world", world)));
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    const auto port = Figures(RankLinesStarting(run.output, "[0] ", "E") +
+                                  RankLinesStarting(run.output, "[0] ", "Testset"),
+                              "Loss: ", "Accuracy: ");
+    ASSERT_EQ(port.size(), plain.size()) << run.output;
+    for (size_t i = plain.size() - 2; i < plain.size(); ++i) {
+      EXPECT_NEAR(port[i].first, plain[i].first, 0.1 * plain[i].first) << "line " << i;
+    }
   }
-  EXPECT_EQ(RankEpochLines(one.output, "[0] "), RankEpochLines(plain_run.output, ""));
-
   const ProcessResult two = pair.Run(pair.Port(2, "two"));
   ASSERT_EQ(two.exit_code, 0) << two.output;
-  const auto on_two = ResNetSteps(two.output, "[0] ");
-  ASSERT_EQ(on_two.size(), 50u) << two.output;
-  // The same curve: each epoch's mean loss within 5 %.
-  for (int from = 1; from <= 41; from += 10) {
-    double l1 = 0, l2 = 0;
-    for (int s = from; s < from + 10; ++s) l1 += plain.at(s).first, l2 += on_two.at(s).first;
-    EXPECT_NEAR(l2, l1, 0.05 * l1) << "steps " << from << "-" << from + 9;
-  }
+  const std::string epochs = RankLinesStarting(two.output, "[0] ", "Epoch [");
 
-  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] step 24 loss");
+  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Epoch [2/5]");
   ASSERT_TRUE(cut.has_value());
-  const ProcessResult& stopped = *cut;
-  EXPECT_EQ(stopped.exit_code, 83) << stopped.output;
-  const auto before = ResNetSteps(stopped.output, "[0] ");
-  ASSERT_FALSE(before.empty()) << stopped.output;
-  const int last = before.rbegin()->first;
-  ASSERT_LT(last, 50) << stopped.output;
+  EXPECT_EQ(cut->exit_code, 83) << cut->output;
   const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  const auto after = ResNetSteps(resumed.output, "[0] ");
-  ASSERT_FALSE(after.empty()) << resumed.output;
-  // The running metrics saved with the preempted step counted it: the
-  // rerun's first step is the next one.
-  EXPECT_EQ(after.begin()->first, last + 1) << resumed.output;
-  EXPECT_EQ(after.rbegin()->first, 50) << resumed.output;
-  for (const auto& [step, figures] : after) EXPECT_EQ(figures, on_two.at(step)) << "step " << step;
-  // The epoch figures (running metrics across the preemption) are the
-  // uninterrupted run's.
-  EXPECT_EQ(RankEpochLines(stopped.output, "[0] ") + RankEpochLines(resumed.output, "[0] "),
-            RankEpochLines(two.output, "[0] "))
-      << stopped.output << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resuming from"));
+  for (const char* start : {"Epoch [", "Testset"}) {
+    EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", start) +
+                  RankLinesStarting(resumed.output, "[0] ", start),
+              RankLinesStarting(two.output, "[0] ", start))
+        << cut->output << resumed.output;
+  }
 
-  // A finished run extended: --epochs=2 to its end (Finish saves step 20,
-  // the last of epoch 2, after the loop printed the epoch's figures and
-  // reset its metrics: an iteration boundary), then --epochs=5 in the same
-  // run directory: the rerun starts at epoch 3 (first_epoch), without
-  // printing epoch 2 again, and runs steps 21-50 exactly.
+  // A finished run extended: --epochs=2 to its end (Finish saves the last
+  // step after the epoch loop: the running sums are out of scope, the rate
+  // decayed), then --epochs=5 in the same run directory: epochs 3-5 and the
+  // test set as the uninterrupted run prints them.
   evenstep::testing::ProcessSpec short_run = pair.Port(2, "grow");
   short_run.argv.push_back("--epochs=2");
   const ProcessResult first = pair.Run(short_run);
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  ASSERT_EQ(ResNetSteps(first.output, "[0] ").rbegin()->first, 20) << first.output;
   const ProcessResult grown = pair.Run(pair.Port(2, "grow"));
   ASSERT_EQ(grown.exit_code, 0) << grown.output;
-  const auto more = ResNetSteps(grown.output, "[0] ");
-  ASSERT_FALSE(more.empty()) << grown.output;
-  EXPECT_EQ(more.begin()->first, 21) << grown.output;
-  for (const auto& [step, figures] : more) EXPECT_EQ(figures, on_two.at(step)) << "step " << step;
-  const std::string whole_epochs = RankEpochLines(two.output, "[0] ");
-  EXPECT_EQ(RankEpochLines(grown.output, "[0] "),
-            whole_epochs.substr(whole_epochs.find("Epoch [3/5]")))
+  EXPECT_EQ(RankLinesStarting(grown.output, "[0] ", "Epoch ["),
+            epochs.substr(epochs.find("Epoch [3/5]")))
       << grown.output;
+  EXPECT_EQ(RankLinesStarting(grown.output, "[0] ", "Testset"),
+            RankLinesStarting(two.output, "[0] ", "Testset"));
 }
 
 }  // namespace
