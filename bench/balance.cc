@@ -152,7 +152,7 @@ absl::StatusOr<RunResult> Run(evenstep::DistContext& ctx, const Texts& data, Bal
     return slow;
   };
 
-  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig config, evenstep::BalanceConfig::FromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig config, evenstep::BalanceConfigFromFlags());
   config.planner.mode = mode;
   config.initial_shares = std::move(initial_shares);
   torch::manual_seed(0);
@@ -298,7 +298,7 @@ int main(int argc, char** argv) {
     std::cerr << "--batches: no global batch given\n";
     return 2;
   }
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

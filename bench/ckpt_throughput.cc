@@ -111,7 +111,7 @@ int Worker(const std::string& spec) {
   if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &size_mb)) return 2;
   const std::string dir = parts[1];
   torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

@@ -47,6 +47,7 @@
 #include "bench/bench_device.h"
 #include "bench/relaunch.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 #include "evenstep/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -191,6 +192,7 @@ absl::Status Measure(evenstep::DistContext& dist, const std::string& name, Net m
   std::vector<double>& walk = samples.walk;
   auto step = [&](Mode mode, int s) -> double {
     sync->set_sync_enabled(mode == kEvenstep || mode == kPrepared);
+    sync->SetStep(s);
     at::Tensor flag = at::zeros({1});
     dist.AllReduce(flag).IgnoreError();  // start every step together
     const absl::Time start = absl::Now();
@@ -348,7 +350,7 @@ int main(int argc, char** argv) {
   const int batch = absl::GetFlag(FLAGS_batch);
   torch::set_num_threads(1);
 
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

@@ -196,7 +196,7 @@ absl::StatusOr<std::unique_ptr<SampleFile>> WriteSamples(const torch::Tensor& x,
 
 // Each mode's model, optimizer and BalancedStep (static balance, MEAN loss).
 absl::StatusOr<std::vector<Mode>> MakeModes(evenstep::DistContext& ctx, int workers) {
-  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig base, evenstep::BalanceConfig::FromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig base, evenstep::BalanceConfigFromFlags());
   base.planner.mode = evenstep::BalanceMode::kStatic;
   base.sampler.global_batch = absl::GetFlag(FLAGS_batch);
   base.sampler.micro_batch_samples = absl::GetFlag(FLAGS_micro);
@@ -260,7 +260,7 @@ absl::Status PrintResults(evenstep::DistContext& ctx, const std::vector<Mode>& m
 
 int RunWorker() {
   torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   const int steps = absl::GetFlag(FLAGS_quick) ? 30 : absl::GetFlag(FLAGS_steps);
   const int64_t n = 64 * 64;
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << std::endl;
     return 1;

@@ -113,7 +113,7 @@ torch::Tensor Flat(ByteModel& model) {
 absl::StatusOr<Row> Run(evenstep::DistContext& ctx, const Texts& train, const Texts& eval,
                         const std::string& name, int steps, int64_t budget,
                         const torch::Tensor& reference) {
-  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig config, evenstep::BalanceConfig::FromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(evenstep::BalanceConfig config, evenstep::BalanceConfigFromFlags());
   const bool splits = name == "split" || name == "predict" || name == "reference";
   config.oom = splits ? evenstep::BalanceConfig::OomPolicy::kSplit
                       : evenstep::BalanceConfig::OomPolicy::kFail;
@@ -203,7 +203,7 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   const bool quick = absl::GetFlag(FLAGS_quick);
   const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : (quick ? 6 : 100);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

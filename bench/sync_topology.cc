@@ -49,6 +49,7 @@
 #include "absl/time/clock.h"
 #include "bench/relaunch.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 #include "evenstep/grad_sync.h"
 #include "evenstep/internal/store_server.h"
 #include "evenstep/status_macros.h"
@@ -122,7 +123,7 @@ enum Mode { kCompute, kFlat, kHierarchical, kModes };
 // cross-node bytes per step.
 absl::Status Worker() {
   EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<evenstep::DistContext> ctx,
-                            evenstep::DistContext::CreateFromFlags());
+                            evenstep::DistContextFromFlags());
   evenstep::DistContext& dist = *ctx;
   const int width = Width(), layers = absl::GetFlag(FLAGS_layers);
   torch::nn::Sequential models[2] = {Mlp(width, layers), Mlp(width, layers)};
@@ -168,6 +169,7 @@ absl::Status Worker() {
       if (s == steps + 2) break;  // the last round only closes the counts
       const int m = mode == kCompute ? 0 : mode - kFlat;
       syncs[m]->set_sync_enabled(mode != kCompute);
+      syncs[m]->SetStep(s);
       const absl::Time start = absl::Now();
       opts[m]->zero_grad();
       models[m]->forward(x).pow(2).mean().backward();

@@ -127,6 +127,7 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
   int64_t collectives = 0;
   int64_t seq = 0;          // synchronisations begun
   int64_t next_step = -1;   // SetStep's number for the coming synchronisation(s)
+  bool step_set = false;    // SetStep was called since the last synchronisation began
   int64_t step = -1;        // ... and the one this synchronisation carries
   int64_t completed = 0;    // synchronisations completed
   int64_t arrival_seq = 0;  // SyncDiagnosis's number for this one
@@ -153,6 +154,8 @@ struct GradSyncState : std::enable_shared_from_this<GradSyncState> {
 
   void Layout(const std::vector<int>& order);
   void BeginStep(int first);
+  // A synchronisation about to begin without SetStep since the last one.
+  absl::Status NoStepError() const;
   absl::Status CheckOrder();
   void OnGradReady(int index);
   void OnGradAccumulating(int index);
@@ -333,6 +336,7 @@ void GradSyncState::BeginStep(int first) {
   failed_in_backward = false;
   ++seq;
   step = next_step;
+  step_set = false;
   next_launch = 0;
   params_ready = 0;
   ready_order.clear();
@@ -715,6 +719,7 @@ void GradSyncState::OnGradReady(int index) {
   if (!sync_enabled) return;
   // Never a silently unsynchronised gradient after a failed collective.
   if (!fatal.ok()) throw std::runtime_error(fatal.ToString());
+  if (!step_open && !step_set) throw std::runtime_error(NoStepError().ToString());
   if (!step_open) {
     BeginStep(index);
     std::weak_ptr<GradSyncState> weak = weak_from_this();
@@ -1403,6 +1408,16 @@ absl::Status GradSync::BroadcastBuffers() {
 void GradSync::SetStep(int64_t step) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->next_step = step;
+  state_->step_set = true;
+}
+
+absl::Status GradSyncState::NoStepError() const {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "GradSync (rank ", rank, "): synchronisation #", seq + 1,
+      " began without GradSync::SetStep since the last one; call sync->SetStep(step) before each "
+      "step's synchronised backward (or SyncNow), with the step's number, the same on every "
+      "rank, so that a rank that left a step early is named instead of its gradients being "
+      "summed with another step's. Nothing was synchronised"));
 }
 
 void GradSync::ForgetFailure() {
@@ -1419,6 +1434,7 @@ absl::Status GradSync::SyncNow() {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!state_->fatal.ok()) return state_->fatal;
   if (state_->step_open) return state_->AbandonStale();
+  if (!state_->step_set) return state_->NoStepError();
   state_->BeginStep(-1);
   return state_->Finish();
 }
@@ -1494,17 +1510,6 @@ int64_t GradSync::collectives_started() const {
 int GradSync::num_buckets() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return static_cast<int>(state_->buckets.size());
-}
-
-std::vector<std::vector<std::string>> GradSync::bucket_layout() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  std::vector<std::vector<std::string>> layout;
-  for (const internal::Bucket& b : state_->buckets) {
-    layout.emplace_back();
-    for (int i : b.params) layout.back().push_back(state_->params[i].name);
-  }
-  for (int i : state_->sparse) layout.push_back({state_->params[i].name + " (sparse)"});
-  return layout;
 }
 
 }  // namespace evenstep

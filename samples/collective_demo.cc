@@ -7,10 +7,11 @@
 
 #include "absl/flags/parse.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 1;

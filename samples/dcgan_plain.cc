@@ -3,7 +3,7 @@
 // batch, each with its own Adam; the generator's loss draws the
 // discriminator step's noise again (keyed by sample) instead of keeping its
 // fakes. dcgan_plain.cc is the single-process loop; dcgan.cc the same on
-// evenstep (one Session, two model parts); docs/usage.md shows the diff.
+// evenstep (one Session, two model parts); docs/ports.md shows the diff.
 #include <torch/torch.h>
 
 #include "absl/flags/flag.h"

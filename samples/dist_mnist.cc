@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   evenstep::SetFlagDefaults("global_batch=64 loss_reduction=mean");  // nll_loss is a mean
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) return Fail(ctx.status());
   const int rank = (*ctx)->rank();
   torch::manual_seed(0);

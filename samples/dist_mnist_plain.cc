@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 #include "samples/dist_mnist_common.h"
 
 ABSL_FLAG(int, epochs, 2, "Passes over the dataset.");
@@ -18,7 +19,7 @@ using namespace evenstep::samples;
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) return Fail(ctx.status());
   const int rank = (*ctx)->rank(), world = (*ctx)->world_size();
   torch::manual_seed(0);

@@ -2,7 +2,7 @@
 // (tutorials/intermediate/language_model) to a synthetic corpus (samples/lm_common.h):
 // the hidden state of every row is carried from chunk to chunk and reset each epoch.
 // lm_plain.cc is the single-process loop; lm.cc the same on evenstep (stream mode:
-// each row a stream that stays on its rank); docs/usage.md shows the diff.
+// each row a stream that stays on its rank); docs/ports.md shows the diff.
 #include <torch/torch.h>
 
 #include "absl/flags/flag.h"

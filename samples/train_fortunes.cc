@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
       "global_batch=32 micro_batch_tokens=2048 normalize=tokens ckpt_every=50 sort_window=0");
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   auto data = LoadData();
   if (!ctx.ok() || !data.ok()) return Fail(ctx.ok() ? data.status() : ctx.status());
   const int rank = (*ctx)->rank();

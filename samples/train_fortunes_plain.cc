@@ -10,7 +10,7 @@ using namespace evenstep::samples;
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   auto data = LoadData();
   if (!ctx.ok() || !data.ok()) return Fail(ctx.ok() ? data.status() : ctx.status());
   const int rank = (*ctx)->rank();

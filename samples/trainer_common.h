@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 #include "evenstep/session.h"
 #include "evenstep/timeline.h"
 #include "samples/byte_lm.h"

@@ -1,13 +1,15 @@
 #!/usr/bin/python3
-"""Classes with more data members than the house limit (docs/development.md).
+"""Classes and source files larger than the house limits (docs/development.md).
 
 Runs Universal Ctags over the library's sources (base/ hooks/ io/ lib/
 tools/) and counts the data members of each `class` (ctags kind `member`,
 static ones included). A `struct` is a plain record (a report, an options
-set: StepReport, BalanceConfig) and is listed with --all only. Exit status 1
-when a class has more than --max (30) members, 2 when ctags is missing.
+set: StepReport, BalanceConfig) and is listed with --all only. Also lists
+every library .cc over --max_lines (700) lines; hooks/grad_sync.cc, one job
+as c10d's reducer.cpp is, is exempt. Exit status 1 when a class has more
+than --max (30) members or a file is too long, 2 when ctags is missing.
 
-  scripts/class_sizes.py [--max N] [--all]
+  scripts/class_sizes.py [--max N] [--max_lines N] [--all]
 """
 import argparse
 import collections
@@ -18,6 +20,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIRS = ["base", "hooks", "io", "lib", "tools"]
+EXEMPT_FILES = {"hooks/grad_sync.cc"}
 
 
 def members():
@@ -39,6 +42,7 @@ def members():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max", type=int, default=30)
+    parser.add_argument("--max_lines", type=int, default=700)
     parser.add_argument("--all", action="store_true", help="list every class and struct")
     args = parser.parse_args()
     if shutil.which("ctags") is None:
@@ -53,7 +57,20 @@ def main():
     classes = [r for r in rows if r[1] == "class"]
     print(f"{len(classes)} classes, largest {classes[0][0] if classes else 0} data members; "
           f"{len(over)} over {args.max}", file=sys.stderr)
-    return 1 if over else 0
+    long_files = []
+    for d in DIRS:
+        for base, _, files in os.walk(os.path.join(ROOT, d)):
+            for f in files:
+                path = os.path.relpath(os.path.join(base, f), ROOT)
+                if f.endswith(".cc") and path not in EXEMPT_FILES:
+                    with open(os.path.join(ROOT, path), encoding="utf-8", errors="replace") as fh:
+                        n = sum(1 for _ in fh)
+                    if n > args.max_lines:
+                        long_files.append((n, path))
+    for n, path in sorted(long_files, reverse=True):
+        print(f"{n:5d} lines {path}")
+    print(f"{len(long_files)} library .cc files over {args.max_lines} lines", file=sys.stderr)
+    return 1 if over or long_files else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ PACKAGES=(
   libxxhash-dev nlohmann-json3-dev hdf5-tools
   python3 python3-h5py python3-numpy python3-matplotlib python3-xxhash python3-torch
   python3-venv python3-pip
-  fortunes procps iproute2 util-linux
+  fortunes procps iproute2 util-linux universal-ctags
 )
 
 missing=()

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install_deps.sh
-# Everything the install rules name, so that `cmake --install build` (usage.md)
+# Everything the install rules name, so that `cmake --install build` (launching.md)
 # works after this command too.
 ./scripts/build.sh evenstep evenstep-run evenstep-report evenstep-ckpt evenstep-preflight \
   train_fortunes

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Rewrites the sample diffs in README.md, docs/usage.md and docs/ports.md.
+"""Rewrites the sample diffs in README.md and docs/ (usage, loop, ports).
 
 Each diff block follows a marker line
     <!-- sample diff: PLAIN.cc WRAPPED.cc -->
@@ -25,7 +25,7 @@ def body(plain, wrapped):
 
 
 def main():
-    for doc in ("README.md", "docs/usage.md", "docs/ports.md"):
+    for doc in ("README.md", "docs/usage.md", "docs/loop.md", "docs/ports.md"):
         path = ROOT / doc
         text = path.read_text()
         updated = MARKER.sub(

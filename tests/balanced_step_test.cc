@@ -483,7 +483,7 @@ TEST(BalancedStepTest, BadFlagsAreRejectedByName) {
   for (const auto& [flag, message] : cases) {
     absl::FlagSaver saver;
     absl::Status status = evenstep::testing::ParseEvenstepArgs({flag});
-    if (status.ok()) status = BalanceConfig::FromFlags().status();
+    if (status.ok()) status = BalanceConfigFromFlags().status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << flag << ": " << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr(message)) << flag;
   }

@@ -66,7 +66,7 @@ int RunSession(evenstep::DistContext& ctx) {
     auto second = evenstep::Session::Create(ctx, *other, *other_optimizer, lengths,
                                             absl::GetFlag(FLAGS_run_dir) + "/other");
     std::cout << "second session: " << second.status() << std::endl;
-    auto second_ctx = evenstep::DistContext::CreateFromFlags();
+    auto second_ctx = evenstep::DistContextFromFlags();
     std::cout << "second context: " << second_ctx.status() << std::endl;
     if (second.ok() || second_ctx.ok()) return 1;
   }
@@ -130,7 +130,7 @@ int RunSession(evenstep::DistContext& ctx) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << ctx.status() << "\n";
     return 3;

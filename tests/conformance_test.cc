@@ -123,6 +123,7 @@ bool MicroSteps(GradSync& sync, conformance::Case& model, const Scenario& s, int
     for (int m = 0; m < n; ++m) {
       const bool last = m + 1 == n;
       sync.set_sync_enabled(last || (s.two_backward && m == n - 2));
+      if (sync.sync_enabled()) sync.SetStep(step);  // before each synchronisation
       if (s.throw_at_3) {
         static_cast<conformance::Reverse&>(model).fire_step =
             (s.throw_in_first ? m == 0 : last) ? 3 : -1;
@@ -197,6 +198,7 @@ Outcome Train(DistContext& dist, const Scenario& s) {
     }
     bool abandoned = false;
     if (rank == s.idle_rank) {
+      (*sync)->SetStep(step);
       const absl::Status joined = (*sync)->SyncNow();
       abandoned = !joined.ok();
       if (abandoned) outcome.thrown.push_back(absl::StrCat("step ", step, ": ", joined.ToString()));

@@ -118,6 +118,7 @@ TEST(CudaGradSyncTest, NoSyncAccumulatesLocallyAndUnusedParametersReduceAsZeros)
     }
     EXPECT_EQ((*sync)->collectives_started(), 0) << "collectives during no-sync micro-steps";
     (*sync)->set_sync_enabled(true);
+    (*sync)->SetStep(0);
     ScaledLoss(*net, batch, torch::arange(dist.rank() + 4, kSyncBatch, 6), uses_extra).backward();
     // One process's gradient of both ranks' micro-batches.
     auto all = MakeSyncNet(3, torch::kCUDA, kSyncHidden, true);

@@ -1,4 +1,4 @@
-# Fails when a sample diff in docs/usage.md differs from
+# Fails when a sample diff in ${DOC} differs from
 # `diff -u samples/${PLAIN} samples/${WRAPPED}`, or when the diff passes its
 # budget: BUDGET added or BUDGET removed lines (TOTAL, when given: added +
 # removed).

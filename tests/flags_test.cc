@@ -66,7 +66,7 @@ TEST_F(FlagsTest, BadValuesNameTheFlag) {
               HasSubstr("--evenstep_balanse: no such evenstep flag"));
   EXPECT_THAT(Parse({"--evenstep_seed"}, &rest).message(), HasSubstr("--evenstep_seed: missing"));
   absl::SetFlag(&FLAGS_evenstep_balance, "fast");
-  EXPECT_THAT(BalanceConfig::FromFlags().status().message(),
+  EXPECT_THAT(BalanceConfigFromFlags().status().message(),
               HasSubstr("--evenstep_balance=fast: expected static, work or dynamic"));
 }
 
@@ -103,7 +103,7 @@ TEST_F(FlagsTest, BadProgramDefaultsStopTheProgramNamingTheFlag) {
 TEST_F(FlagsTest, ConfigFromFlags) {
   absl::SetFlag(&FLAGS_evenstep_balance, "static");
   absl::SetFlag(&FLAGS_evenstep_cost_quadratic, 0.5);
-  auto config = BalanceConfig::FromFlags();
+  auto config = BalanceConfigFromFlags();
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->planner.mode, BalanceMode::kStatic);
   ASSERT_TRUE(config->cost);
@@ -213,11 +213,11 @@ TEST_F(FlagsTest, ProgramDefaultsAfterTheCommandLineWasParsedAreRefusedByName) {
 // Stream mode used to ignore --evenstep_global_batch without a word.
 TEST_F(FlagsTest, AGlobalBatchBesideStreamModeIsRefusedNamingBothFlags) {
   absl::SetFlag(&FLAGS_evenstep_streams, 8);
-  EXPECT_TRUE(BalanceConfig::FromFlags().ok());  // the default global batch: stream mode's own
+  EXPECT_TRUE(BalanceConfigFromFlags().ok());  // the default global batch: stream mode's own
   absl::SetFlag(&FLAGS_evenstep_global_batch, 8);
-  EXPECT_TRUE(BalanceConfig::FromFlags().ok());  // the same number
+  EXPECT_TRUE(BalanceConfigFromFlags().ok());  // the same number
   absl::SetFlag(&FLAGS_evenstep_global_batch, 32);
-  const absl::Status s = BalanceConfig::FromFlags().status();
+  const absl::Status s = BalanceConfigFromFlags().status();
   absl::SetFlag(&FLAGS_evenstep_streams, 0);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("--evenstep_global_batch=32 with --evenstep_streams=8: in "

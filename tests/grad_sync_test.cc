@@ -108,6 +108,7 @@ TEST_P(GradSyncWorldTest, NoSyncAccumulatesLocally) {
     EXPECT_EQ((*sync)->collectives_started(), 0) << "collectives during no-sync micro-steps";
     ExpectGradsNear(*net, *ref, 0, "local accumulation");
     (*sync)->set_sync_enabled(true);
+    (*sync)->SetStep(0);
     ScaledLoss(*net, batch, micro(rank, 2)).backward();
     // One per bucket, and once the broadcast of rank 0's ready order.
     EXPECT_EQ((*sync)->collectives_started(), (*sync)->num_buckets() + 1);
@@ -134,6 +135,7 @@ void ExpectUnusedParameterReducedAsZeros(DistContext& dist, const GradSyncOption
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.0));
   for (int step = 0; step < 2; ++step) {
     optimizer.zero_grad();
+    (*sync)->SetStep(step);
     ScaledLoss(*net, batch, idx, /*use_extra=*/rank == 0).backward();
     auto ref_main = MakeSyncNet(5, torch::kCPU, kSyncHidden, true);
     ScaledLoss(*ref_main, batch, idx, false).backward();
@@ -226,6 +228,7 @@ void ExpectHookedSyncMatches(DistContext& dist, const HookUnderTest& h,
   ASSERT_TRUE(sync.ok()) << sync.status();
   auto whole = MakeSyncNet(9);
   ScaledLoss(*whole, batch, torch::arange(0, kSyncBatch)).backward();
+  (*sync)->SetStep(0);
   ScaledLoss(*net, batch, torch::arange(dist.rank(), kSyncBatch, dist.world_size())).backward();
   ExpectGradsNear(*net, *whole, h.tolerance, "hook " + name, h.factor);
 }
@@ -271,6 +274,7 @@ TEST(GradSyncTest, AUserHookSeesEveryGradientWithItsPlace) {
       }
       return base(ctx, bucket);
     });
+    (*sync)->SetStep(0);
     ScaledLoss(*net, batch, torch::arange(dist.rank(), kSyncBatch, dist.world_size())).backward();
     for (const auto& item : net->named_parameters()) {
       EXPECT_EQ(seen[item.key()], 1) << item.key() << " seen";
@@ -289,8 +293,10 @@ TEST_P(GradSyncWorldTest, PowerSgdIsExactOnRankOneAndErrorFeedbackConverges) {
     options.comm_hook = PowerSgdHook({});
     auto sync = GradSync::Attach(*lin, dist.data_group(), options);
     ASSERT_TRUE(sync.ok()) << sync.status();
+    int64_t step = 0;
     auto grad_of = [&](const torch::Tensor& x) {
       lin->zero_grad();
+      (*sync)->SetStep(step++);
       lin(x).pow(2).sum().backward();
       return lin->weight.grad().clone();
     };
@@ -327,12 +333,58 @@ TEST_P(GradSyncWorldTest, PowerSgdIsExactOnRankOneAndErrorFeedbackConverges) {
 INSTANTIATE_TEST_SUITE_P(Worlds, GradSyncWorldTest, ::testing::Values(2, 3),
                          [](const auto& info) { return absl::StrCat("world", info.param); });
 
+// SetStep is required before every synchronisation: without it a rank that
+// left a step before its first gradient would pair its next step's buckets
+// with its peers' current ones. A synchronised backward or a SyncNow that
+// begins without SetStep since the last one is refused on every rank by
+// name, before any collective; with it the same program is exact.
+TEST(GradSyncTest, ASynchronisationWithoutSetStepIsRefusedByName) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const int rank = dist.rank(), world = dist.world_size();
+    const SyncBatch batch = GlobalSyncBatch();
+    auto net = MakeSyncNet(9);
+    auto sync = GradSync::Attach(*net, dist.data_group(), TinyBuckets());
+    ASSERT_TRUE(sync.ok()) << sync.status();
+    const torch::Tensor mine = torch::arange(rank, kSyncBatch, world);
+    std::string error;
+    try {
+      ScaledLoss(*net, batch, mine).backward();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    EXPECT_THAT(error, HasSubstr(absl::StrCat("GradSync (rank ", rank,
+                                              "): synchronisation #1 began without "
+                                              "GradSync::SetStep since the last one")));
+    EXPECT_EQ((*sync)->collectives_started(), 0) << "a collective before the refusal";
+    const absl::Status idle = (*sync)->SyncNow();
+    EXPECT_EQ(idle.code(), absl::StatusCode::kFailedPrecondition) << idle;
+    // With SetStep: exact.
+    net->zero_grad();
+    (*sync)->SetStep(0);
+    ScaledLoss(*net, batch, mine).backward();
+    ASSERT_TRUE((*sync)->status().ok()) << (*sync)->status();
+    auto whole = MakeSyncNet(9);
+    ScaledLoss(*whole, batch, torch::arange(0, kSyncBatch)).backward();
+    ExpectGradsNear(*net, *whole, 1e-5, absl::StrCat("rank ", rank, " with SetStep"));
+    // A second synchronisation without a new SetStep: refused again.
+    net->zero_grad();
+    error.clear();
+    try {
+      ScaledLoss(*net, batch, mine).backward();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    EXPECT_THAT(error, HasSubstr("synchronisation #2 began without GradSync::SetStep"));
+  });
+}
+
 TEST(GradSyncTest, AnUndeclaredSparseGradientFailsOnEveryRankNamingIt) {
   RunOnRanks(2, [](DistContext& dist) {
     auto embed = torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
     std::vector<NamedTensor> params = {{"embed.weight", embed->weight}};
     auto sync = GradSync::Attach(params, {}, dist.data_group(), TinyBuckets());
     ASSERT_TRUE(sync.ok()) << sync.status();
+    (*sync)->SetStep(0);
     try {
       embed(torch::tensor({1, 2, 3}, torch::kLong)).sum().backward();
       ADD_FAILURE() << "backward with an undeclared sparse gradient succeeded";
@@ -347,7 +399,7 @@ TEST(GradSyncTest, AnUndeclaredSparseGradientFailsOnEveryRankNamingIt) {
 // (naming it, with the DistContext's diagnosis hook); rank 0's next sync,
 // all_reduce and barrier return that failure without starting (a started
 // one would block on, or pair with, the timed-out all_reduce). Without the
-// hook (usage.md's plain GradSync example) the DistContext learns it too.
+// hook (grad_sync.md's plain GradSync example) the DistContext learns it too.
 class TimeoutTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(TimeoutTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
@@ -376,6 +428,7 @@ TEST_P(TimeoutTest, AfterACollectiveTimesOutEveryLaterCollectiveFailsAtOnce) {
           std::this_thread::sleep_for(std::chrono::seconds(8));
           return;
         }
+        (*sync)->SetStep(0);
         try {
           net.forward(torch::randn({4, kSyncIn})).sum().backward();
           ADD_FAILURE() << "the sync succeeded without rank 1";

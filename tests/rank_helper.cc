@@ -33,6 +33,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 
 namespace {
 
@@ -152,7 +153,7 @@ int main(int argc, char** argv) {
       scenario == "write_to_closed_pipe" && args.size() > 2 && std::string(args[2]) == "own";
   if (own_sigpipe) signal(SIGPIPE, OwnSigpipeHandler);
 
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cout << "init failed: " << ctx.status() << std::endl;
     return 3;

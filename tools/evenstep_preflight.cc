@@ -9,7 +9,7 @@
 // median rank) and the outliers it names, and writes --json. Exit status:
 // 0 no outlier, 3 outliers named (the same on every rank: gate a job on it),
 // 1 an error (a bad flag, a failed collective). See lib/observe's preflight.h
-// for what is measured and docs/usage.md#preflight for what to do about each
+// for what is measured and docs/preflight.md for what to do about each
 // kind of outlier.
 #include <fstream>
 #include <iostream>
@@ -17,6 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/flags.h"
 #include "evenstep/preflight.h"
 
 ABSL_FLAG(bool, quick, false, "A few seconds (same as --evenstep_preflight_quick).");
@@ -24,13 +25,13 @@ ABSL_FLAG(std::string, json, "", "Rank 0 writes the report as JSON here.");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto options = evenstep::PreflightOptions::FromFlags();
+  auto options = evenstep::PreflightOptionsFromFlags();
   if (!options.ok()) {
     std::cerr << "evenstep-preflight: " << options.status() << "\n";
     return 1;
   }
   options->quick = options->quick || absl::GetFlag(FLAGS_quick);
-  auto ctx = evenstep::DistContext::CreateFromFlags();
+  auto ctx = evenstep::DistContextFromFlags();
   if (!ctx.ok()) {
     std::cerr << "evenstep-preflight: " << ctx.status() << "\n";
     return 1;

@@ -37,6 +37,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "dist_context_internal.h"
 #include "evenstep/checkpoint_writer.h"
 #include "evenstep/internal/c10d_compat.h"
 #include "evenstep/internal/collective.h"
@@ -54,47 +55,15 @@
 #endif
 
 namespace evenstep {
-namespace compat = internal::c10d_compat;
 
-struct DistContext::Groups {
-  compat::StorePtr raw_store;  // the job's store (TCPStore, or HashStore for world 1)
-  compat::StorePtr store;      // this launch's namespace of it (LaunchEnv::run_namespace)
-  std::string launch_prefix;   // that namespace's key prefix ("" for none)
-  compat::StorePtr ctx_store;  // "evenstep/ctx/" view of it
-  compat::ProcessGroupPtr control;
-  compat::ProcessGroupPtr data;
-  // Made with the first NewDataGroup: where the syncs over several data
-  // groups announce which one and which step they are at
-  // (internal::SyncOrder).
-  compat::ProcessGroupPtr sync_order;
-  // CommitStores made so far: each gets keys of its own.
-  int commit_stores = 0;
-  // The first collective that timed out or lost a peer: c10d cannot cancel
-  // it, so a later collective on these groups would queue behind it or pair
-  // with the wrong operation. Every later one fails at once with it.
-  absl::Mutex mu;
-  absl::Status broken ABSL_GUARDED_BY(mu);
-};
+using internal::Bytes;
+using internal::DescribeTensor;
+using internal::GlooWhy;
+using internal::HostName;
+using internal::RequireContiguous;
+using internal::Text;
 
 namespace {
-
-std::vector<uint8_t> Bytes(absl::string_view s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string Text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-
-std::string HostName() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
-// Why Gloo binds where it does, for device spec `device` (GlooDevice()).
-std::string GlooWhy(const std::string& device, const std::string& master_addr) {
-  if (device.rfind("if:", 0) == 0) {
-    return absl::StrCat("interface ", device.substr(3), " from GLOO_SOCKET_IFNAME");
-  }
-  if (device.empty()) return "the address its host name resolves to";
-  return absl::StrCat("the address that reaches MASTER_ADDR ", master_addr);
-}
 
 c10d::ReduceOp ToC10d(ReduceOp op) {
   switch (op) {
@@ -108,10 +77,6 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
       return c10d::ReduceOp::MAX;
   }
   return c10d::ReduceOp::SUM;
-}
-
-std::string DescribeTensor(const at::Tensor& t) {
-  return absl::StrCat(c10::toString(t.scalar_type()), "[", t.numel(), "]");
 }
 
 }  // namespace
@@ -409,133 +374,6 @@ absl::Status DistContext::CreateGroups() {
   return absl::OkStatus();
 }
 
-namespace {
-
-// What a rank publishes for the reachability check, and how it names itself.
-struct ReachEndpoint {
-  int rank = 0;
-  std::string host;
-  std::string address;
-  int port = 0;
-  std::string how;         // why Gloo binds there
-  std::string interfaces;  // that host's interfaces, for the fix
-};
-
-std::string Describe(const ReachEndpoint& e) {
-  return absl::StrCat("rank ", e.rank, " (host ", e.host, ", Gloo on ", e.address, ", ", e.how,
-                      ")");
-}
-
-// One error for every rank: which ranks cannot reach which, why, and what
-// to set on the host whose address fails.
-absl::Status UnreachableError(
-    int rank, const std::vector<ReachEndpoint>& endpoints,
-    const std::map<int, std::vector<std::pair<int, std::string>>>& by_target) {
-  std::vector<std::string> parts;
-  std::set<std::string> hosts;
-  for (const auto& [target, sources] : by_target) {
-    std::vector<int> from;
-    for (const auto& [source, why] : sources) from.push_back(source);
-    const ReachEndpoint& t = endpoints[target];
-    hosts.insert(t.host);
-    if (parts.size() < 3) {
-      parts.push_back(absl::StrCat(from.size() == 1 ? "rank " : "ranks ", absl::StrJoin(from, ", "),
-                                   " (host ", endpoints[from[0]].host,
-                                   from.size() > 1 ? ", ..." : "", ") cannot reach ", Describe(t),
-                                   ": ", sources[0].second));
-    }
-  }
-  if (by_target.size() > parts.size()) {
-    absl::StrAppend(&parts.back(), "; and ", by_target.size() - parts.size(), " more rank(s)");
-  }
-  std::vector<std::string> fixes;
-  for (const std::string& host : hosts) {
-    for (const ReachEndpoint& e : endpoints) {
-      if (e.host != host) continue;
-      fixes.push_back(absl::StrCat(host, " (up there: ", e.interfaces, ")"));
-      break;
-    }
-  }
-  return absl::UnavailableError(absl::StrCat(
-      "rank ", rank,
-      ": the Gloo connections between hosts cannot form: ", absl::StrJoin(parts, "; "),
-      ". Every rank's Gloo address must be reachable from every host: set GLOO_SOCKET_IFNAME to "
-      "the interface on the network the hosts share, on ",
-      absl::StrJoin(fixes, ", ")));
-}
-
-}  // namespace
-
-absl::Status DistContext::CheckGlooReachable() {
-  c10d::Store& store = *groups_->ctx_store;
-  const std::string& device = gloo_device_;
-  ReachEndpoint mine;
-  mine.rank = env_.rank;
-  mine.host = HostName();
-  mine.how = GlooWhy(device, env_.master_addr);
-  mine.interfaces = absl::StrJoin(internal::UpInterfaceAddresses(), ", ");
-  absl::StatusOr<std::string> address = internal::GlooBindAddress(device);
-  if (!address.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", env_.rank, " (host ", mine.host, "): ", address.status().message()));
-  }
-  mine.address = *address;
-  auto listener = internal::ReachListener::Open(mine.address);
-  if (!listener.ok()) {
-    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, " (host ", mine.host, ", ",
-                                               mine.how, "): ", listener.status().message()));
-  }
-  mine.port = (*listener)->port();
-  std::vector<ReachEndpoint> endpoints(env_.world_size);
-  std::map<int, std::vector<std::pair<int, std::string>>> by_target;
-  try {
-    store.set(absl::StrCat("reach/", env_.rank),
-              Bytes(nlohmann::json{{"host", mine.host},
-                                   {"address", mine.address},
-                                   {"port", mine.port},
-                                   {"how", mine.how},
-                                   {"interfaces", mine.interfaces}}
-                        .dump()));
-    std::vector<internal::ReachTarget> targets;
-    for (int r = 0; r < env_.world_size; ++r) {
-      if (r == env_.rank) {
-        endpoints[r] = mine;
-        continue;
-      }
-      const auto j = nlohmann::json::parse(Text(store.get(absl::StrCat("reach/", r))));
-      endpoints[r] = {r,
-                      j.at("host").get<std::string>(),
-                      j.at("address").get<std::string>(),
-                      j.at("port").get<int>(),
-                      j.at("how").get<std::string>(),
-                      j.at("interfaces").get<std::string>()};
-      targets.push_back({r, endpoints[r].address, endpoints[r].port});
-    }
-    nlohmann::json failed = nlohmann::json::array();
-    for (const internal::ReachFailure& f :
-         internal::ConnectToEach(targets, **listener, options_.collective_timeout)) {
-      failed.push_back({f.rank, absl::StrCat(f.reason, " (", f.cause, ")")});
-    }
-    store.set(absl::StrCat("reach/result/", env_.rank), Bytes(failed.dump()));
-    // Every rank's result, read before this rank's listener closes: the
-    // others have finished connecting to it when they publish theirs.
-    for (int r = 0; r < env_.world_size; ++r) {
-      const auto j = nlohmann::json::parse(Text(store.get(absl::StrCat("reach/result/", r))));
-      for (const auto& f : j) {
-        by_target[f.at(0).get<int>()].emplace_back(r, f.at(1).get<std::string>());
-      }
-    }
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat(
-        "rank ", env_.rank, " (host ", mine.host,
-        "): the check that every rank's Gloo address is reachable failed (a rank left, or the "
-        "store at MASTER_ADDR did not answer within --evenstep_rendezvous_timeout=",
-        absl::FormatDuration(options_.rendezvous_timeout), "): ", internal::ErrorText(e)));
-  }
-  if (by_target.empty()) return absl::OkStatus();
-  return UnreachableError(env_.rank, endpoints, by_target);
-}
-
 std::string DistContext::backend_name() const { return compat::BackendName(*groups_->data); }
 
 c10d::Store& DistContext::store() { return *groups_->store; }
@@ -686,12 +524,6 @@ c10d::ProcessGroup& GroupFor(const at::Tensor& t, c10d::ProcessGroup& control,
   return t.is_cuda() ? data : control;
 }
 
-// c10d's collectives work on dense, contiguous buffers only.
-absl::Status RequireContiguous(const at::Tensor& t, int rank, const std::string& what) {
-  if (t.is_contiguous()) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("rank ", rank, ": ", what, " needs a contiguous tensor"));
-}
 }  // namespace
 
 absl::Status DistContext::AllReduce(at::Tensor& tensor, ReduceOp op) {
@@ -741,223 +573,4 @@ absl::Status DistContext::Barrier() {
   return Run("barrier", [&] { return groups_->control->barrier(); });
 }
 
-// ---------------------------------------------------------------------------
-// Subgroup
-
-struct Subgroup::Impl {
-  compat::ProcessGroupPtr group;
-};
-
-Subgroup::Subgroup(std::string name, std::vector<int> ranks, int index, int global_rank,
-                   absl::Duration timeout, std::unique_ptr<Impl> impl)
-    : name_(std::move(name)),
-      ranks_(std::move(ranks)),
-      index_(index),
-      global_rank_(global_rank),
-      timeout_(timeout),
-      impl_(std::move(impl)) {}
-
-Subgroup::~Subgroup() {
-  if (impl_ != nullptr) internal::ForgetGroup(impl_->group.get());
-}
-
-template <typename Launch>
-absl::Status Subgroup::Run(const std::string& what, Launch&& launch) {
-  const internal::CollectiveWait outcome =
-      internal::RunCollective(std::forward<Launch>(launch), timeout_);
-  if (!outcome.failed) return absl::OkStatus();
-  return internal::CollectiveFailed(
-      global_rank_,
-      absl::StrCat(what, " in group ", name_, " (ranks ", absl::StrJoin(ranks_, ","), ")"), outcome,
-      timeout_);
-}
-
-absl::Status Subgroup::AllReduce(at::Tensor& tensor) {
-  EVENSTEP_RETURN_IF_ERROR(RequireContiguous(tensor, global_rank_, "all_reduce"));
-  return Run(absl::StrCat("all_reduce of ", DescribeTensor(tensor)), [&] {
-    std::vector<at::Tensor> tensors{tensor};
-    return impl_->group->allreduce(tensors);
-  });
-}
-
-absl::Status Subgroup::Barrier() {
-  return Run("barrier", [&] { return impl_->group->barrier(); });
-}
-
-c10d::ProcessGroup& Subgroup::process_group() { return *impl_->group; }
-
-absl::StatusOr<double> MeasureBusBandwidth(int n, size_t bytes, int iters,
-                                           const std::function<absl::Status(at::Tensor&)>& reduce) {
-  at::Tensor t = at::ones({static_cast<int64_t>(bytes / sizeof(float))});
-  EVENSTEP_RETURN_IF_ERROR(reduce(t));  // warm-up
-  double per = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < iters; ++i) {
-    const absl::Time begin = absl::Now();
-    EVENSTEP_RETURN_IF_ERROR(reduce(t));
-    per = std::min(per, absl::ToDoubleSeconds(absl::Now() - begin));
-  }
-  const double algbw = static_cast<double>(bytes) / per / 1e9;
-  return n > 1 ? algbw * 2.0 * (n - 1) / n : algbw;
-}
-
-// ---------------------------------------------------------------------------
-// Nodes
-
-int NodeLayout::place_of(int rank) const {
-  const std::vector<int>& mine = ranks[node_of[rank]];
-  return static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
-}
-
-bool NodeLayout::even() const {
-  for (const auto& members : ranks) {
-    if (members.size() != ranks.front().size()) return false;
-  }
-  return true;
-}
-
-std::string NodeLayout::Describe() const {
-  std::vector<std::string> parts;
-  for (const auto& members : ranks) {
-    parts.push_back(absl::StrCat(names[members.front()], ": ", members.size(), " rank",
-                                 members.size() == 1 ? "" : "s", " (", absl::StrJoin(members, ","),
-                                 ")"));
-  }
-  return absl::StrJoin(parts, "; ");
-}
-
-namespace {
-
-// This rank's node key: the host name, with the launcher's node index when
-// it gives one.
-std::string NodeKey() {
-  const std::string host = HostName();
-  for (const char* var : {"GROUP_RANK", "SLURM_NODEID"}) {
-    if (const char* v = std::getenv(var); v != nullptr && *v) return absl::StrCat(host, "#", v);
-  }
-  return host;
-}
-
-}  // namespace
-
-absl::StatusOr<NodeLayout> DistContext::Nodes() {
-  if (nodes_.has_value()) return *nodes_;
-  const int world = env_.world_size;
-  std::vector<std::string> keys;
-  {
-    const std::string key = NodeKey().substr(0, 127);
-    at::Tensor in = at::zeros({128}, at::kByte);
-    std::memcpy(in.data_ptr<uint8_t>(), key.data(), key.size());
-    std::vector<at::Tensor> all;
-    EVENSTEP_RETURN_IF_ERROR(AllGather(in, &all), "exchanging node names");
-    for (const at::Tensor& t : all) {
-      keys.emplace_back(reinterpret_cast<const char*>(t.data_ptr<uint8_t>()));
-    }
-  }
-  std::vector<std::string> in_order;  // distinct keys, by first rank
-  for (const std::string& k : keys) {
-    if (std::find(in_order.begin(), in_order.end(), k) == in_order.end()) in_order.push_back(k);
-  }
-  std::set<std::string> hosts;
-  for (const std::string& k : in_order) hosts.insert(k.substr(0, k.find('#')));
-  NodeLayout layout;
-  layout.ranks.resize(in_order.size());
-  for (int r = 0; r < world; ++r) {
-    const int node =
-        static_cast<int>(std::find(in_order.begin(), in_order.end(), keys[r]) - in_order.begin());
-    layout.node_of.push_back(node);
-    layout.ranks[node].push_back(r);
-    layout.names.push_back(hosts.size() == in_order.size() ? keys[r].substr(0, keys[r].find('#'))
-                                                           : absl::StrCat("node", node));
-  }
-  nodes_ = layout;
-  return layout;
-}
-
-absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewSubgroup(const std::string& name,
-                                                                   std::vector<int> ranks) {
-  std::sort(ranks.begin(), ranks.end());
-  const auto me = std::find(ranks.begin(), ranks.end(), env_.rank);
-  if (ranks.empty() || ranks.front() < 0 || ranks.back() >= env_.world_size ||
-      std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() || me == ranks.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", env_.rank, ": subgroup ", name, " of ranks [", absl::StrJoin(ranks, ","),
-        "]: the ranks must be distinct, below the world size ", env_.world_size,
-        " and include this rank"));
-  }
-  const int index = static_cast<int>(me - ranks.begin());
-  auto impl = std::make_unique<Subgroup::Impl>();
-  try {
-    impl->group = compat::MakeGlooGroup(
-        compat::MakePrefixStore(absl::StrCat("evenstep/sub/", name), groups_->store), index,
-        static_cast<int>(ranks.size()), internal::ToChronoMillis(options_.collective_timeout),
-        gloo_device_);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": creating subgroup ", name,
-                                               " (ranks ", absl::StrJoin(ranks, ","),
-                                               "): ", internal::ErrorText(e)));
-  }
-  return std::unique_ptr<Subgroup>(new Subgroup(name, std::move(ranks), index, env_.rank,
-                                                options_.collective_timeout, std::move(impl)));
-}
-
-absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewDataGroup() {
-  EVENSTEP_RETURN_IF_ERROR(Broken("creating a data group"));
-  const std::string name = absl::StrCat("data", data_groups_++);
-  std::vector<int> ranks(env_.world_size);
-  for (int r = 0; r < env_.world_size; ++r) ranks[r] = r;
-  auto impl = std::make_unique<Subgroup::Impl>();
-  const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
-  const std::string backend = backend_name();
-  try {
-    if (!groups_->sync_order) {
-      groups_->sync_order =
-          compat::MakeGlooGroup(compat::MakePrefixStore("evenstep/sync_order", groups_->store),
-                                env_.rank, env_.world_size, timeout, gloo_device_);
-      internal::ShareSyncOrder(groups_->data.get(), groups_->sync_order.get(), 1);
-    }
-    auto store = compat::MakePrefixStore(absl::StrCat("evenstep/", name), groups_->store);
-#if EVENSTEP_HAVE_NCCL
-    if (backend == "nccl") {
-      impl->group = compat::MakeNcclGroup(store, env_.rank, env_.world_size, timeout);
-    }
-#endif
-    if (!impl->group) {
-      impl->group = compat::MakeGlooGroup(store, env_.rank, env_.world_size, timeout, gloo_device_);
-    }
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": creating ", backend,
-                                               " data group ", name, ": ", internal::ErrorText(e)));
-  }
-  internal::ShareSyncOrder(impl->group.get(), groups_->sync_order.get(), data_groups_ + 1);
-  return std::unique_ptr<Subgroup>(new Subgroup(name, std::move(ranks), env_.rank, env_.rank,
-                                                options_.collective_timeout, std::move(impl)));
-}
-
-// ---------------------------------------------------------------------------
-// StoreServer
-
-namespace internal {
-
-struct StoreServer::Impl {
-  compat::StorePtr store;
-};
-
-StoreServer::StoreServer(std::unique_ptr<Impl> impl, int port)
-    : impl_(std::move(impl)), port_(port) {}
-StoreServer::~StoreServer() = default;
-
-absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(int port) {
-  auto impl = std::make_unique<Impl>();
-  try {
-    impl->store = compat::MakeTcpStore("127.0.0.1", port, /*is_server=*/true,
-                                       std::chrono::milliseconds(30000));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot host a c10d TCPStore on port ", port, ": ", ErrorText(e)));
-  }
-  const int actual = compat::TcpStorePort(*impl->store);
-  return std::unique_ptr<StoreServer>(new StoreServer(std::move(impl), actual));
-}
-
-}  // namespace internal
 }  // namespace evenstep

@@ -249,7 +249,7 @@ absl::Status CheckTimeout(absl::string_view flag, absl::Duration value) {
 
 }  // namespace
 
-absl::StatusOr<DistOptions> DistOptions::FromFlags() {
+absl::StatusOr<DistOptions> DistOptionsFromFlags() {
   DistOptions options;
   EVENSTEP_ASSIGN_OR_RETURN(
       options.backend,
@@ -268,10 +268,10 @@ absl::Status internal::CheckDistOptions(const DistOptions& options) {
   return CheckTimeout("--evenstep_rendezvous_timeout", options.rendezvous_timeout);
 }
 
-absl::StatusOr<std::unique_ptr<DistContext>> DistContext::CreateFromFlags() {
-  absl::StatusOr<DistOptions> options = DistOptions::FromFlags();
+absl::StatusOr<std::unique_ptr<DistContext>> DistContextFromFlags() {
+  absl::StatusOr<DistOptions> options = DistOptionsFromFlags();
   if (!options.ok()) return options.status();
-  return Create(*options);
+  return DistContext::Create(*options);
 }
 
 absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags() {
@@ -321,12 +321,12 @@ absl::Status InRange(const char* flag, double value, double lo, double hi, bool 
 using internal::InRange;
 using internal::NotBelow;
 
-absl::StatusOr<PreflightOptions> PreflightOptions::FromFlags() {
+absl::StatusOr<PreflightOptions> PreflightOptionsFromFlags() {
   PreflightOptions options;
   const std::string inject = absl::GetFlag(FLAGS_evenstep_preflight_inject);
   for (absl::string_view entry : absl::StrSplit(inject, ';', absl::SkipWhitespace())) {
     const std::vector<absl::string_view> parts = absl::StrSplit(entry, absl::ByAnyChar(":="));
-    Injected figure;
+    PreflightOptions::Injected figure;
     bool ok = parts.size() == 3 && !parts[0].empty() && absl::SimpleAtod(parts[2], &figure.value);
     for (absl::string_view r : absl::StrSplit(ok ? parts[1] : "", ',')) {
       int rank = -1;
@@ -437,7 +437,7 @@ absl::Status internal::CheckBalanceConfig(const BalanceConfig& config) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<BalanceConfig> BalanceConfig::FromFlags() {
+absl::StatusOr<BalanceConfig> BalanceConfigFromFlags() {
   BalanceConfig config;
   EVENSTEP_ASSIGN_OR_RETURN(config.grad_sync, GradSyncOptionsFromFlags());
   EVENSTEP_ASSIGN_OR_RETURN(config.sync_topology,

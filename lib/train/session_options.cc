@@ -91,8 +91,8 @@ absl::Status SessionOptions::Validate() const {
 absl::StatusOr<SessionOptions> SessionOptions::FromFlags() {
   SessionOptions o;
   o.run_dir = absl::GetFlag(FLAGS_evenstep_run_dir);
-  EVENSTEP_ASSIGN_OR_RETURN(o.dist, DistOptions::FromFlags());
-  EVENSTEP_ASSIGN_OR_RETURN(o.balance, BalanceConfig::FromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(o.dist, DistOptionsFromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(o.balance, BalanceConfigFromFlags());
   EVENSTEP_ASSIGN_OR_RETURN(o.checkpoint, CheckpointOptionsFromFlags());
   o.ckpt_every = absl::GetFlag(FLAGS_evenstep_ckpt_every);
   EVENSTEP_ASSIGN_OR_RETURN(o.resume, internal::Choose<ResumeMode>(
@@ -122,7 +122,7 @@ absl::StatusOr<SessionOptions> SessionOptions::FromFlags() {
                                                              {"fail", PreflightMode::kFail},
                                                              {"false", PreflightMode::kOff},
                                                              {"0", PreflightMode::kOff}}));
-  EVENSTEP_ASSIGN_OR_RETURN(o.preflight_options, PreflightOptions::FromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(o.preflight_options, PreflightOptionsFromFlags());
   o.split_record = absl::GetFlag(FLAGS_evenstep_split_record);
   o.replay = absl::GetFlag(FLAGS_evenstep_replay);
   EVENSTEP_RETURN_IF_ERROR(CheckSessionFields(o));

@@ -255,7 +255,7 @@ class Trainer {
 
 absl::Status Trainer::Configure() {
   EVENSTEP_RETURN_IF_ERROR(SetFlags(s_.flags));
-  EVENSTEP_ASSIGN_OR_RETURN(config_, BalanceConfig::FromFlags());
+  EVENSTEP_ASSIGN_OR_RETURN(config_, BalanceConfigFromFlags());
   per_token_ = config_.sampler.normalization == Normalization::kTokens;
   const int world = ctx_.world_size();
   if (s_.split_seed != 0 && world > 1) {

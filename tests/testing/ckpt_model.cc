@@ -39,7 +39,7 @@ struct Trainer {
       : model(MakeCkptModel(run.width, run.noncontiguous, run.device, seed)),
         optimizer(MakeCkptOptimizer(*model, run.optimizer)) {
     SetCkptFlags(run);
-    auto config = BalanceConfig::FromFlags();
+    auto config = BalanceConfigFromFlags();
     auto options = CheckpointOptionsFromFlags();
     EXPECT_TRUE(config.ok() && options.ok());
     if (!config.ok() || !options.ok()) return;

@@ -123,6 +123,7 @@ ExactSplitRun SyncExactSplit(DistContext& dist, int seed, const GradSyncOptions&
   EXPECT_GE(run.num_buckets, 8);
   const std::vector<torch::Tensor> micro = SplitOf(seed, world, rank);
   run.micro_batches = static_cast<int>(micro.size());
+  (*sync)->SetStep(0);
   for (size_t m = 0; m < micro.size(); ++m) {
     run.samples += static_cast<int>(micro[m].numel());
     (*sync)->set_sync_enabled(m + 1 == micro.size());

@@ -2,8 +2,8 @@
 // DistributedDataParallel module.
 //
 //   auto sync = evenstep::GradSync::Attach(model, ctx.data_group());  // checks + broadcast
-//   (*sync)->SetStep(step);                              // each step: a skipped one is named
-//   for (int m = 0; m < micro_steps; ++m) {
+//   (*sync)->SetStep(step);                              // each step (required): a skipped one is
+//   named for (int m = 0; m < micro_steps; ++m) {
 //     (*sync)->set_sync_enabled(m == micro_steps - 1);   // local accumulation until the last
 //     at::Tensor loss = loss_of(m);
 //     (*sync)->PrepareForBackward(loss);                 // optional: unused parameters early
@@ -222,15 +222,18 @@ class GradSync {
   // does it for its earlier parts at the end of each step. A failure is
   // fatal, as a failed synchronisation's.
   absl::Status BroadcastBuffers();
-  // The caller's number of the step whose synchronisation(s) come next
-  // (any increasing count, the same on every rank; -1, the default: none).
-  // It rides in the control values beside the synchronisation number, so
-  // that a rank that left a step before its first gradient without
-  // AbandonStep (its synchronisation never began, so its next one pairs
-  // with its peers' current one under the same number) is named on every
-  // rank with both steps instead of reducing two steps together.
-  // BalancedStep sets it for its parts; a loop over a raw GradSync calls it
-  // at the start of each step.
+  // The caller's number of the step whose synchronisation comes next (any
+  // increasing count, the same on every rank). Required before every
+  // synchronisation (a synchronised backward or SyncNow): one that begins
+  // without SetStep since the last one fails with FAILED_PRECONDITION
+  // naming the call, before anything is exchanged. The number rides in the
+  // control values beside the synchronisation number, so that a rank that
+  // left a step before its first gradient without AbandonStep (its
+  // synchronisation never began, so its next one would pair with its
+  // peers' current one under the same number) is named on every rank with
+  // both steps instead of reducing two steps together. BalancedStep sets it
+  // for its parts; a loop over a raw GradSync calls it at the start of each
+  // step (and again before a second synchronisation in one step).
   void SetStep(int64_t step);
   // A new step begins: a synchronisation that failed inside a backward and
   // was never followed by AbandonStep is settled, so an AbandonStep from now
@@ -279,9 +282,6 @@ class GradSync {
   // Total collectives started since Attach (one per bucket per sync).
   int64_t collectives_started() const;
   int num_buckets() const;
-  // Parameter names per bucket, in launch order (after a rebuild, the new
-  // order).
-  std::vector<std::vector<std::string>> bucket_layout() const;
 
  private:
   explicit GradSync(std::shared_ptr<internal::GradSyncState> state);

@@ -84,6 +84,9 @@
 #include "evenstep/device_feed.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
+#include "evenstep/internal/memory_caps.h"
+#include "evenstep/internal/rank_health.h"
+#include "evenstep/internal/step_sums.h"
 #include "evenstep/loader.h"
 #include "evenstep/memory_probe.h"
 #include "evenstep/planner.h"
@@ -228,10 +231,6 @@ struct BalanceConfig {
   // whose global batch differs from the record's (another seed, batch size
   // or data), fails naming the step. "" = none.
   std::string split_replay;
-
-  // Everything from the --evenstep_* flags. InvalidArgument naming the flag
-  // for a bad value.
-  static absl::StatusOr<BalanceConfig> FromFlags();
 };
 
 // One model of a step with several (BalancedStep::Create with parts): a
@@ -490,13 +489,11 @@ class BalancedStep {
   // begins (its gradients zeroed). Not for the last part: FinishStep.
   absl::Status EndPart();
   // The part whose micro-batches run now, and the parts.
-  size_t current_part() const { return part_; }
-  size_t num_parts() const { return parts_.size(); }
   const ModelPart& part(size_t k) const { return parts_[k].spec; }
   GradSync& grad_sync(size_t k) { return *parts_[k].sync; }
-  const std::vector<MicroBatch>& micro_batches() const { return micro_; }
+  const std::vector<MicroBatch>& micro_batches() const { return run_.micro; }
   // The global batch of the current step (every rank knows all of it).
-  const GlobalBatch& global_batch() const { return batch_; }
+  const GlobalBatch& global_batch() const { return run_.batch; }
   void DataReady();
   absl::Status Backward(const at::Tensor& loss_sum);
   absl::StatusOr<StepReport> FinishStep();
@@ -563,14 +560,15 @@ class BalancedStep {
     constexpr bool kOwned = IsLoader<std::decay_t<Load>>::value;
     if (kOwned) StartWorkers();
     const bool on_workers = workers_ != nullptr && (kOwned || config_.data_workers > 0);
-    next_step_loads_ = kOwned && on_workers && config_.prefetch_next_step;
+    carry_.next_step_loads = kOwned && on_workers && config_.prefetch_next_step;
     using Data = std::decay_t<std::invoke_result_t<Load&, const MicroBatch&>>;
     // This step's loads, started by the previous Step for exactly these
     // micro-batches with the same Loader, or none.
     std::shared_ptr<Prefetcher<Data>> prefetch;
     if constexpr (kOwned) {
-      if (carried_ != nullptr && *carried_data_ == typeid(Data) && carried_id_ == load.id()) {
-        prefetch = std::static_pointer_cast<Prefetcher<Data>>(carried_);
+      if (carry_.prefetch != nullptr && *carry_.data == typeid(Data) &&
+          carry_.loader == load.id()) {
+        prefetch = std::static_pointer_cast<Prefetcher<Data>>(carry_.prefetch);
       }
     }
     CancelPrefetch();  // another load's leftovers: wait for them and drop them
@@ -603,15 +601,15 @@ class BalancedStep {
     // hold a copy of the Loader: what it owns lives while they run.
     auto start_next = [&] {
       if constexpr (kOwned) {
-        if (!next_step_loads_ || !planned_ || carried_ != nullptr) return;
+        if (!carry_.next_step_loads || !planned_ || carry_.prefetch != nullptr) return;
         auto next = std::make_shared<const std::vector<MicroBatch>>(planned_->micro);
-        carried_ = std::make_shared<Prefetcher<Data>>(
+        carry_.prefetch = std::make_shared<Prefetcher<Data>>(
             *workers_, config_.prefetch, next->size(),
             [next, copy = std::decay_t<Load>(load), feeder = feeder_.get()](size_t i) -> Data {
               return ToDevice(feeder, copy((*next)[i]));
             });
-        carried_data_ = &typeid(Data);
-        carried_id_ = load.id();
+        carry_.data = &typeid(Data);
+        carry_.loader = load.id();
       }
     };
     start_next();
@@ -638,7 +636,7 @@ class BalancedStep {
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> OnePartStep(Load&& load, LossSum&& loss_sum, bool recover) {
     EVENSTEP_RETURN_IF_ERROR(OnePart());
-    const std::vector<MicroBatch>& mbs = micro_;
+    const std::vector<MicroBatch>& mbs = run_.micro;
     std::function<at::Tensor(const MicroBatch&)> recompute;
     if (recover) {
       recompute = [&](const MicroBatch& mb) {
@@ -683,18 +681,25 @@ class BalancedStep {
   // Step form that can load a micro-batch again (recompute_).
   bool Recovers() const;
   // Runs the running part's micro-batches `from`..`until` again through
-  // recompute_, each in its slot_pieces_ pieces, after doubling those of
+  // recompute_, each in its oom_.slot_pieces pieces, after doubling those of
   // `failed` (none when out of range); the part's gradients are zeroed
   // first when `from` is 0. A further out-of-memory doubles that
   // micro-batch's pieces and starts again from 0.
   absl::Status Replay(size_t from, size_t until, size_t failed);
-  // Pieces each micro-batch of the running part runs in (1: whole).
-  std::vector<int> slot_pieces_;
-  // The (micro-batch, pieces) retried after releasing the allocator's cache
-  // that have not fitted since: each is retried so once.
-  std::set<std::pair<size_t, int>> released_for_;
-  int64_t released_bytes_ = 0;  // released in the running part
-  int unsplit_retries_ = 0;     // retries after a release without a split, this part
+  // Out-of-memory recovery in the running part.
+  struct Recovery {
+    // Pieces each micro-batch of the running part runs in (1: whole).
+    std::vector<int> slot_pieces;
+    // The (micro-batch, pieces) retried after releasing the allocator's
+    // cache that have not fitted since: each is retried so once.
+    std::set<std::pair<size_t, int>> released_for;
+    int64_t released_bytes = 0;  // released in the running part
+    int unsplit_retries = 0;     // retries after a release without a split, this part
+    bool backward_started = false;
+    int64_t syncs_before_micro = 0;  // the part's syncs before the running micro-step
+    int64_t voted_at = -1;           // the part sync number already voted on
+  };
+  Recovery oom_;
   // Releases the allocator's cache before retrying `slot` at its current
   // pieces; true when that retry should run unsplit (bytes were released
   // and it was not retried so before).
@@ -717,37 +722,13 @@ class BalancedStep {
   // `mb` dealt into `pieces` pieces (alternately, so they hold similar
   // lengths).
   std::vector<MicroBatch> SplitMicroBatch(const MicroBatch& mb, int pieces) const;
-  bool backward_started_ = false;
-  int64_t syncs_before_micro_ = 0;  // the part's syncs before the running micro-step
   // The running micro-step's synchronisation completed, successfully, although
   // its backward threw afterwards: its gradient is whole on every rank.
   bool SyncedDespiteFailure() const;
-  int64_t voted_at_ = -1;   // the part sync number already voted on
-  int64_t memory_cap_ = 0;  // this rank's learned cap, padded tokens (0 = none)
-  // Caps predicted from measured peaks (BalanceConfig::memory_limit_bytes).
-  int64_t predicted_cap_ = 0;           // padded tokens (0 = none)
-  double memory_budget_ = 0;            // bytes: limit x headroom (0 = no prediction)
-  std::vector<MemoryFit> memory_fits_;  // per part
-  // The cap the planner respects: the smaller of the learned and the
-  // predicted (0 = none).
-  int64_t MemoryCap() const;
   // After a step: the fits' cap, taken when it moved by more than 5 % (each
   // change said in one line on this rank).
   void PredictMemoryCap();
-  // The smallest micro-batch (padded tokens) that ran out of memory here.
-  int64_t memory_failed_min_ = std::numeric_limits<int64_t>::max();
-  void NoteFailedSize(const MicroBatch& mb);
-  int64_t step_failed_max_ = 0;       // the largest that did in this step
-  std::vector<int64_t> memory_caps_;  // every rank's, from the exchange
-  // The step's sums as the running part began (restored before a replay).
-  struct Sums {
-    std::vector<double> values;
-    std::vector<at::Tensor> tensors;
-    at::Tensor loss;
-  };
-  Sums part_sums_;
-  Sums slot_sums_;  // ... and as the running micro-batch began
-  // After a recovery lowered memory_cap_: the next step's planned
+  // After a recovery lowered the cap: the next step's planned
   // micro-batches packed again under it.
   void RepackPlanned();
   // The current part's sync, clipping, optimizer step and zero_grad.
@@ -786,11 +767,11 @@ class BalancedStep {
 
   DistContext& ctx_;
   std::vector<Part> parts_;
-  size_t part_ = 0;  // the part whose micro-batches run now
   Sampler sampler_;
   BalanceConfig config_;
   std::unique_ptr<internal::MicroStepClock> clock_;
   MemoryProbe memory_probe_;             // the step's peak memory (StepReport::memory)
+  internal::MemoryCaps caps_;            // this rank's micro-batch cap
   std::unique_ptr<WorkerPool> workers_;  // data workers; null = load on this thread
   // Moves loaded data to the model's device on the workers; null = leave it.
   std::unique_ptr<DeviceFeeder> feeder_;
@@ -815,49 +796,48 @@ class BalancedStep {
   // Draws and splits the next global batch into planned_; `steps_done`:
   // the steps completed when it runs (for plan_interval).
   void PlanNextStep(int64_t steps_done);
-  // A Prefetcher<Data> already loading the planned step, and its types.
-  std::shared_ptr<void> carried_;
-  const std::type_info* carried_data_ = nullptr;
-  const void* carried_id_ = nullptr;  // the Loader it loads with
-  // This Step loads the next step's micro-batches ahead (a Loader on the
-  // data workers, BalanceConfig::prefetch_next_step).
-  bool next_step_loads_ = false;
+  // The next step's loads, started ahead.
+  struct Carried {
+    // A Prefetcher<Data> already loading the planned step, and its types.
+    std::shared_ptr<void> prefetch;
+    const std::type_info* data = nullptr;
+    const void* loader = nullptr;  // the Loader it loads with
+    // This Step loads the next step's micro-batches ahead (a Loader on the
+    // data workers, BalanceConfig::prefetch_next_step).
+    bool next_step_loads = false;
+  };
+  Carried carry_;
   CostModel cost_model_;
   Planner planner_;
 
   // The step in progress.
-  bool in_step_ = false;
-  GlobalBatch batch_;
-  std::vector<MicroBatch> micro_;
-  size_t next_micro_ = 0;
-  double scale_ = 1;
-  // Per part: the scaled micro-batch losses summed so far, and their sums.
-  std::vector<at::Tensor> loss_on_device_;
-  std::vector<double> part_loss_sums_;
-  // DeclareSum's names; this step's sums of this rank (doubles, and
-  // tensors summed on their device).
-  std::vector<std::string> sum_names_;
-  bool began_ = false;  // a step has begun (no more DeclareSum)
-  std::vector<double> step_sums_;
-  std::vector<at::Tensor> step_sum_tensors_;
-  size_t SumIndex(const std::string& name) const;
-  bool data_marked_ = false;
-  std::vector<CostFit> fits_;  // every rank's, from the last exchange
-  // Online health: each rank's best typical micro-step time so far, and
-  // whether it is below BalanceConfig::health_warn now.
-  std::vector<double> best_micro_s_;
-  std::vector<bool> unhealthy_;
+  struct Running {
+    bool in_step = false;
+    GlobalBatch batch;
+    std::vector<MicroBatch> micro;
+    size_t part = 0;  // the part whose micro-batches run now
+    size_t next_micro = 0;
+    double scale = 1;
+    // Per part: the scaled micro-batch losses summed so far, and their sums.
+    std::vector<at::Tensor> loss_on_device;
+    std::vector<double> part_loss_sums;
+    bool data_marked = false;
+    int64_t syncs_at_begin = 0;  // GradSync::syncs_completed() when the step began
+    // This step's exception that came after its synchronisation completed
+    // on every rank (the gradient is whole): the step is applied on every
+    // rank and, once the exchange has told every rank, fails on every rank.
+    std::string late_failure;
+  };
+  Running run_;
+  internal::StepSums sums_;      // DeclareSum's sums over all ranks
+  std::vector<CostFit> fits_;    // every rank's, from the last exchange
+  internal::RankHealth health_;  // each rank's micro-step time against its best
   void UpdateHealth();
   int64_t steps_ = 0;
   StepReport report_;
-  int64_t syncs_at_begin_ = 0;  // GradSync::syncs_completed() when the step began
   // A step abandoned without the peers knowing (a failed collective): no
   // step runs after it on this rank.
   absl::Status abandoned_;
-  // This step's exception that came after its synchronisation completed on
-  // every rank (the gradient is whole): the step is applied on every rank
-  // and, once the exchange has told every rank, fails on every rank.
-  std::string late_failure_;
   std::array<double, kAgreementSlots> shared_{};
   // NoteGradients' record: per trainable parameter of the current part, its
   // version and its gradient's identity and version.

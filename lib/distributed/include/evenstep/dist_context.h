@@ -4,7 +4,7 @@
 // evenstep component takes a DistContext&.
 //
 //   absl::StatusOr<std::unique_ptr<evenstep::DistContext>> ctx =
-//       evenstep::DistContext::CreateFromFlags();
+//       evenstep::DistContextFromFlags();
 //   if (!ctx.ok()) { std::cerr << ctx.status() << "\n"; return 1; }
 //   at::Tensor t = at::ones({4});
 //   absl::Status s = (*ctx)->AllReduce(t);   // t == world_size everywhere
@@ -54,10 +54,6 @@ struct DistOptions {
   absl::Duration collective_timeout = absl::Minutes(10);
   // Longest the rendezvous (store connect + all ranks joining) may take.
   absl::Duration rendezvous_timeout = absl::Minutes(5);
-
-  // From --evenstep_backend, --evenstep_timeout, --evenstep_rendezvous_timeout.
-  // InvalidArgument naming the flag when a value is not valid.
-  static absl::StatusOr<DistOptions> FromFlags();
 };
 
 enum class ReduceOp { kSum, kProduct, kMin, kMax };
@@ -123,9 +119,7 @@ class DistContext {
  public:
   // Rendezvous with the environment of this process (DetectLaunchEnv()).
   static absl::StatusOr<std::unique_ptr<DistContext>> Create(const DistOptions& options);
-  // DistOptions::FromFlags() then Create(options): what a trainer's main calls
-  // after absl::ParseCommandLine. A bad flag is InvalidArgument naming it.
-  static absl::StatusOr<std::unique_ptr<DistContext>> CreateFromFlags();
+  // From the --evenstep_* flags: DistContextFromFlags() (evenstep/flags.h).
   // Rendezvous with an explicit environment (tests, embedding launchers).
   static absl::StatusOr<std::unique_ptr<DistContext>> Create(const LaunchEnv& env,
                                                              const DistOptions& options);

@@ -63,8 +63,6 @@ class MetricsLogger {
   absl::Status EndStep(int64_t step);
   // Waits for the last reduction, writes it, closes the files.
   absl::Status Close();
-  // Cross-rank means of the last interval whose reduction was consumed.
-  const std::map<std::string, double>& last_means() const { return last_means_; }
   // True while the last interval's all-reduce has not completed (tests use
   // it to show that EndStep returned without waiting for the other ranks).
   bool reduction_in_flight() const;

@@ -73,10 +73,6 @@ struct PreflightOptions {
   };
   std::vector<Injected> injected;
 
-  // From --evenstep_preflight_quick, --evenstep_ckpt_dir,
-  // --evenstep_preflight_data_dir, --evenstep_device and
-  // --evenstep_preflight_inject.
-  static absl::StatusOr<PreflightOptions> FromFlags();
 };
 
 // One outlier, named.

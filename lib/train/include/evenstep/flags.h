@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/flags/declare.h"
@@ -69,7 +70,12 @@ ABSL_DECLARE_FLAG(std::string, evenstep_preempt_signals);
 
 namespace evenstep {
 
+struct BalanceConfig;
+struct CheckpointOptions;
+class DistContext;
+struct DistOptions;
 struct GradSyncOptions;
+struct PreflightOptions;
 
 // Checks the value of every --evenstep_* flag, as the parts that use them
 // would: InvalidArgument naming the flag and its valid values or range for
@@ -80,6 +86,23 @@ absl::Status ValidateEvenstepFlags();
 // --evenstep_first_bucket_cap_mb and --evenstep_timeout. InvalidArgument
 // naming the flag for a bad value.
 absl::StatusOr<GradSyncOptions> GradSyncOptionsFromFlags();
+
+// The flag adapters of the other option sets (SessionOptions::FromFlags
+// fills the whole Session's): InvalidArgument naming the flag for a bad
+// value.
+// BalanceConfig: everything balancing and the gradient sync read.
+absl::StatusOr<BalanceConfig> BalanceConfigFromFlags();
+// --evenstep_ckpt_* flags: dir, keep, in_flight, when_busy, slice_mb.
+absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags();
+// --evenstep_backend, --evenstep_timeout, --evenstep_rendezvous_timeout.
+absl::StatusOr<DistOptions> DistOptionsFromFlags();
+// DistOptionsFromFlags() then DistContext::Create: what a trainer's main
+// calls after absl::ParseCommandLine.
+absl::StatusOr<std::unique_ptr<DistContext>> DistContextFromFlags();
+// --evenstep_preflight_quick, --evenstep_ckpt_dir,
+// --evenstep_preflight_data_dir, --evenstep_device,
+// --evenstep_preflight_inject.
+absl::StatusOr<PreflightOptions> PreflightOptionsFromFlags();
 
 // For programs with their own argument parsing: parses the --evenstep_*
 // arguments of argv (--evenstep_x=v, --evenstep_x v, --[no]evenstep_bool)

@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "evenstep/balanced_step.h"
+#include "evenstep/internal/save_tracker.h"
 #include "evenstep/launch_env.h"  // kPreemptedExitCode
 #include "evenstep/loader.h"
 #include "evenstep/loop_driver.h"
@@ -102,7 +103,7 @@ class Session {
                                                          const std::string& run_dir,
                                                          std::vector<double> counts = {});
   // The same on a DistContext created from the launcher's environment and
-  // the --evenstep_* flags (DistContext::CreateFromFlags), which the Session
+  // the --evenstep_* flags (DistContextFromFlags), which the Session
   // owns: for a loop that needs no collective of its own. An empty
   // `run_dir` is --evenstep_run_dir's.
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::vector<ModelPart> parts,
@@ -209,10 +210,10 @@ class Session {
   // resumed_user_state() is what the checkpoint held ("{}" if none).
   void set_user_state(std::function<void(const StepReport&)> update,
                       std::function<std::string()> save) {
-    user_update_ = std::move(update);
-    user_state_ = std::move(save);
+    loop_vars_.update = std::move(update);
+    loop_vars_.save = std::move(save);
   }
-  const std::string& resumed_user_state() const { return resumed_user_state_; }
+  const std::string& resumed_user_state() const { return loop_vars_.resumed_state; }
   // The same for a state object with `std::string Json() const` and
   // `void Restore(const std::string& json)`: restored now from the resumed
   // checkpoint (when there is one), saved with every checkpoint, and
@@ -220,7 +221,7 @@ class Session {
   // Session.
   template <typename State>
   void Keep(State& state, std::function<void(const StepReport&)> update) {
-    if (resumed_user_state_ != "{}") state.Restore(resumed_user_state_);
+    if (loop_vars_.resumed_state != "{}") state.Restore(loop_vars_.resumed_state);
     set_user_state(std::move(update), [&state] { return std::string(state.Json()); });
   }
   // Stream mode (--evenstep_streams=S): per-stream state the loop keeps in
@@ -374,10 +375,6 @@ class Session {
  private:
   template <typename Data>
   friend class LoopBatches;
-  struct PendingSave {
-    int64_t step;
-    std::shared_future<absl::Status> done;
-  };
   struct LrSchedule {
     std::function<double(int64_t, int64_t)> lr;  // a function of (step, epoch), or
     torch::optim::LRScheduler* scheduler = nullptr;
@@ -425,24 +422,16 @@ class Session {
   // (with `fallback`, the newest that loads) into the run's state, or none
   // there (said on rank 0).
   absl::Status Resume(const std::string& ckpt_dir, bool fallback);
-  // Reports the outcome of the save of `step` (a line when it failed).
-  void Observe(int64_t step, const absl::Status& outcome);
-  // Observes the saves that have finished, oldest first.
-  void PollSaves();
-  // Waits for every save in flight and observes it, oldest first; the last
-  // one's outcome (OK if none) and, in `last_step` when given, its step.
-  absl::Status DrainSaves(int64_t* last_step);
 
   DistContext& ctx_;
   std::vector<ModelPart> parts_;
   // With several parts: one module holding them as children, named by part.
   std::shared_ptr<torch::nn::Module> parts_module_;
-  std::vector<LrSchedule> schedules_;
-  std::vector<int64_t> resumed_counts_;  // scheduler counts from the checkpoint
-  std::function<void(const StepReport&)> user_update_;
-  std::function<std::string()> user_state_;
-  std::string resumed_user_state_ = "{}";
-  std::unique_ptr<internal::KeptValues> kept_;  // Keep's variables
+  struct Schedules {
+    std::vector<LrSchedule> list;
+    std::vector<int64_t> resumed_counts;  // scheduler counts from the checkpoint
+  };
+  Schedules schedules_;
   // KeepSum's variables: the value at the step's start, and at the last
   // addition to the step sum.
   struct SumBinding {
@@ -451,7 +440,17 @@ class Session {
     double start = 0, added = 0;
     bool bound = true;  // false: an evenstep::KeptSum out of scope
   };
-  std::vector<SumBinding> kept_sums_;
+  // The loop's own state: Keep's and KeepSum's variables, the state object
+  // (set_user_state), and what the resumed checkpoint held of them.
+  struct LoopVars {
+    std::unique_ptr<internal::KeptValues> kept;
+    std::vector<SumBinding> sums;
+    std::string resumed_kept;  // the resumed checkpoint's kept values ("" = no resume)
+    std::function<void(const StepReport&)> update;
+    std::function<std::string()> save;
+    std::string resumed_state = "{}";
+  };
+  LoopVars loop_vars_;
   template <typename T>
   friend class Kept;
   template <typename T>
@@ -467,7 +466,6 @@ class Session {
   // What each kept sum gained since its last addition, into its step sum
   // (after each part's sync, before the exchange).
   void AddKeptSums();
-  std::string resumed_kept_;  // the resumed checkpoint's kept values ("" = no resume)
   StepReport last_report_;
   struct StreamState {
     std::string name;
@@ -494,14 +492,8 @@ class Session {
   absl::Status loop_status_;              // how the last loop over Batches ended
   bool save_due_ = false;                 // --evenstep_ckpt_every: save at the next boundary
   std::vector<std::pair<int, struct sigaction>> old_handlers_;
-  std::deque<PendingSave> pending_;  // saves in flight, oldest first
-  int64_t save_failures_ = 0;        // failed saves this rank has seen
-  int failure_run_ = 0;              // consecutive failed saves, the latest ones
-  int longest_failure_run_ = 0;
-  SessionOptions options_;  // as Create was given them (nothing rereads the flags)
-  absl::Status last_save_error_;
-  int64_t run_first_step_ = 0;      // the first failed save of the current run
-  int64_t longest_first_step_ = 0;  // ... of the longest run
+  internal::SaveTracker saves_;  // saves in flight and their outcomes
+  SessionOptions options_;       // as Create was given them (nothing rereads the flags)
 };
 
 // The range Session::Batches returns: one epoch's micro-batches on this

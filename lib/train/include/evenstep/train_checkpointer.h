@@ -80,8 +80,7 @@ struct LoadResult {
   std::vector<std::string> structure_problems;
 };
 
-// --evenstep_ckpt_* flags: dir, keep, in_flight, when_busy, slice_mb.
-absl::StatusOr<CheckpointOptions> CheckpointOptionsFromFlags();
+// From the --evenstep_ckpt_* flags: CheckpointOptionsFromFlags() (evenstep/flags.h).
 
 class TrainCheckpointer {
  public:
