@@ -119,11 +119,12 @@ bool MicroSteps(GradSync& sync, conformance::Case& model, const Scenario& s, int
                 const std::vector<std::vector<int64_t>>& mine, Outcome* outcome) {
   const int64_t syncs_before = sync.syncs_completed();
   const int n = static_cast<int>(mine.size());
+  sync.SetStep(step);  // at the step's start: an AbandonStep before the sync carries it too
   try {
     for (int m = 0; m < n; ++m) {
       const bool last = m + 1 == n;
       sync.set_sync_enabled(last || (s.two_backward && m == n - 2));
-      if (sync.sync_enabled()) sync.SetStep(step);  // before each synchronisation
+      if (sync.sync_enabled()) sync.SetStep(step);  // again before each synchronisation
       if (s.throw_at_3) {
         static_cast<conformance::Reverse&>(model).fire_step =
             (s.throw_in_first ? m == 0 : last) ? 3 : -1;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <memory>
 
+#include "evenstep/internal/memory_caps.h"
 #include "gtest/gtest.h"
 
 namespace evenstep {
@@ -102,6 +103,47 @@ TEST(MemoryFitTest, PredictsNothingItCannotIdentify) {
   MemoryFit flat;
   for (int64_t tokens : {10, 20, 30, 40, 50, 60, 70}) flat.Record(tokens, 100 * kMiB);
   EXPECT_EQ(flat.Cap(180.0 * kMiB), 0);
+}
+
+// BalancedStep's cap: the smaller of the learned (the largest piece that
+// fitted, below the smallest that failed) and the predicted one (the parts'
+// fits within the budget, taken only when it moves by more than 5 %);
+// restored per rank from the balance state.
+TEST(MemoryCapsTest, TheCapIsTheSmallerOfLearnedAndPredictedAndMovesOnlyByMoreThanFivePercent) {
+  internal::MemoryCaps caps(180.0 * kMiB, /*parts=*/2);
+  ASSERT_TRUE(caps.predicting());
+  EXPECT_EQ(caps.cap(), 0);
+  for (int64_t tokens : {10, 20, 30, 40, 50, 60}) {
+    caps.Record(0, tokens, (100 + 2 * tokens) * kMiB);  // part 0: 40 tokens fit
+  }
+  EXPECT_FALSE(caps.Predict().has_value()) << "part 1 has no prediction yet";
+  for (int64_t tokens : {10, 20, 30, 40, 50, 60}) {
+    caps.Record(1, tokens, (60 + 2 * tokens) * kMiB);  // part 1: 60 tokens fit
+  }
+  const auto p = caps.Predict();
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->part, 0u) << "the part whose fit bounds the cap";
+  EXPECT_NEAR(p->cap, 40, 1);
+  EXPECT_EQ(caps.cap(), p->cap);
+  EXPECT_FALSE(caps.Predict().has_value()) << "unchanged: no new prediction";
+  // A failure at 30 tokens: the learned cap stays below it, and the
+  // predicted one is bounded by it at the next prediction.
+  caps.BeginStep();
+  caps.NoteFailed(30);
+  EXPECT_EQ(caps.step_failed_max(), 30);
+  caps.Learn(24);
+  EXPECT_EQ(caps.cap(), 24);
+  const auto bounded = caps.Predict();
+  ASSERT_TRUE(bounded.has_value());
+  EXPECT_EQ(bounded->cap, 29);
+  caps.Learn(64);  // never at or above a size that failed
+  EXPECT_EQ(caps.cap(), 29);
+  // Restored: this rank's learned cap from every rank's.
+  internal::MemoryCaps restored(0, 1);
+  EXPECT_FALSE(restored.predicting());
+  restored.Restore({12, 34}, /*rank=*/1);
+  EXPECT_EQ(restored.cap(), 34);
+  EXPECT_EQ(restored.all(), (std::vector<int64_t>{12, 34}));
 }
 
 }  // namespace

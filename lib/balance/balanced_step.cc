@@ -34,8 +34,11 @@
 #include "absl/strings/str_join.h"
 #include "balanced_step_internal.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/memory_caps.h"
 #include "evenstep/internal/micro_step_clock.h"
+#include "evenstep/internal/rank_health.h"
 #include "evenstep/internal/split_record.h"
+#include "evenstep/internal/step_sums.h"
 #include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
@@ -62,9 +65,12 @@ BalancedStep::BalancedStep(DistContext& ctx, std::vector<Part> parts, Sampler sa
       config_(std::move(config)),
       clock_(std::move(clock)),
       memory_probe_(ModelDevice(*parts_[0].spec.module)),
-      caps_(MemoryBudget(config_, memory_probe_), parts_.size()),
+      caps_(std::make_unique<internal::MemoryCaps>(MemoryBudget(config_, memory_probe_),
+                                                   parts_.size())),
       cost_model_(config_.cost_model),
-      planner_(ctx.world_size(), config_.planner) {}
+      planner_(ctx.world_size(), config_.planner),
+      sums_(std::make_unique<internal::StepSums>()),
+      health_(std::make_unique<internal::RankHealth>()) {}
 
 absl::Status BalancedStep::OnePart() const {
   if (parts_.size() == 1) return absl::OkStatus();
@@ -102,7 +108,7 @@ void BalancedStep::StartPart(size_t k) {
   run_.part = k;
   run_.next_micro = 0;
   run_.data_marked = false;
-  if (caps_.predicting()) memory_probe_.Lap();  // a part's first micro-step from here
+  if (caps_->predicting()) memory_probe_.Lap();  // a part's first micro-step from here
   Reseed(0);
   Part& part = parts_[k];
   // An earlier step's failed synchronisation is settled: a failure in this
@@ -110,7 +116,7 @@ void BalancedStep::StartPart(size_t k) {
   part.sync->ForgetFailure();
   part.sync->SetStep(steps_);
   run_.syncs_at_begin = part.sync->syncs_completed();
-  sums_.MarkPart(run_.loss_on_device[k]);
+  sums_->MarkPart(run_.loss_on_device[k]);
   oom_.slot_pieces.assign(run_.micro.size(), 1);
   oom_.released_for.clear();
   oom_.released_bytes = 0;
@@ -276,7 +282,7 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
     planner_.Update(fits_, next.batch.cost, sampler_.micro_batch_cost_cap());
   }
   Plan plan = planner_.plan();
-  int64_t cap = caps_.cap();
+  int64_t cap = caps_->cap();
   const int64_t step = steps_done + 1;
   if (split_log_ != nullptr && !split_log_->replay_file.empty() && split_log_->error.ok()) {
     split_log_->error = split_log_->Replay(step, next.batch, &plan, &cap);
@@ -322,7 +328,7 @@ absl::Status BalancedStep::BeginStep() {
   }
   report_ = StepReport{};
   report_.begin = absl::Now();
-  caps_.BeginStep();
+  caps_->BeginStep();
   run_.late_failure.clear();
   memory_probe_.Begin();
   cost_model_.BeginStep();
@@ -340,7 +346,7 @@ absl::Status BalancedStep::BeginStep() {
                : run_.batch.count > 0               ? 1.0 / run_.batch.count
                                                     : 0.0;
   run_.loss_on_device.assign(parts_.size(), at::Tensor());
-  sums_.BeginStep();
+  sums_->BeginStep();
   run_.part_loss_sums.assign(parts_.size(), 0.0);
   run_.in_step = true;
   StartPart(0);
@@ -367,7 +373,7 @@ absl::Status BalancedStep::BeginStep() {
 void BalancedStep::DataReady() {
   clock_->Start();
   run_.data_marked = true;
-  sums_.MarkMicroBatch(run_.loss_on_device[run_.part]);
+  sums_->MarkMicroBatch(run_.loss_on_device[run_.part]);
 }
 
 absl::Status BalancedStep::Backward(const at::Tensor& loss_sum) {
@@ -466,20 +472,20 @@ void BalancedStep::MicroStep(const at::Tensor& loss_sum, const MicroBatch& mb, b
   scaled_loss.backward();
   oom_.backward_started = false;
   report_.largest_micro_batch = std::max(report_.largest_micro_batch, mb.padded_tokens());
-  if (caps_.predicting()) {  // predicted caps: the micro-step's peak into its part's fit
+  if (caps_->predicting()) {  // predicted caps: the micro-step's peak into its part's fit
     const int64_t peak =
         config_.micro_peak_bytes ? config_.micro_peak_bytes(mb) : memory_probe_.Lap();
-    caps_.Record(run_.part, mb.padded_tokens(), peak);
+    caps_->Record(run_.part, mb.padded_tokens(), peak);
   }
 }
 
 void BalancedStep::RepackPlanned() {
-  if (!planned_ || caps_.cap() <= 0) return;
+  if (!planned_ || caps_->cap() <= 0) return;
   std::vector<int64_t> samples;
   for (const MicroBatch& mb : planned_->micro) {
     samples.insert(samples.end(), mb.samples.begin(), mb.samples.end());
   }
-  std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), caps_.cap());
+  std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), caps_->cap());
   if (micro.size() == planned_->micro.size()) return;  // already within the cap
   CancelPrefetch();                                    // its loads were for the old micro-batches
   Label(planned_->batch, sampler_.options().seed, &micro);
@@ -619,15 +625,15 @@ absl::StatusOr<StepReport> BalancedStep::FinishStep() {
 }
 
 absl::Status BalancedStep::DeclareSum(const std::string& name) {
-  return sums_.Declare(name, ctx_.rank());
+  return sums_->Declare(name, ctx_.rank());
 }
 
 void BalancedStep::AddToSum(const std::string& name, double value) {
-  sums_.Add(name, value, run_.in_step);
+  sums_->Add(name, value, run_.in_step);
 }
 
 void BalancedStep::AddToSum(const std::string& name, const at::Tensor& value) {
-  sums_.Add(name, value, run_.in_step);
+  sums_->Add(name, value, run_.in_step);
 }
 
 std::pair<int64_t, int64_t> BalancedStep::owned_streams() const {

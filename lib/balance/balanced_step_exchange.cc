@@ -24,8 +24,11 @@
 #include "absl/strings/str_join.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/memory_caps.h"
 #include "evenstep/internal/micro_step_clock.h"
+#include "evenstep/internal/rank_health.h"
 #include "evenstep/internal/split_record.h"
+#include "evenstep/internal/step_sums.h"
 #include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
@@ -61,7 +64,7 @@ absl::Status BalancedStep::Account() {
       const at::Tensor& sum = run_.loss_on_device[k];
       run_.part_loss_sums[k] = sum.defined() ? sum.item<double>() : 0.0;
     }
-    sums_.Collect();
+    sums_->Collect();
   } catch (const std::exception& e) {
     return absl::InternalError(
         absl::StrCat("BalancedStep: rank ", ctx_.rank(), ", step ", steps_ + 1,
@@ -95,7 +98,7 @@ absl::Status BalancedStep::Account() {
 absl::Status BalancedStep::Exchange() {
   const CostFit fit = cost_model_.total_fit();
   const int sums_at = kPartLosses + static_cast<int>(parts_.size());
-  const int fields = sums_at + static_cast<int>(sums_.size());
+  const int fields = sums_at + static_cast<int>(sums_->size());
   at::Tensor mine = at::zeros({fields}, at::kDouble);
   double* m = mine.data_ptr<double>();
   m[kFitFixed] = fit.fixed_s;
@@ -103,12 +106,12 @@ absl::Status BalancedStep::Exchange() {
   m[kFitObservations] = static_cast<double>(fit.observations);
   m[kBusy] = absl::ToDoubleSeconds(report_.busy);
   for (size_t k = 0; k < parts_.size(); ++k) m[kPartLosses + k] = run_.part_loss_sums[k];
-  for (size_t k = 0; k < sums_.size(); ++k) m[sums_at + k] = sums_.value(k);
+  for (size_t k = 0; k < sums_->size(); ++k) m[sums_at + k] = sums_->value(k);
   m[kMicroBatches] = static_cast<double>(run_.micro.size());
   m[kLateFailure] = run_.late_failure.empty() ? 0 : 1;
   m[kOomSplits] = report_.oom_splits;
-  m[kMemoryCap] = static_cast<double>(caps_.cap());
-  m[kOomFailed] = static_cast<double>(caps_.step_failed_max());
+  m[kMemoryCap] = static_cast<double>(caps_->cap());
+  m[kOomFailed] = static_cast<double>(caps_->step_failed_max());
   m[kPeakMemory] = static_cast<double>(report_.memory.peak_bytes);
   m[kLargestMicro] = static_cast<double>(report_.largest_micro_batch);
   for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
@@ -125,7 +128,7 @@ absl::Status BalancedStep::Exchange() {
   report_.rank_peak_memory.assign(world, 0);
   report_.rank_largest_micro_batch.assign(world, 0);
   report_.part_losses.assign(parts_.size(), 0.0);
-  for (const std::string& name : sums_.names()) report_.sums[name] = 0;
+  for (const std::string& name : sums_->names()) report_.sums[name] = 0;
   double busy_sum = 0, busy_max = 0;
   report_.agreed.fill(-std::numeric_limits<double>::infinity());
   for (int r = 0; r < world; ++r) {
@@ -153,12 +156,12 @@ absl::Status BalancedStep::Exchange() {
           report_.rank_memory_caps[r]));
     }
     for (size_t k = 0; k < parts_.size(); ++k) report_.part_losses[k] += v[kPartLosses + k];
-    for (size_t k = 0; k < sums_.size(); ++k) report_.sums[sums_.names()[k]] += v[sums_at + k];
+    for (size_t k = 0; k < sums_->size(); ++k) report_.sums[sums_->names()[k]] += v[sums_at + k];
     busy_sum += v[kBusy];
     busy_max = std::max(busy_max, v[kBusy]);
   }
   report_.loss = report_.part_losses[0];
-  caps_.set_all(report_.rank_memory_caps);
+  caps_->set_all(report_.rank_memory_caps);
   report_.balance_efficiency = busy_max > 0 ? busy_sum / world / busy_max : 1.0;
   UpdateHealth();
   return absl::OkStatus();
@@ -169,7 +172,7 @@ void BalancedStep::UpdateHealth() {
   // share of one rank when uncapped).
   double units = sampler_.micro_batch_cost_cap();
   if (!std::isfinite(units)) units = run_.batch.cost / std::max<size_t>(fits_.size(), 1);
-  internal::RankHealth::Figures f = health_.Update(fits_, units, config_.health_warn, steps_ + 1);
+  internal::RankHealth::Figures f = health_->Update(fits_, units, config_.health_warn, steps_ + 1);
   report_.rank_health = std::move(f.health);
   report_.rank_relative_speed = std::move(f.relative_speed);
   report_.health_alerts = std::move(f.alerts);
@@ -183,7 +186,7 @@ BalanceState BalancedStep::state() const {
   state.sampler = planned_ ? planned_->sampler_before : sampler_.state();
   state.shares = planned_ ? planned_->shares_before : planner_.plan().shares;
   state.steps = steps_;
-  const std::vector<int64_t>& caps = caps_.all();
+  const std::vector<int64_t>& caps = caps_->all();
   if (std::any_of(caps.begin(), caps.end(), [](int64_t c) { return c > 0; })) {
     state.memory_caps = caps;
   }
@@ -226,10 +229,10 @@ absl::Status BalancedStep::Restore(const BalanceState& state) {
   cost_model_.Reset();
   // Each rank's learned memory cap, when the world is the same (ranks of
   // another world may sit on other devices).
-  caps_.Restore(static_cast<int>(state.memory_caps.size()) == ctx_.world_size()
-                    ? state.memory_caps
-                    : std::vector<int64_t>(),
-                ctx_.rank());
+  caps_->Restore(static_cast<int>(state.memory_caps.size()) == ctx_.world_size()
+                     ? state.memory_caps
+                     : std::vector<int64_t>(),
+                 ctx_.rank());
   return absl::OkStatus();
 }
 

@@ -24,8 +24,11 @@
 #include "absl/strings/str_join.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/memory_caps.h"
 #include "evenstep/internal/micro_step_clock.h"
+#include "evenstep/internal/rank_health.h"
 #include "evenstep/internal/split_record.h"
+#include "evenstep/internal/step_sums.h"
 #include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
@@ -82,7 +85,7 @@ absl::Status BalancedStep::OutOfMemory(size_t slot, bool backward_started,
   absl::Cleanup note = [this] { NoteGradients(); };
   const std::string why = absl::StrCat("out of memory: ", what);
   if (!Recovers()) {
-    caps_.NoteFailed(run_.micro[slot].padded_tokens());
+    caps_->NoteFailed(run_.micro[slot].padded_tokens());
     return Abandon(slot, absl::StrCat(why, config_.oom == BalanceConfig::OomPolicy::kFail
                                                ? " (--evenstep_oom=fail)"
                                                : " (not retried: the loop calls Backward itself)"));
@@ -90,7 +93,7 @@ absl::Status BalancedStep::OutOfMemory(size_t slot, bool backward_started,
   const size_t n = run_.micro.size();
   // With the allocator's cache released the micro-batch may fit as it is.
   const size_t split = RetryAfterReleasingCache(slot) ? n : slot;
-  if (split < n) caps_.NoteFailed(run_.micro[slot].padded_tokens());
+  if (split < n) caps_->NoteFailed(run_.micro[slot].padded_tokens());
   if (backward_started && slot + 1 == n) {
     // This rank's failure mark is in the part's synchronisation: every rank
     // learns of it, and all agree to run the part again.
@@ -150,7 +153,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
   };
   if (failed < n) split_more(failed);
   for (;;) {
-    run_.loss_on_device[run_.part] = sums_.Rewind(/*to_part_start=*/from == 0);
+    run_.loss_on_device[run_.part] = sums_->Rewind(/*to_part_start=*/from == 0);
     if (from == 0) {
       part.spec.optimizer->zero_grad();
       part.sync->ForgetUse();
@@ -165,7 +168,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
       for (size_t q = 0; q < run.size() && !again; ++q) {
         const bool sync_now = j + 1 == n && q + 1 == run.size();
         // The piece's peak from here (not the failed attempt's).
-        if (caps_.predicting()) memory_probe_.Lap();
+        if (caps_->predicting()) memory_probe_.Lap();
         try {
           MicroStep(recompute_(run[q]), run[q], sync_now);
           oom_.released_for.erase({j, oom_.slot_pieces[j]});  // it fits now
@@ -177,7 +180,7 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
           oom_.backward_started = false;
           if (sync_now && started && SyncedDespiteFailure()) continue;  // the gradient is whole
           const bool unsplit = RetryAfterReleasingCache(j);
-          if (!unsplit) caps_.NoteFailed(run[q].padded_tokens());
+          if (!unsplit) caps_->NoteFailed(run[q].padded_tokens());
           if (!unsplit && run[q].samples.size() <= 1) {
             return Abandon(j, TooLargeAlone(run[q], internal::ErrorText(e)));
           }
@@ -201,17 +204,17 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
     if (again) continue;
     if (!split.empty()) {
       // The largest piece known to fit, below the smallest that did not.
-      caps_.Learn(largest);
+      caps_->Learn(largest);
       for (size_t j : split) {
         const MicroBatch& mb = run_.micro[j];
         ++report_.oom_splits;
         Log(LogLevel::kWarning,
-            absl::StrFormat("rank %d, step %d: out of memory in micro-batch %d of %d (%d "
-                            "samples, %d padded tokens): split in %d and retried; this rank's "
-                            "micro-batches are now capped at %d padded tokens",
-                            ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(),
-                            mb.padded_tokens(),
-                            std::min<size_t>(oom_.slot_pieces[j], mb.samples.size()), caps_.cap()));
+            absl::StrFormat(
+                "rank %d, step %d: out of memory in micro-batch %d of %d (%d "
+                "samples, %d padded tokens): split in %d and retried; this rank's "
+                "micro-batches are now capped at %d padded tokens",
+                ctx_.rank(), steps_ + 1, j + 1, n, mb.samples.size(), mb.padded_tokens(),
+                std::min<size_t>(oom_.slot_pieces[j], mb.samples.size()), caps_->cap()));
       }
       RepackPlanned();
     }
@@ -229,8 +232,8 @@ absl::Status BalancedStep::Replay(size_t from, size_t until, size_t failed) {
 }
 
 void BalancedStep::PredictMemoryCap() {
-  const int64_t before = caps_.cap();
-  const std::optional<internal::MemoryCaps::Prediction> p = caps_.Predict();
+  const int64_t before = caps_->cap();
+  const std::optional<internal::MemoryCaps::Prediction> p = caps_->Predict();
   if (!p) return;
   constexpr double kMiB = 1 << 20;
   Log(LogLevel::kWarning,
@@ -242,8 +245,8 @@ void BalancedStep::PredictMemoryCap() {
                                         : std::string(),
                       p->line.fixed_bytes / kMiB, p->line.per_token_bytes / kMiB,
                       config_.memory_headroom * 100,
-                      caps_.budget() / config_.memory_headroom / kMiB));
-  if (before <= 0 || caps_.cap() < before) RepackPlanned();
+                      caps_->budget() / config_.memory_headroom / kMiB));
+  if (before <= 0 || caps_->cap() < before) RepackPlanned();
 }
 
 absl::Status BalancedStep::Abandon(size_t micro_batch, const std::string& what) {

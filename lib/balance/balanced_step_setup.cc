@@ -24,8 +24,11 @@
 #include "balanced_step_internal.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/memory_caps.h"
 #include "evenstep/internal/micro_step_clock.h"
+#include "evenstep/internal/rank_health.h"
 #include "evenstep/internal/split_record.h"
+#include "evenstep/internal/step_sums.h"
 #include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 

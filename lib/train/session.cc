@@ -25,6 +25,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "evenstep/internal/kept_values.h"
+#include "evenstep/internal/save_tracker.h"
 #include "evenstep/log.h"
 #include "evenstep/metrics.h"
 #include "evenstep/preflight.h"
@@ -47,7 +48,9 @@ extern "C" void OnPreemptSignal(int sig) { g_preempt_signal = sig; }
 using internal::g_preempt_signal;
 
 Session::Session(DistContext& ctx, std::vector<ModelPart> parts)
-    : ctx_(ctx), parts_(std::move(parts)), saves_(ctx.rank()) {
+    : ctx_(ctx),
+      parts_(std::move(parts)),
+      saves_(std::make_unique<internal::SaveTracker>(ctx.rank())) {
   loop_vars_.kept = std::make_unique<internal::KeptValues>();
 }
 
@@ -171,17 +174,17 @@ absl::Status Session::StopForPreemption(int signal, int64_t step) {
     std::string line =
         absl::StrCat("preemption (signal ", signal, ") at step ", step, ": ",
                      last_step_ > last_saved_ ? "saving" : "already saving", " step ", step);
-    if (!saves_.empty()) {
+    if (!saves_->empty()) {
       // Saves in flight complete (and commit) first; none is abandoned.
-      absl::StrAppend(&line, " after ", saves_.in_flight(), " save(s) in flight (from step ",
-                      saves_.oldest_step(), ")");
+      absl::StrAppend(&line, " after ", saves_->in_flight(), " save(s) in flight (from step ",
+                      saves_->oldest_step(), ")");
     }
     Log(LogLevel::kInfo, line + ", then stopping");
   }
   absl::Status s;
   if (last_step_ > last_saved_) s = Checkpoint();
   int64_t final_step = -1;
-  const absl::Status outcome = saves_.Drain(&final_step);
+  const absl::Status outcome = saves_->Drain(&final_step);
   if (s.ok()) s = outcome;
   EVENSTEP_RETURN_IF_ERROR(s, "rank ", ctx_.rank(), ": preemption at step ", step,
                            ": the checkpoint of step ", final_step, " failed");
@@ -230,9 +233,9 @@ absl::Status Session::AfterStep(StepReport* report) {
                            report->step, ": metrics");
   // Saves that finished since the last step are reported now; whether to
   // stop is decided from the agreed maximum, so every rank stops together.
-  saves_.Poll();
-  report->checkpoint_failures = saves_.failures();
-  step_->ShareAtNextExchange(kSaveFailureRun, saves_.longest_run());
+  saves_->Poll();
+  report->checkpoint_failures = saves_->failures();
+  step_->ShareAtNextExchange(kSaveFailureRun, saves_->longest_run());
   const double agreed_run = report->agreed[kSaveFailureRun];
   const bool fail_first = options_.ckpt_on_error == OnSaveError::kFail;
   const int stop_after = fail_first ? 1 : options_.ckpt_max_failures;  // 0: never
@@ -251,10 +254,10 @@ absl::Status Session::AfterStep(StepReport* report) {
     return absl::DataLossError(absl::StrCat(
         "rank ", ctx_.rank(), ", step ", report->step, ": ", why,
         "; training stops rather than run on without checkpoints. ",
-        saves_.last_error().ok()
+        saves_->last_error().ok()
             ? "The failure was seen first by another rank (see its output)"
-            : absl::StrCat("The failed saves began at step ", saves_.longest_first_step(),
-                           "; the last failure: ", saves_.last_error().message())));
+            : absl::StrCat("The failed saves began at step ", saves_->longest_first_step(),
+                           "; the last failure: ", saves_->last_error().message())));
   }
   // Both wait for the iteration boundary (BeforeStep, Finish).
   if (const double signal = report->agreed[kPreemptSignal]; signal > 0) {
@@ -298,7 +301,7 @@ absl::Status Session::Checkpoint() {
     }
     return absl::OkStatus();
   }
-  saves_.Started(last_step_, ticket->done);
+  saves_->Started(last_step_, ticket->done);
   last_saved_ = last_step_;
   return absl::OkStatus();
 }
@@ -403,11 +406,11 @@ absl::Status Session::Finish() {
   } else {
     if (last_step_ > last_saved_) s = Checkpoint();
     int64_t final_step = -1;
-    const absl::Status final_outcome = saves_.Drain(&final_step);
+    const absl::Status final_outcome = saves_->Drain(&final_step);
     if (s.ok() && !final_outcome.ok()) {
       s = Annotate(final_outcome,
                    absl::StrCat("the last checkpoint (step ", final_step, ") failed (",
-                                saves_.failures(), " failed saves in this run)"));
+                                saves_->failures(), " failed saves in this run)"));
     }
   }
   // Every outcome was read through its ticket above.

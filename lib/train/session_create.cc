@@ -24,6 +24,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "evenstep/internal/kept_values.h"
+#include "evenstep/internal/save_tracker.h"
 #include "evenstep/log.h"
 #include "evenstep/metrics.h"
 #include "evenstep/preflight.h"
@@ -94,7 +95,7 @@ Session::~Session() {
   for (const auto& [sig, old] : old_handlers_) sigaction(sig, &old, nullptr);
   // A Session that was never finished (an error path) starts no new save;
   // it waits for the saves in flight and reports how they ended.
-  if (created_ && !finished_) saves_.Drain(nullptr).IgnoreError();  // each was reported
+  if (created_ && !finished_) saves_->Drain(nullptr).IgnoreError();  // each was reported
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx, torch::nn::Module& model,

@@ -84,9 +84,6 @@
 #include "evenstep/device_feed.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/grad_sync.h"
-#include "evenstep/internal/memory_caps.h"
-#include "evenstep/internal/rank_health.h"
-#include "evenstep/internal/step_sums.h"
 #include "evenstep/loader.h"
 #include "evenstep/memory_probe.h"
 #include "evenstep/planner.h"
@@ -98,8 +95,11 @@
 
 namespace evenstep {
 namespace internal {
+class MemoryCaps;
 class MicroStepClock;
-}
+class RankHealth;
+class StepSums;
+}  // namespace internal
 
 // How the loss a micro-batch's function returns is reduced over its samples
 // (or tokens, by SamplerOptions::normalization).
@@ -770,9 +770,9 @@ class BalancedStep {
   Sampler sampler_;
   BalanceConfig config_;
   std::unique_ptr<internal::MicroStepClock> clock_;
-  MemoryProbe memory_probe_;             // the step's peak memory (StepReport::memory)
-  internal::MemoryCaps caps_;            // this rank's micro-batch cap
-  std::unique_ptr<WorkerPool> workers_;  // data workers; null = load on this thread
+  MemoryProbe memory_probe_;                    // the step's peak memory (StepReport::memory)
+  std::unique_ptr<internal::MemoryCaps> caps_;  // this rank's micro-batch cap
+  std::unique_ptr<WorkerPool> workers_;         // data workers; null = load on this thread
   // Moves loaded data to the model's device on the workers; null = leave it.
   std::unique_ptr<DeviceFeeder> feeder_;
   // The next step, planned ahead when its loads start early (prefetch_next_step).
@@ -829,9 +829,9 @@ class BalancedStep {
     std::string late_failure;
   };
   Running run_;
-  internal::StepSums sums_;      // DeclareSum's sums over all ranks
-  std::vector<CostFit> fits_;    // every rank's, from the last exchange
-  internal::RankHealth health_;  // each rank's micro-step time against its best
+  std::unique_ptr<internal::StepSums> sums_;      // DeclareSum's sums over all ranks
+  std::vector<CostFit> fits_;                     // every rank's, from the last exchange
+  std::unique_ptr<internal::RankHealth> health_;  // each rank's micro-step time against its best
   void UpdateHealth();
   int64_t steps_ = 0;
   StepReport report_;

@@ -34,7 +34,6 @@
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "evenstep/balanced_step.h"
-#include "evenstep/internal/save_tracker.h"
 #include "evenstep/launch_env.h"  // kPreemptedExitCode
 #include "evenstep/loader.h"
 #include "evenstep/loop_driver.h"
@@ -52,7 +51,8 @@ class MetricsLogger;
 class Timeline;
 namespace internal {
 class KeptValues;
-}
+class SaveTracker;
+}  // namespace internal
 template <typename Data>
 class LoopBatches;
 
@@ -492,8 +492,8 @@ class Session {
   absl::Status loop_status_;              // how the last loop over Batches ended
   bool save_due_ = false;                 // --evenstep_ckpt_every: save at the next boundary
   std::vector<std::pair<int, struct sigaction>> old_handlers_;
-  internal::SaveTracker saves_;  // saves in flight and their outcomes
-  SessionOptions options_;       // as Create was given them (nothing rereads the flags)
+  std::unique_ptr<internal::SaveTracker> saves_;  // saves in flight and their outcomes
+  SessionOptions options_;  // as Create was given them (nothing rereads the flags)
 };
 
 // The range Session::Batches returns: one epoch's micro-batches on this
