@@ -317,6 +317,52 @@ std::string RankLinesStarting(const std::string& output, const std::string& pref
   return lines;
 }
 
+// The two numbers after `first` and `second` in each of `lines` (e.g.
+// "Loss: X, Accuracy: Y"), in order.
+std::vector<std::pair<double, double>> Figures(const std::string& lines, const std::string& first,
+                                               const std::string& second) {
+  std::vector<std::pair<double, double>> figures;
+  for (absl::string_view line : absl::StrSplit(lines, '\n', absl::SkipEmpty())) {
+    const size_t a = line.find(first), b = line.find(second);
+    if (a == absl::string_view::npos || b == absl::string_view::npos) continue;
+    double x = 0, y = 0;
+    absl::string_view xs = line.substr(a + first.size()), ys = line.substr(b + second.size());
+    xs = xs.substr(0, xs.find(',')), ys = ys.substr(0, ys.find(','));
+    if (absl::SimpleAtod(xs, &x) && absl::SimpleAtod(ys, &y)) figures.emplace_back(x, y);
+  }
+  return figures;
+}
+
+// {loss, accuracy} of each "Epoch [" and then "Testset" line of rank
+// `prefix` ("" for a plain run): "... Loss: X, Accuracy: Y".
+std::vector<std::pair<double, double>> EpochAndTestFigures(const std::string& output,
+                                                           const std::string& prefix) {
+  return Figures(
+      RankLinesStarting(output, prefix, "E") + RankLinesStarting(output, prefix, "Testset"),
+      "Loss: ", "Accuracy: ");
+}
+
+// The port on 2 ranks as run "cut", stopped by SIGTERM to the launcher once
+// `line` is printed (the step is saved, exit 83), then run again in its
+// directory (it resumes, exit 0): for each of `starts`, rank 0's lines of
+// both runs together are `whole`'s (an uninterrupted run), exactly.
+void ExpectStoppedAndResumedLines(const PortedPair& pair, const ProcessResult& whole,
+                                  const std::string& line, const std::vector<std::string>& starts) {
+  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", line);
+  ASSERT_TRUE(cut.has_value());
+  EXPECT_EQ(cut->exit_code, 83) << cut->output;
+  EXPECT_THAT(cut->output, HasSubstr("then stopping"));
+  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resuming from"));
+  for (const std::string& start : starts) {
+    EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", start) +
+                  RankLinesStarting(resumed.output, "[0] ", start),
+              RankLinesStarting(whole.output, "[0] ", start))
+        << cut->output << resumed.output;
+  }
+}
+
 // "Test set: Average loss: X | Accuracy: Y" lines -> {X, Y}.
 std::vector<std::pair<double, double>> TestFigures(const std::string& lines) {
   std::vector<std::pair<double, double>> figures;
@@ -363,33 +409,7 @@ TEST(LoopMnistSampleTest, OneRankPrintsThePlainLoopsLinesTwoFollowItAndPreemptio
   // completes, the next one saves it and the run exits 83; the rerun goes on
   // inside that epoch, and the test lines of both are the uninterrupted
   // run's, exactly.
-  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Test set");
-  ASSERT_TRUE(cut.has_value());
-  EXPECT_EQ(cut->exit_code, 83) << cut->output;
-  EXPECT_THAT(cut->output, HasSubstr("then stopping"));
-  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_THAT(resumed.output, HasSubstr("resuming from"));
-  EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", "Test set") +
-                RankLinesStarting(resumed.output, "[0] ", "Test set"),
-            RankLinesStarting(two.output, "[0] ", "Test set"))
-      << cut->output << resumed.output;
-}
-
-// The two numbers after `first` and `second` in each of `lines` (e.g.
-// "Loss: X, Accuracy: Y"), in order.
-std::vector<std::pair<double, double>> Figures(const std::string& lines, const std::string& first,
-                                               const std::string& second) {
-  std::vector<std::pair<double, double>> figures;
-  for (absl::string_view line : absl::StrSplit(lines, '\n', absl::SkipEmpty())) {
-    const size_t a = line.find(first), b = line.find(second);
-    if (a == absl::string_view::npos || b == absl::string_view::npos) continue;
-    double x = 0, y = 0;
-    absl::string_view xs = line.substr(a + first.size()), ys = line.substr(b + second.size());
-    xs = xs.substr(0, xs.find(',')), ys = ys.substr(0, ys.find(','));
-    if (absl::SimpleAtod(xs, &x) && absl::SimpleAtod(ys, &y)) figures.emplace_back(x, y);
-  }
-  return figures;
+  ExpectStoppedAndResumedLines(pair, two, "[0] Test set", {"Test set"});
 }
 
 // The loop-shaped port of pytorch-cpp's convolutional network tutorial
@@ -404,9 +424,7 @@ TEST(CnnSampleTest, OneAndTwoRanksFollowThePlainLoopAndAResumedEpochKeepsItsRunn
   const PortedPair pair{EVENSTEP_CNN, EVENSTEP_CNN_PLAIN, {"--samples=1000", "--epochs=3"}};
   const ProcessResult plain_run = pair.RunPlain();
   ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
-  const auto plain = Figures(RankLinesStarting(plain_run.output, "", "E") +
-                                 RankLinesStarting(plain_run.output, "", "Testset"),
-                             "Loss: ", "Accuracy: ");
+  const auto plain = EpochAndTestFigures(plain_run.output, "");
   ASSERT_EQ(plain.size(), 4u) << plain_run.output;
   for (int world : {1, 2}) {
     SCOPED_TRACE(absl::StrCat(world, " rank(s)"));
@@ -417,9 +435,7 @@ TEST(CnnSampleTest, OneAndTwoRanksFollowThePlainLoopAndAResumedEpochKeepsItsRunn
               RankLinesStarting(run.output, "[0] ", "Epoch ["));
     EXPECT_EQ(RankLinesStarting(run.output, absl::StrCat("[", world - 1, "] "), "Testset"),
               world == 1 ? RankLinesStarting(run.output, "[0] ", "Testset") : "");
-    const auto port = Figures(RankLinesStarting(run.output, "[0] ", "E") +
-                                  RankLinesStarting(run.output, "[0] ", "Testset"),
-                              "Loss: ", "Accuracy: ");
+    const auto port = EpochAndTestFigures(run.output, "[0] ");
     ASSERT_EQ(port.size(), plain.size()) << run.output;
     // The last epoch and the test set (the first epochs' figures move with
     // the order the samples come in).
@@ -430,18 +446,7 @@ TEST(CnnSampleTest, OneAndTwoRanksFollowThePlainLoopAndAResumedEpochKeepsItsRunn
   }
   const ProcessResult two = pair.Run(pair.Port(2, "two"));
   ASSERT_EQ(two.exit_code, 0) << two.output;
-  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Epoch [1/3]");
-  ASSERT_TRUE(cut.has_value());
-  EXPECT_EQ(cut->exit_code, 83) << cut->output;
-  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_THAT(resumed.output, HasSubstr("resuming from"));
-  for (const char* start : {"Epoch [", "Testset"}) {
-    EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", start) +
-                  RankLinesStarting(resumed.output, "[0] ", start),
-              RankLinesStarting(two.output, "[0] ", start))
-        << cut->output << resumed.output;
-  }
+  ExpectStoppedAndResumedLines(pair, two, "[0] Epoch [1/3]", {"Epoch [", "Testset"});
 }
 
 // The loop-shaped port of pytorch-cpp's variational autoencoder tutorial
@@ -488,15 +493,7 @@ TEST(VaeSampleTest, TwoRanksFollowThePlainLoopPreemptionResumesAndADynamicRunRep
   }
   EXPECT_TRUE(std::filesystem::exists(images + "/sampled-3.pgm")) << two.output;
 
-  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Epoch [2/3], Step [2/");
-  ASSERT_TRUE(cut.has_value());
-  EXPECT_EQ(cut->exit_code, 83) << cut->output;
-  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", "Epoch [") +
-                RankLinesStarting(resumed.output, "[0] ", "Epoch ["),
-            lines)
-      << cut->output << resumed.output;
+  ExpectStoppedAndResumedLines(pair, two, "[0] Epoch [2/3], Step [2/", {"Epoch ["});
 
   evenstep::testing::ProcessSpec dynamic = pair.Port(2, "dynamic");
   dynamic.argv.push_back("--evenstep_balance=dynamic");
@@ -578,18 +575,14 @@ TEST(ResNetSampleTest, OneAndTwoRanksFollowThePlainLoopAndPreemptionResumesExact
       {"--samples=2000", "--epochs=5", "--decay_every=2", "--image=16", "--width=8"}};
   const ProcessResult plain_run = pair.RunPlain();
   ASSERT_EQ(plain_run.exit_code, 0) << plain_run.output;
-  const auto plain = Figures(RankLinesStarting(plain_run.output, "", "E") +
-                                 RankLinesStarting(plain_run.output, "", "Testset"),
-                             "Loss: ", "Accuracy: ");
+  const auto plain = EpochAndTestFigures(plain_run.output, "");
   ASSERT_EQ(plain.size(), 6u) << plain_run.output;
   EXPECT_LT(plain[4].first, plain[0].first);  // it learns
   for (int world : {1, 2}) {
     SCOPED_TRACE(absl::StrCat(world, " rank(s)"));
     const ProcessResult run = pair.Run(pair.Port(world, absl::StrCat("world", world)));
     ASSERT_EQ(run.exit_code, 0) << run.output;
-    const auto port = Figures(RankLinesStarting(run.output, "[0] ", "E") +
-                                  RankLinesStarting(run.output, "[0] ", "Testset"),
-                              "Loss: ", "Accuracy: ");
+    const auto port = EpochAndTestFigures(run.output, "[0] ");
     ASSERT_EQ(port.size(), plain.size()) << run.output;
     for (size_t i = plain.size() - 2; i < plain.size(); ++i) {
       EXPECT_NEAR(port[i].first, plain[i].first, 0.1 * plain[i].first) << "line " << i;
@@ -599,18 +592,7 @@ TEST(ResNetSampleTest, OneAndTwoRanksFollowThePlainLoopAndPreemptionResumesExact
   ASSERT_EQ(two.exit_code, 0) << two.output;
   const std::string epochs = RankLinesStarting(two.output, "[0] ", "Epoch [");
 
-  const std::optional<ProcessResult> cut = pair.Preempted(2, "cut", "[0] Epoch [2/5]");
-  ASSERT_TRUE(cut.has_value());
-  EXPECT_EQ(cut->exit_code, 83) << cut->output;
-  const ProcessResult resumed = pair.Run(pair.Port(2, "cut"));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_THAT(resumed.output, HasSubstr("resuming from"));
-  for (const char* start : {"Epoch [", "Testset"}) {
-    EXPECT_EQ(RankLinesStarting(cut->output, "[0] ", start) +
-                  RankLinesStarting(resumed.output, "[0] ", start),
-              RankLinesStarting(two.output, "[0] ", start))
-        << cut->output << resumed.output;
-  }
+  ExpectStoppedAndResumedLines(pair, two, "[0] Epoch [2/5]", {"Epoch [", "Testset"});
 
   // A finished run extended: --epochs=2 to its end (Finish saves the last
   // step after the epoch loop: the running sums are out of scope, the rate

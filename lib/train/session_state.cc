@@ -133,6 +133,15 @@ void Session::AddKeptSums() {
   }
 }
 
+namespace {
+// The kept sum of the variable `name` ("kept/<name>") in `sums`, or end().
+template <typename Sums>
+auto SumOf(Sums& sums, const std::string& name) {
+  return std::find_if(sums.begin(), sums.end(),
+                      [key = "kept/" + name](const auto& k) { return k.sum == key; });
+}
+}  // namespace
+
 template <typename T>
 void Session::BindKept(const std::string& name, T* value, bool sum) {
   if (!loop_vars_.kept->Has(name)) {
@@ -142,9 +151,7 @@ void Session::BindKept(const std::string& name, T* value, bool sum) {
     return KeepValue(name, value);
   }
   absl::Status s = loop_vars_.kept->Rebind(name, value);
-  const std::string key = "kept/" + name;
-  auto binding = std::find_if(loop_vars_.sums.begin(), loop_vars_.sums.end(),
-                              [&](const SumBinding& k) { return k.sum == key; });
+  auto binding = SumOf(loop_vars_.sums, name);
   if (s.ok() && sum != (binding != loop_vars_.sums.end())) {
     s = absl::InvalidArgumentError(
         absl::StrCat("evenstep::Kept('", name, "'): declared before as a Kept", sum ? "" : "Sum",
@@ -165,8 +172,8 @@ void Session::BindKept(const std::string& name, T* value, bool sum) {
 
 void Session::UnbindKept(const std::string& name) {
   loop_vars_.kept->Unbind(name);
-  for (SumBinding& k : loop_vars_.sums) {
-    if (k.sum == "kept/" + name) k.bound = false;
+  if (auto binding = SumOf(loop_vars_.sums, name); binding != loop_vars_.sums.end()) {
+    binding->bound = false;
   }
 }
 

@@ -72,7 +72,6 @@ struct PreflightOptions {
     double value = 0;
   };
   std::vector<Injected> injected;
-
 };
 
 // One outlier, named.
