@@ -106,6 +106,34 @@ TEST(GlooAddressTest, AMasterNameOnLoopbackWithSeveralOrNoInterfacesSaysWhatToSe
   EXPECT_THAT(chosen.status().message(), HasSubstr("no non-loopback interface up"));
 }
 
+// torchrun's MASTER_ADDR is the master host's name, loopback there: with
+// several interfaces, the one the ranks on other hosts reached it at; an
+// address they saw that is not this host's (a NAT, another machine) is not
+// taken, and the choice falls back to the rules above.
+TEST(GlooAddressTest, AMasterNameOnLoopbackTakesTheAddressTheOtherHostsReachedItAt) {
+  GlooAddressInputs in = TwoHosts();
+  in.host = "node-a";
+  in.route_address = "127.0.0.1";
+  in.interfaces = {"docker0=172.17.0.1", "eth0=10.9.0.2", "eth1=192.168.5.2"};
+  in.master_seen = {"10.9.0.2", "10.9.0.2"};
+  EXPECT_EQ(*ChooseGlooAddress(in), "10.9.0.2");
+  EXPECT_EQ(GlooWhy(in, "10.9.0.2"),
+            "the address the ranks on other hosts reach MASTER_ADDR node-a at; it is loopback "
+            "here");
+  in.master_seen = {"203.0.113.9"};  // not an address of this host
+  absl::StatusOr<std::string> chosen = ChooseGlooAddress(in);
+  ASSERT_FALSE(chosen.ok());
+  EXPECT_THAT(chosen.status().message(), HasSubstr("GLOO_SOCKET_IFNAME"));
+  in.interfaces = {"eth0=10.9.0.2"};
+  EXPECT_EQ(*ChooseGlooAddress(in), "10.9.0.2");
+  EXPECT_EQ(GlooWhy(in, "10.9.0.2"),
+            "the one interface address here; MASTER_ADDR node-a is loopback here");
+  in.route_address = "10.9.0.2";
+  EXPECT_EQ(GlooWhy(in, "10.9.0.2"), "the address that reaches MASTER_ADDR node-a");
+  EXPECT_EQ(GlooWhy(in, "if:eth0"), "interface eth0 from GLOO_SOCKET_IFNAME");
+  EXPECT_EQ(GlooWhy(in, ""), "the address its host name resolves to");
+}
+
 TEST(GlooAddressTest, NoRouteKeepsTheDefaultDevice) {
   GlooAddressInputs in = TwoHosts();
   in.route_error = "no route";
@@ -115,6 +143,9 @@ TEST(GlooAddressTest, NoRouteKeepsTheDefaultDevice) {
 TEST(GlooAddressTest, TheRouteFromThisMachine) {
   EXPECT_EQ(*LocalAddressTowards("127.0.0.1", 29500), "127.0.0.1");
   EXPECT_FALSE(LocalAddressTowards("no-such-host.invalid", 29500).ok());
+  absl::StatusOr<Route> route = RouteTowards("localhost", 29500);
+  ASSERT_TRUE(route.ok()) << route.status();
+  EXPECT_TRUE(IsLoopbackAddress(route->remote)) << route->remote;  // what the name resolved to
   // Each of this machine's own addresses is reached from itself.
   for (const std::string& i : UpInterfaceAddresses()) {
     const std::string address = i.substr(i.find('=') + 1);

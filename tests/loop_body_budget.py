@@ -4,7 +4,7 @@
 usage: loop_body_budget.py PLAIN PORT BUDGET
 
 The training loop is the first `for` over batches in each file (`for (auto&
-batch : ...)`), from its header to its closing brace. A changed line is a
+batch : ...)`, or with the batch's type: `for (torch::data::Example<>& batch : ...)`), from its header to its closing brace. A changed line is a
 line of the plain loop that the port removes or replaces, or a line of the
 port's loop that it adds (difflib's alignment of the two files).
 """
@@ -12,7 +12,7 @@ import difflib
 import re
 import sys
 
-LOOP = re.compile(r"^\s*for \((const )?auto&\s*\w+\s*:")
+LOOP = re.compile(r"^\s*for \((const )?[\w:<>]+&\s*\w+\s*:")
 
 
 def loop_lines(lines, name):
@@ -24,7 +24,7 @@ def loop_lines(lines, name):
                 depth += lines[last].count("{") - lines[last].count("}")
                 if depth == 0 and "{" in "".join(lines[first:last + 1]):
                     return first, last
-    sys.exit(f"{name}: no training loop (a `for (auto& batch : ...)` line)")
+    sys.exit(f"{name}: no training loop (a `for (auto& batch : ...)` line, or one naming the type)")
 
 
 def main():

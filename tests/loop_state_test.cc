@@ -485,6 +485,7 @@ void EpochScopedLoop(DistContext& dist, const std::string& name, const std::stri
     KeptSum<float> running_loss(session, "running_loss", 0.0);
     KeptSum<size_t> seen(session, "seen", 0);
     Kept<size_t> batch_index(session, "batch_index", 0);
+    int64_t steps_in_epoch = session.step_in_epoch();  // also after a resume inside the epoch
     for (auto& batch : session.Batches(loader)) {
       torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
       running_loss += loss.item<float>() * static_cast<float>(batch.target.size(0));
@@ -493,9 +494,9 @@ void EpochScopedLoop(DistContext& dist, const std::string& name, const std::stri
       ++batch_index;
       if (!session.step_ended()) continue;
       const int64_t step = session.last_report().step;
-      absl::StrAppend(&text,
-                      absl::StrFormat("step %d batches %d running %a seen %d\n", step,
-                                      batch_index.value(), running_loss.value(), seen.value()));
+      absl::StrAppend(&text, absl::StrFormat("step %d batches %d in_epoch %d running %a seen %d\n",
+                                             step, batch_index.value(), ++steps_in_epoch,
+                                             running_loss.value(), seen.value()));
       if (step + 1 == preempt_before && dist.rank() == 0) std::raise(SIGTERM);
     }
     if (session.stopped()) break;
@@ -516,6 +517,13 @@ TEST(EpochScopedKeptTest, VariablesDeclaredInTheEpochResumeInsideAndBetweenEpoch
   RunOnRanks(2, run, Named("whole", "whole"));
   const std::string whole = evenstep::testing::ReadRanksFile("whole.txt");
   ASSERT_EQ(std::count(whole.begin(), whole.end(), '\n'), 12 + kEpochs) << whole;
+  // step_in_epoch: each epoch's steps counted 1-4 from its top.
+  int fourth = 0;
+  for (size_t at = whole.find(" in_epoch 4 "); at != std::string::npos;
+       at = whole.find(" in_epoch 4 ", at + 1)) {
+    ++fourth;
+  }
+  EXPECT_EQ(fourth, kEpochs) << whole;
   for (const std::string stopped : {"mid", "boundary", "short"}) {
     SCOPED_TRACE(stopped);
     RunOnRanksAgain(2, Named(stopped, stopped));

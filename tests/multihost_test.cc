@@ -103,11 +103,14 @@ TEST(MultiHostTest, HostNamesOnLoopbackStillFormAGroupWithExactCollectives) {
       EXPECT_EQ(results[r].exit_code, 0) << hosts << " hosts\n" << results[r].output;
       EXPECT_THAT(results[r].output,
                   HasSubstr(absl::StrCat("collectives ok: rank ", r, " of ", hosts)));
-      // Each host says where its ranks listen.
+      // Each host says where its ranks listen, and why.
       EXPECT_THAT(results[r].output,
-                  HasSubstr(absl::StrCat("[evenstep] host ", (*cluster)->name(r), " (rank ", r,
-                                         "): Gloo on ", (*cluster)->address(r),
-                                         " (the address that reaches MASTER_ADDR node-0)")));
+                  HasSubstr(absl::StrCat(
+                      "[evenstep] host ", (*cluster)->name(r), " (rank ", r, "): Gloo on ",
+                      (*cluster)->address(r),
+                      r == 0 ? " (the address the ranks on other hosts reach MASTER_ADDR node-0 "
+                               "at; it is loopback here)"
+                             : " (the address that reaches MASTER_ADDR node-0)")));
     }
   }
 }
@@ -330,6 +333,40 @@ TEST(MultiHostTest, GlooOnLoopbackAcrossHostsIsRefusedNamingTheFix) {
     EXPECT_THAT(results[r].output, HasSubstr("set MASTER_ADDR to an address the other hosts reach"))
         << results[r].output;
   }
+}
+
+// What torchrun hands its workers: MASTER_ADDR = the first agent's host
+// name, which that host maps to 127.0.1.1, on a master host with a second
+// interface (a docker0 or a second NIC: no single address to pick). The
+// ranks on the other hosts reached the master at its address on the shared
+// network; the master host learns it from them and binds Gloo there: the
+// group forms on the first try with exact collectives (it used to stop every
+// rank naming GLOO_SOCKET_IFNAME, which a torchrun user cannot set per host).
+TEST(MultiHostTest, TorchrunsMasterNameOnLoopbackWithTwoInterfacesTrainsOnTheFirstTry) {
+  auto cluster = SimulatedCluster::Create(3);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  ASSERT_TRUE((*cluster)->AddIsolatedInterface(0, "docker0", "10.76.0.1").ok());
+  std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+  ASSERT_NE(store, nullptr);
+  std::vector<ProcessSpec> specs;
+  for (int r = 0; r < 3; ++r) {
+    specs.push_back((*cluster)->On(r,
+                                   {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=30s",
+                                    "--evenstep_timeout=30s", "collectives"},
+                                   RankEnv(**cluster, r, store->port())));
+  }
+  const auto results = evenstep::testing::RunAll(specs, evenstep::testing::HangBound(2));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << evenstep::testing::Describe(results);
+    EXPECT_EQ(results[r].exit_code, 0) << evenstep::testing::Describe(results);
+    EXPECT_THAT(results[r].output, HasSubstr(absl::StrCat("collectives ok: rank ", r, " of 3")));
+  }
+  EXPECT_THAT(
+      results[0].output,
+      HasSubstr(absl::StrCat("[evenstep] host node-0 (rank 0): Gloo on ", (*cluster)->address(0),
+                             " (the address the ranks on other hosts reach MASTER_ADDR "
+                             "node-0 at; it is loopback here)")))
+      << results[0].output;
 }
 
 // One host's Gloo on an address the other host cannot reach (its

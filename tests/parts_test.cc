@@ -35,6 +35,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "evenstep/flags.h"
+#include "evenstep/loader.h"
 #include "evenstep/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -140,6 +141,19 @@ struct Gan {
     g_plain.step();
     g_plain_decay.step();
   }
+  // Both parts' parameters equal the plain loop's (to float rounding).
+  void ExpectEqualToPlain(const std::string& when) {
+    auto expect_equal = [&](torch::nn::Module& mine, torch::nn::Module& plain, const char* part) {
+      auto want = plain.named_parameters();
+      for (const auto& p : mine.named_parameters()) {
+        const torch::Tensor w = want[p.key()];
+        EXPECT_LE(((p.value() - w).abs().max() / (w.abs().max() + 1e-12)).item<double>(), 1e-5)
+            << part << "." << p.key() << "'s relative difference from the plain loop's, " << when;
+      }
+    };
+    expect_equal(*nets.d, *plain.d, "discriminator");
+    expect_equal(*nets.g, *plain.g, "generator");
+  }
   // "final <checksums> running <sum> lr <rates>": what a resumed run must end with.
   std::string FinalLine(double running) {
     return absl::StrFormat("final %.12g %.12g running %.12g lr %.9g %.9g", Checksum(*nets.d),
@@ -230,18 +244,7 @@ GanRun TrainGan(DistContext& dist, const GanCase& c) {
     gan.PlainStep(batch, s, epoch);
   }
   EXPECT_TRUE(session.Finish().ok());
-  if (compare) {
-    auto expect_equal = [](torch::nn::Module& mine, torch::nn::Module& plain, const char* part) {
-      auto want = plain.named_parameters();
-      for (const auto& p : mine.named_parameters()) {
-        const torch::Tensor w = want[p.key()];
-        EXPECT_LE(((p.value() - w).abs().max() / (w.abs().max() + 1e-12)).item<double>(), 1e-5)
-            << part << "." << p.key() << "'s relative difference from the plain loop's";
-      }
-    };
-    expect_equal(*gan.nets.d, *gan.plain.d, "discriminator");
-    expect_equal(*gan.nets.g, *gan.plain.g, "generator");
-  }
+  if (compare) gan.ExpectEqualToPlain("after the last step");
   run.final_line = gan.FinalLine(running);
   return run;
 }
@@ -260,6 +263,94 @@ TEST_P(PartsWorldTest, BothPartsEqualThePlainLoopOnTheWholeBatch) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, PartsWorldTest, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return absl::StrCat("world", info.param); });
+
+// The loop-shaped form with both parts (Session::Batches): the loop's body
+// as a plain GAN loop writes it, the fakes made once (detached for the
+// discriminator's loss, through the stepped discriminator for the
+// generator's) and each model's zero_grad kept. The first Backward steps
+// the discriminator on every rank before the body goes on, so every step
+// equals the plain loop on the whole global batch; 2 epochs of 4 steps,
+// uneven shares on 3 ranks (6, 6 and 5 of 17).
+TEST_P(PartsWorldTest, TheLoopsBodyStepsEachPartAsThePlainLoopDoes) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
+    SetSessionFlags();
+    absl::SetFlag(&FLAGS_evenstep_micro_batch_samples, 0);  // one micro-batch per rank and step
+    Gan gan(false);
+    auto es = Session::Create(dist, gan.Parts(), std::vector<int64_t>(68, 1), RanksDir() + "/run");
+    ASSERT_TRUE(es.ok()) << es.status();
+    Session& session = **es;
+    session.ScheduleLearningRate(DLr, "discriminator");
+    session.Schedule(gan.g_decay, Session::Every::kStep);
+    Loader<std::vector<int64_t>> loader([](const MicroBatch& mb) { return mb.samples; });
+    int bodies = 0;
+    for (int64_t epoch = session.first_epoch(); epoch < 2; ++epoch) {
+      for (auto& samples : session.Batches(loader)) {
+        gan.nets.d->zero_grad();
+        const torch::Tensor fake = gan.nets.g->forward(Noise(samples, epoch));
+        session.Backward(Bce(gan.nets.d->forward(Real(samples)), 1) +
+                         Bce(gan.nets.d->forward(fake.detach()), 0));
+        gan.nets.g->zero_grad();
+        session.Backward(Bce(gan.nets.d->forward(fake), 1));
+        ++bodies;
+        ASSERT_TRUE(session.step_ended()) << "one micro-batch per rank and step";
+        const int64_t step = session.last_report().step;
+        gan.PlainStep(session.balanced_step().global_batch().samples, step, epoch);
+        gan.ExpectEqualToPlain(absl::StrCat("step ", step));
+      }
+      ASSERT_FALSE(session.stopped());
+    }
+    EXPECT_EQ(bodies, 8);
+    EXPECT_TRUE(session.Finish().ok());
+  });
+}
+
+// A loop over Batches of the GAN's two parts, micro-batches capped at `cap`
+// samples, whose body passes the first `backwards` of its two losses: the
+// bodies that ran, and Finish's status.
+std::pair<int, absl::Status> LoopGan(DistContext& dist, int64_t cap, int backwards) {
+  SetSessionFlags();
+  absl::SetFlag(&FLAGS_evenstep_micro_batch_samples, cap);
+  Gan gan(false);
+  auto es = Session::Create(dist, gan.Parts(), std::vector<int64_t>(68, 1), RanksDir() + "/run");
+  if (!es.ok()) return {0, es.status()};
+  Session& session = **es;
+  Loader<std::vector<int64_t>> loader([](const MicroBatch& mb) { return mb.samples; });
+  int bodies = 0;
+  for (auto& samples : session.Batches(loader)) {
+    ++bodies;
+    session.Backward(DLoss(gan.nets, samples, 0));
+    if (backwards > 1) session.Backward(GLoss(gan.nets, samples, 0));
+  }
+  EXPECT_TRUE(session.stopped());
+  EXPECT_EQ(session.last_report().step, 0) << "no step completed";
+  return {bodies, session.Finish()};
+}
+
+// A body that passes one loss for two parts, and a micro-batch cap the
+// loop-shaped form cannot keep: named, on every rank, and no rank hangs.
+TEST(PartsLoopTest, ABodyWithOneBackwardForTwoPartsIsNamedOnEveryRank) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const auto [bodies, status] = LoopGan(dist, /*cap=*/0, /*backwards=*/1);
+    EXPECT_EQ(bodies, 1);
+    EXPECT_THAT(status.ToString(),
+                HasSubstr(absl::StrCat("rank ", dist.rank(), ", step 1, part 'generator'")));
+    EXPECT_THAT(status.ToString(),
+                HasSubstr("the loop's body called Session::Backward 1 time(s) for micro-batch 1 "
+                          "of this run, but the Session has 2 model parts"));
+  });
+}
+
+TEST(PartsLoopTest, AMicroBatchCapIsRefusedByNameBeforeAnyStep) {
+  RunOnRanks(2, [](DistContext& dist) {
+    const auto [bodies, status] = LoopGan(dist, /*cap=*/2, /*backwards=*/2);
+    EXPECT_EQ(bodies, 0);
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_THAT(status.message(),
+                HasSubstr("runs each rank's share of a step as one micro-batch (its body runs "
+                          "part 2's loss after part 1 has stepped), but "
+                          "--evenstep_micro_batch_samples=2 would cut it into several"));
+  });
+}
 
 // Rank 0's lines of the run named `name` (written by the ranks into RanksDir()).
 std::vector<std::string> LinesOf(const std::string& name) {

@@ -156,6 +156,12 @@ absl::Status BalancedStep::CheckUntouched(bool* replica_changed) const {
       what = "the parameter itself changed (optimizer.step() inside it?)";
       *replica_changed = true;
     } else if (grad != was.grad || grad_version != was.grad_version) {
+      // With the share whole (SetWholeShare) this is the part's only
+      // backward on this rank and its gradients were zeroed as it began:
+      // the loop's zero_grad() before it changes nothing.
+      if (whole_share_ && parts_.size() > 1 &&
+          (!g.defined() || g.count_nonzero().item<int64_t>() == 0))
+        continue;
       what = "its gradient changed (loss.backward() or zero_grad() inside it?)";
     }
     if (what != nullptr) {
@@ -295,7 +301,8 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
   } else {
     parts = SplitGlobalBatch(sampler_, next.batch, plan);
   }
-  next.micro = sampler_.Pack(std::move(parts[ctx_.rank()]), cap);
+  next.micro = whole_share_ ? sampler_.PackWhole(std::move(parts[ctx_.rank()]))
+                            : sampler_.Pack(std::move(parts[ctx_.rank()]), cap);
   Label(next.batch, sampler_.options().seed, &next.micro);
   if (split_log_ != nullptr && split_log_->recorder != nullptr && split_log_->error.ok()) {
     split_log_->error =
@@ -480,13 +487,14 @@ void BalancedStep::MicroStep(const at::Tensor& loss_sum, const MicroBatch& mb, b
 }
 
 void BalancedStep::RepackPlanned() {
-  if (!planned_ || caps_->cap() <= 0) return;
+  if (!planned_ || (caps_->cap() <= 0 && !whole_share_)) return;
   std::vector<int64_t> samples;
   for (const MicroBatch& mb : planned_->micro) {
     samples.insert(samples.end(), mb.samples.begin(), mb.samples.end());
   }
-  std::vector<MicroBatch> micro = sampler_.Pack(std::move(samples), caps_->cap());
-  if (micro.size() == planned_->micro.size()) return;  // already within the cap
+  std::vector<MicroBatch> micro = whole_share_ ? sampler_.PackWhole(std::move(samples))
+                                               : sampler_.Pack(std::move(samples), caps_->cap());
+  if (micro.size() == planned_->micro.size()) return;  // already so
   CancelPrefetch();                                    // its loads were for the old micro-batches
   Label(planned_->batch, sampler_.options().seed, &micro);
   planned_->micro = std::move(micro);
@@ -496,6 +504,36 @@ int64_t BalancedStep::epoch() const {
   if (planned_) return planned_->batch.epoch;
   const SamplerState at = sampler_.state();
   return at.step >= sampler_.steps_per_epoch() ? at.epoch + 1 : at.epoch;
+}
+
+int64_t BalancedStep::step_in_epoch() const {
+  if (planned_) return planned_->batch.step;
+  const SamplerState at = sampler_.state();
+  return at.step >= sampler_.steps_per_epoch() ? 0 : at.step;
+}
+
+absl::Status BalancedStep::SetWholeShare() {
+  const SamplerOptions& o = sampler_.options();
+  std::string flag;
+  if (o.micro_batch_samples > 0) {
+    flag = absl::StrCat("--evenstep_micro_batch_samples=", o.micro_batch_samples);
+  } else if (o.micro_batch_tokens > 0) {
+    flag = absl::StrCat("--evenstep_micro_batch_tokens=", o.micro_batch_tokens);
+  } else if (o.min_micro_batches > 1) {
+    flag = absl::StrCat("--evenstep_min_micro_batches=", o.min_micro_batches);
+  }
+  if (!flag.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BalancedStep: rank ", ctx_.rank(), ": a loop over Session::Batches with ", parts_.size(),
+        " model parts runs each rank's share of a step as one micro-batch (its body runs part 2's "
+        "loss after part 1 has stepped), but ",
+        flag,
+        " would cut it into several: leave it unset, or use the callback form "
+        "Session::Step(loader, {loss_of_part_1, loss_of_part_2, ...}), which keeps the caps"));
+  }
+  whole_share_ = true;
+  RepackPlanned();
+  return absl::OkStatus();
 }
 
 int64_t BalancedStep::last_step_epoch() const {

@@ -571,24 +571,35 @@ std::vector<std::vector<int64_t>> Sampler::PartitionStreams(
   return parts;
 }
 
+void Sampler::AddTo(MicroBatch& mb, int64_t i) const {
+  mb.samples.push_back(i);
+  mb.tokens += lengths_[i];
+  mb.max_length = std::max(mb.max_length, lengths_[i]);
+  mb.cost += costs_[i];
+  mb.count += counts_[i];
+}
+
+std::vector<MicroBatch> Sampler::PackWhole(std::vector<int64_t> samples) const {
+  std::stable_sort(samples.begin(), samples.end(),
+                   [&](int64_t a, int64_t b) { return lengths_[a] > lengths_[b]; });
+  std::vector<MicroBatch> out;
+  if (samples.empty()) return out;
+  out.emplace_back();
+  for (int64_t i : samples) AddTo(out.back(), i);
+  return out;
+}
+
 std::vector<MicroBatch> Sampler::Pack(std::vector<int64_t> samples,
                                       int64_t padded_tokens_cap) const {
   std::stable_sort(samples.begin(), samples.end(),
                    [&](int64_t a, int64_t b) { return lengths_[a] > lengths_[b]; });
   std::vector<MicroBatch> out;
-  auto add = [&](MicroBatch& mb, int64_t i) {
-    mb.samples.push_back(i);
-    mb.tokens += lengths_[i];
-    mb.max_length = std::max(mb.max_length, lengths_[i]);
-    mb.cost += costs_[i];
-    mb.count += counts_[i];
-  };
   for (int64_t i : samples) {
     if (out.empty() || !Joins(static_cast<int64_t>(out.back().samples.size()),
                               out.back().max_length, lengths_[i], padded_tokens_cap)) {
       out.emplace_back();
     }
-    add(out.back(), i);
+    AddTo(out.back(), i);
   }
   // Fewer micro-batches than the minimum: split the costliest one in two
   // (dealing its samples alternately, so the halves hold similar lengths).
@@ -599,7 +610,7 @@ std::vector<MicroBatch> Sampler::Pack(std::vector<int64_t> samples,
     if (largest == out.end() || largest->samples.size() < 2) break;
     MicroBatch whole = std::move(*largest);
     MicroBatch halves[2];
-    for (size_t k = 0; k < whole.samples.size(); ++k) add(halves[k % 2], whole.samples[k]);
+    for (size_t k = 0; k < whole.samples.size(); ++k) AddTo(halves[k % 2], whole.samples[k]);
     *largest = std::move(halves[0]);
     out.insert(largest + 1, std::move(halves[1]));
   }

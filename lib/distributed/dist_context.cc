@@ -58,7 +58,6 @@ namespace evenstep {
 
 using internal::Bytes;
 using internal::DescribeTensor;
-using internal::GlooWhy;
 using internal::HostName;
 using internal::RequireContiguous;
 using internal::Text;
@@ -261,6 +260,10 @@ absl::Status DistContext::Rendezvous() {
           absl::StrCat("world size mismatch: rank ", env_.rank, " has WORLD_SIZE=", env_.world_size,
                        " but rank ", parts[1], " joined with WORLD_SIZE=", agreed_world)));
     }
+    // Where MASTER_ADDR is reached from this host, for a master host that
+    // has its own name on loopback (ChooseGlooDevice): set before joining,
+    // so every rank's is there once all have joined.
+    store.set(absl::StrCat("rdzv/master_seen/", env_.rank), Bytes(MasterSeenHere()));
     if (store.add(absl::StrCat("rdzv/rank/", env_.rank), 1) > 1) {
       return fail(absl::AlreadyExistsError(absl::StrCat(
           "two processes claim rank ", env_.rank, " (check RANK / SLURM_PROCID of the job)")));
@@ -295,7 +298,15 @@ absl::Status DistContext::Rendezvous() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> DistContext::GlooDevice() const {
+std::string DistContext::MasterSeenHere() const {
+  if (env_.world_size == 1) return "";
+  absl::StatusOr<internal::Route> route =
+      internal::RouteTowards(env_.master_addr, env_.master_port);
+  if (!route.ok() || internal::IsLoopbackAddress(route->remote)) return "";
+  return route->remote;
+}
+
+absl::Status DistContext::ChooseGlooDevice() {
   internal::GlooAddressInputs in;
   in.host = HostName();
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
@@ -317,22 +328,39 @@ absl::StatusOr<std::string> DistContext::GlooDevice() const {
       in.route_error = std::string(route.status().message());
     }
   }
-  return internal::ChooseGlooAddress(in);
-}
-
-absl::Status DistContext::CreateGroups() {
-  absl::StatusOr<std::string> chosen = GlooDevice();
+  if (env_.world_size > env_.local_world_size && in.ifname.empty() &&
+      internal::IsLoopbackAddress(in.route_address.empty() ? in.master_addr : in.route_address)) {
+    // MASTER_ADDR is loopback here: where the other hosts' ranks reach it.
+    try {
+      c10d::Store& store = *groups_->ctx_store;
+      for (int r = 0; r < env_.world_size; ++r) {
+        const std::string key = absl::StrCat("rdzv/master_seen/", r);
+        if (!store.check({key})) continue;
+        const std::string seen = Text(store.get(key));
+        if (!seen.empty()) in.master_seen.push_back(seen);
+      }
+    } catch (const std::exception&) {
+      // The store is gone: the choice below names what is missing.
+    }
+  }
+  absl::StatusOr<std::string> chosen = internal::ChooseGlooAddress(in);
   if (!chosen.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", env_.rank, ": ", chosen.status().message()));
   }
   gloo_device_ = *chosen;
+  gloo_why_ = internal::GlooWhy(in, gloo_device_);
+  return absl::OkStatus();
+}
+
+absl::Status DistContext::CreateGroups() {
+  EVENSTEP_RETURN_IF_ERROR(ChooseGlooDevice());
   const std::string& device = gloo_device_;
   if (env_.world_size > env_.local_world_size && env_.local_rank == 0) {
     // One line per host: where its ranks listen, before anything connects.
     Log(LogLevel::kWarning, absl::StrCat("host ", HostName(), " (rank ", env_.rank, "): Gloo on ",
                                          device.rfind("if:", 0) == 0 ? device.substr(3) : device,
-                                         " (", GlooWhy(device, env_.master_addr), ")"));
+                                         " (", gloo_why_, ")"));
   }
   if (env_.world_size > env_.local_world_size) {
     EVENSTEP_RETURN_IF_ERROR(CheckGlooReachable());

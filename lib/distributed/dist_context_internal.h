@@ -52,15 +52,6 @@ inline std::string HostName() {
   return host;
 }
 
-// Why Gloo binds where it does, for device spec `device` (GlooDevice()).
-inline std::string GlooWhy(const std::string& device, const std::string& master_addr) {
-  if (device.rfind("if:", 0) == 0) {
-    return absl::StrCat("interface ", device.substr(3), " from GLOO_SOCKET_IFNAME");
-  }
-  if (device.empty()) return "the address its host name resolves to";
-  return absl::StrCat("the address that reaches MASTER_ADDR ", master_addr);
-}
-
 inline std::string DescribeTensor(const at::Tensor& t) {
   return absl::StrCat(c10::toString(t.scalar_type()), "[", t.numel(), "]");
 }

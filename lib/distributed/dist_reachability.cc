@@ -35,7 +35,6 @@
 namespace evenstep {
 
 using internal::Bytes;
-using internal::GlooWhy;
 using internal::HostName;
 using internal::Text;
 
@@ -102,7 +101,7 @@ absl::Status DistContext::CheckGlooReachable() {
   ReachEndpoint mine;
   mine.rank = env_.rank;
   mine.host = HostName();
-  mine.how = GlooWhy(device, env_.master_addr);
+  mine.how = gloo_why_;
   mine.interfaces = absl::StrJoin(internal::UpInterfaceAddresses(), ", ");
   absl::StatusOr<std::string> address = internal::GlooBindAddress(device);
   if (!address.ok()) {

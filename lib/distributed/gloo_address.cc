@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "evenstep/status_macros.h"
 
 namespace evenstep::internal {
 namespace {
@@ -68,8 +69,15 @@ absl::StatusOr<std::string> ChooseGlooAddress(const GlooAddressInputs& in) {
     // the rendezvous, which needs the same route, reports what is wrong.
     return std::string();
   }
-  // The job spans hosts but MASTER_ADDR is loopback here: the one address
-  // this host has (IPv4 first).
+  // The job spans hosts but MASTER_ADDR is loopback here. The address the
+  // ranks on other hosts reached it at, when it is this host's: the one
+  // they reach.
+  for (const std::string& seen : in.master_seen) {
+    for (const std::string& i : in.interfaces) {
+      if (i.substr(i.find('=') + 1) == seen) return seen;
+    }
+  }
+  // Else the one address this host has (IPv4 first).
   for (bool v4 : {true, false}) {
     std::vector<std::string> of_family;
     for (const std::string& i : in.interfaces) {
@@ -86,7 +94,29 @@ absl::StatusOr<std::string> ChooseGlooAddress(const GlooAddressInputs& in) {
       " on this host): Gloo bound there would refuse the ranks on other hosts; ", Fix(in)));
 }
 
+std::string GlooWhy(const GlooAddressInputs& in, const std::string& spec) {
+  if (spec.rfind("if:", 0) == 0) {
+    return absl::StrCat("interface ", spec.substr(3), " from GLOO_SOCKET_IFNAME");
+  }
+  if (spec.empty()) return "the address its host name resolves to";
+  const bool route_loopback = in.route_address.empty() ? IsLoopbackAddress(in.master_addr)
+                                                       : IsLoopbackAddress(in.route_address);
+  if (route_loopback && !IsLoopbackAddress(spec)) {
+    const bool seen =
+        std::find(in.master_seen.begin(), in.master_seen.end(), spec) != in.master_seen.end();
+    return absl::StrCat(seen ? "the address the ranks on other hosts reach MASTER_ADDR "
+                             : "the one interface address here; MASTER_ADDR ",
+                        in.master_addr, seen ? " at; it is loopback here" : " is loopback here");
+  }
+  return absl::StrCat("the address that reaches MASTER_ADDR ", in.master_addr);
+}
+
 absl::StatusOr<std::string> LocalAddressTowards(const std::string& host, int port) {
+  EVENSTEP_ASSIGN_OR_RETURN(Route route, RouteTowards(host, port));
+  return route.local;
+}
+
+absl::StatusOr<Route> RouteTowards(const std::string& host, int port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_DGRAM;
@@ -97,25 +127,26 @@ absl::StatusOr<std::string> LocalAddressTowards(const std::string& host, int por
         absl::StrCat("MASTER_ADDR=", host, " does not resolve: ", gai_strerror(rc)));
   }
   std::string error = "no address";
-  std::string local;
-  for (addrinfo* a = found; a != nullptr && local.empty(); a = a->ai_next) {
+  Route route;
+  for (addrinfo* a = found; a != nullptr && route.local.empty(); a = a->ai_next) {
     const int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (fd < 0) continue;
     sockaddr_storage mine{};
     socklen_t len = sizeof(mine);
     if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
         getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &len) == 0) {
-      local = AddressText(reinterpret_cast<const sockaddr*>(&mine));
+      route.local = AddressText(reinterpret_cast<const sockaddr*>(&mine));
+      route.remote = AddressText(a->ai_addr);
     } else {
       error = std::strerror(errno);
     }
     close(fd);
   }
   freeaddrinfo(found);
-  if (local.empty()) {
+  if (route.local.empty()) {
     return absl::UnavailableError(absl::StrCat("no route to MASTER_ADDR=", host, ": ", error));
   }
-  return local;
+  return route;
 }
 
 namespace {

@@ -20,12 +20,14 @@ constexpr size_t kEngineStack = 8 << 20;
 
 struct LoopDriver::Impl {
   Run run;
+  int parts = 1;
   ctx::fiber engine;  // suspended engine side (on the loop's stack)
   ctx::fiber loop;    // suspended loop side (on the engine's stack)
   bool started = false, done = false;
-  void* handed = nullptr;  // the data the engine waits for a loss of
+  void* handed = nullptr;  // the micro-batch the body has (or is given next)
   bool consumed = false;   // ... handed to the loop by Next
-  bool backward = false;   // ... whose loss the loop passed
+  int backwards = 0;       // ... losses the loop passed for it
+  bool waiting = false;    // the engine waits for a loss (in Give)
   bool boundary = false;   // the engine paused after a step
   at::Tensor loss;
   std::string abort;        // the engine's give() throws this
@@ -56,13 +58,19 @@ struct LoopDriver::Impl {
     }
     engine = std::move(engine).resume();
   }
-  // On the engine's stack.
+  // On the engine's stack: `data` is a new micro-batch, or null for the
+  // current one's next part.
   at::Tensor Give(void* data) {
-    handed = data;
-    consumed = backward = boundary = false;
-    ++micro_batch;
+    if (data != nullptr) {
+      handed = data;
+      consumed = false;
+      backwards = 0;
+      ++micro_batch;
+    }
+    boundary = false;
+    waiting = true;
     loop = std::move(loop).resume();
-    handed = nullptr;
+    waiting = false;
     if (!abort.empty()) {
       std::string why = std::move(abort);
       abort.clear();
@@ -71,6 +79,7 @@ struct LoopDriver::Impl {
     return std::move(loss);
   }
   bool Pause() {
+    handed = nullptr;
     boundary = true;
     loop = std::move(loop).resume();
     boundary = false;
@@ -78,7 +87,10 @@ struct LoopDriver::Impl {
   }
 };
 
-LoopDriver::LoopDriver(Run run) : impl_(std::make_unique<Impl>()) { impl_->run = std::move(run); }
+LoopDriver::LoopDriver(Run run, int parts) : impl_(std::make_unique<Impl>()) {
+  impl_->run = std::move(run);
+  impl_->parts = parts;
+}
 
 LoopDriver::~LoopDriver() {
   // The engine's stack must not be dropped in the middle of a step.
@@ -93,11 +105,21 @@ void* LoopDriver::Next() {
       d.consumed = true;
       return d.handed;
     }
-    if (d.handed != nullptr && !d.backward) {
-      d.abort = absl::StrCat("the loop's body did not call Session::Backward for micro-batch ",
+    if (d.waiting && d.consumed) {
+      // The engine still waits for a loss of the micro-batch the body had.
+      d.abort =
+          d.backwards == 0
+              ? absl::StrCat("the loop's body did not call Session::Backward for micro-batch ",
                              d.micro_batch,
                              " of this run (a `continue` that skips a batch?); every micro-batch "
-                             "evenstep hands out is part of the global batch");
+                             "evenstep hands out is part of the global batch")
+              : absl::StrCat("the loop's body called Session::Backward ", d.backwards,
+                             " time(s) for micro-batch ", d.micro_batch,
+                             " of this run, but the "
+                             "Session has ",
+                             d.parts,
+                             " model parts: call it once per part, in "
+                             "the parts' order, with that part's loss");
     }
     d.Resume();
   }
@@ -106,23 +128,26 @@ void* LoopDriver::Next() {
 void LoopDriver::Backward(const at::Tensor& loss) {
   Impl& d = *impl_;
   if (d.done) return;
-  if (d.handed == nullptr || !d.consumed || d.backward) {
-    // The current micro-batch's loss was passed already (the engine holds
-    // the next one, or ended the step).
-    const std::string why = "Session::Backward called twice for one micro-batch";
-    if (d.handed == nullptr && d.status.ok()) d.status = absl::FailedPreconditionError(why);
+  if (!d.waiting || !d.consumed) {
+    // The current micro-batch's losses were passed already (the engine
+    // holds the next one, or ended the step).
+    const std::string why =
+        d.parts == 1 ? std::string("Session::Backward called twice for one micro-batch")
+                     : absl::StrCat("Session::Backward called more than once per model part (",
+                                    d.parts, ") for one micro-batch");
+    if (!d.waiting && d.status.ok()) d.status = absl::FailedPreconditionError(why);
     Abort(why);  // mid-step: abandoned on every rank, naming it
     return;
   }
   d.loss = loss;
-  d.backward = true;
+  ++d.backwards;
   d.Resume();
 }
 
 void LoopDriver::Abort(const std::string& why) {
   Impl& d = *impl_;
   if (!d.started || d.done) return;
-  if (d.handed != nullptr) {
+  if (d.waiting) {
     d.abort = why;
   } else {
     d.stop = true;

@@ -439,34 +439,33 @@ class BalancedStep {
       const std::vector<std::function<at::Tensor(const Data&)>>& losses) {
     EVENSTEP_RETURN_IF_ERROR(PartCount(losses.size()));
     std::vector<Data> kept;
-    auto recompute = [&](size_t k) {
-      return [&, k](const MicroBatch& mb) { return losses[k](loader(mb)); };
-    };
-    return LoadedStep(
+    return PartsStep(
         loader,
         [&](size_t, Data& data) {
           kept.push_back(std::move(data));
-          return Backward(losses[0](kept.back()));
+          return losses[0](kept.back());
         },
-        [&]() -> absl::Status {
-          for (size_t k = 1; k < parts_.size(); ++k) {
-            EVENSTEP_RETURN_IF_ERROR(EndPart());
-            recompute_ = recompute(k);
-            for (size_t i = 0; i < kept.size(); ++i) {
-              try {
-                DataReady();
-                EVENSTEP_RETURN_IF_ERROR(Backward(losses[k](kept[i])));
-              } catch (const c10::OutOfMemoryError& e) {
-                EVENSTEP_RETURN_IF_ERROR(OutOfMemory(i, false, e.what_without_backtrace()));
-              } catch (const std::exception& e) {
-                return Abandon(i, e.what());
-              }
-            }
-          }
-          return absl::OkStatus();
-        },
-        recompute(0));
+        [&](size_t k, size_t i) { return losses[k](kept[i]); },
+        [&](size_t k) -> std::function<at::Tensor(const MicroBatch&)> {
+          return [&, k](const MicroBatch& mb) { return losses[k](loader(mb)); };
+        });
   }
+  // A step of every part without out-of-memory recovery, for a loop's body
+  // that runs every part's loss of its micro-batch (Session::Batches with
+  // several parts): `first(i, data)` is part 0's loss of micro-batch i,
+  // `later(k, i)` part k's, asked for after part k - 1 has stepped.
+  template <typename Data, typename First, typename Later>
+  absl::StatusOr<StepReport> StepPartsOnce(const Loader<Data>& loader, First&& first,
+                                           Later&& later) {
+    return PartsStep(loader, std::forward<First>(first), std::forward<Later>(later),
+                     [](size_t) { return std::function<at::Tensor(const MicroBatch&)>(); });
+  }
+  // Each rank's share of every later step as one micro-batch, whatever the
+  // caps (Session::Batches with several parts: the loop's body runs part
+  // k + 1's loss of its data after part k has stepped). A step planned
+  // already is packed again. FailedPrecondition naming the flag when a
+  // micro-batch cap or minimum is set (they could not be kept).
+  absl::Status SetWholeShare();
   // Sums over all ranks that every step reports (StepReport::sums) without
   // a collective of the loop's own: DeclareSum each name once, on every
   // rank in the same order, before the first step; inside a step's
@@ -507,6 +506,9 @@ class BalancedStep {
   // The epoch of the last step taken (or restored from a checkpoint); 0
   // before any.
   int64_t last_step_epoch() const;
+  // The next step's global batch's index within its epoch (epoch()): the
+  // steps of that epoch done so far, 0 at an epoch's start.
+  int64_t step_in_epoch() const;
   // Global batches in the epoch epoch() reports (with a token budget,
   // epochs may differ by a batch).
   int64_t steps_per_epoch() const { return sampler_.steps_in_epoch(epoch()); }
@@ -632,6 +634,33 @@ class BalancedStep {
     absl::StatusOr<StepReport> report = FinishStep();
     if (report.ok()) start_next();
     return report;
+  }
+  // A step of every part: `first(i, data)` is part 0's loss of micro-batch
+  // i (as it is loaded), `later(k, i)` part k's after part k - 1 stepped;
+  // `recompute_of(k)` is part k's out-of-memory recompute (empty: none).
+  template <typename Load, typename First, typename Later, typename RecomputeOf>
+  absl::StatusOr<StepReport> PartsStep(Load&& load, First&& first, Later&& later,
+                                       RecomputeOf&& recompute_of) {
+    return LoadedStep(
+        std::forward<Load>(load), [&](size_t i, auto& data) { return Backward(first(i, data)); },
+        [&]() -> absl::Status {
+          for (size_t k = 1; k < parts_.size(); ++k) {
+            EVENSTEP_RETURN_IF_ERROR(EndPart());
+            recompute_ = recompute_of(k);
+            for (size_t i = 0; i < run_.micro.size(); ++i) {
+              try {
+                DataReady();
+                EVENSTEP_RETURN_IF_ERROR(Backward(later(k, i)));
+              } catch (const c10::OutOfMemoryError& e) {
+                EVENSTEP_RETURN_IF_ERROR(OutOfMemory(i, false, e.what_without_backtrace()));
+              } catch (const std::exception& e) {
+                return Abandon(i, e.what());
+              }
+            }
+          }
+          return absl::OkStatus();
+        },
+        recompute_of(0));
   }
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> OnePartStep(Load&& load, LossSum&& loss_sum, bool recover) {
@@ -790,6 +819,7 @@ class BalancedStep {
   std::unique_ptr<SplitLog> split_log_;
   absl::Status OpenSplitLog();
   std::optional<NextStep> planned_;
+  bool whole_share_ = false;  // SetWholeShare
   // Stream mode: the shares the current epoch's streams were assigned by
   // (fixed from the epoch's first step).
   std::vector<double> stream_shares_;

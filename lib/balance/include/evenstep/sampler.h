@@ -172,6 +172,10 @@ class Sampler {
   // `padded_tokens_cap` > 0 adds this rank's own cap on samples x longest
   // length (its learned memory cap: BalanceConfig::oom).
   std::vector<MicroBatch> Pack(std::vector<int64_t> samples, int64_t padded_tokens_cap = 0) const;
+  // One rank's samples as one micro-batch (none for no samples), longest
+  // first, whatever the caps: a loop over Session::Batches with several
+  // model parts runs every part over the rank's whole share at once.
+  std::vector<MicroBatch> PackWhole(std::vector<int64_t> samples) const;
   // Stream mode: the streams [first, last) rank `rank` of shares.size()
   // owns under `shares` (contiguous blocks by the cumulative shares), and
   // `batch` split that way.
@@ -204,6 +208,8 @@ class Sampler {
                                            const std::vector<double>& target, Cost&& cost,
                                            Commit&& commit) const;
 
+  // Adds sample `i` to `mb` (its lengths, cost and count).
+  void AddTo(MicroBatch& mb, int64_t i) const;
   // Whether a sample of `length` joins an open micro-batch of `n` samples
   // (0: none open) whose longest is `max_length`, under the caps.
   bool Joins(int64_t n, int64_t max_length, int64_t length, int64_t padded_tokens_cap = 0) const;

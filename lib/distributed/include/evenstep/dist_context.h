@@ -203,15 +203,21 @@ class DistContext {
   absl::Status Connect();
   absl::Status Rendezvous();
   absl::Status CreateGroups();
-  // The Gloo transport device: GLOO_SOCKET_IFNAME, loopback, or the address
-  // that reaches MASTER_ADDR (internal::ChooseGlooAddress).
-  absl::StatusOr<std::string> GlooDevice() const;
+  // The Gloo transport device into gloo_device_ and why into gloo_why_:
+  // GLOO_SOCKET_IFNAME, loopback, or the address that reaches MASTER_ADDR
+  // (internal::ChooseGlooAddress; after Rendezvous, which gathered where the
+  // ranks on other hosts reach MASTER_ADDR).
+  absl::Status ChooseGlooDevice();
+  // The address MASTER_ADDR resolves to on this host, or "" when it is
+  // loopback here (or unresolved).
+  std::string MasterSeenHere() const;
   // In a job across hosts, before Gloo connects: every rank connects to a
   // listener on every other rank's Gloo address (bounded by the collective
   // timeout) and every rank stops with the same error naming the pairs that
   // failed, why, and the interfaces of the host to fix.
   absl::Status CheckGlooReachable();
-  std::string gloo_device_;          // GlooDevice()'s choice, for the subgroups too
+  std::string gloo_device_;          // ChooseGlooDevice()'s choice, for the subgroups too
+  std::string gloo_why_;             // ... and why, in messages
   std::optional<NodeLayout> nodes_;  // Nodes(), once exchanged
   template <typename Launch>
   absl::Status Run(const std::string& what, Launch&& launch);

@@ -4,6 +4,7 @@
 // SetFlagDefaults, and the torch::data adapters (BatchesOf, UniformLengths).
 #pragma once
 
+#include "evenstep/data_loader.h"
 #include "evenstep/flags.h"
 #include "evenstep/kept.h"
 #include "evenstep/session.h"

@@ -3,15 +3,14 @@
 // its loop over epochs and resets there.
 //
 //   for (size_t epoch = es->first_epoch(); epoch != num_epochs; ++epoch) {
-//     evenstep::KeptSum<float> running_loss(*es, "running_loss", 0.0);  // was: float running_loss
-//     = 0.0; evenstep::KeptSum<size_t> num_correct(*es, "num_correct", 0);     // was: size_t
-//     num_correct = 0; evenstep::Kept<size_t> batch_index(*es, "batch_index", 0);         // was:
-//     size_t batch_index = 0; for (auto& batch : es->Batches(loader)) {
+//     // was: float running_loss = 0.0; size_t num_correct = 0;
+//     evenstep::KeptSum<float> running_loss(*es, "running_loss", 0.0);
+//     evenstep::KeptSum<size_t> num_correct(*es, "num_correct", 0);
+//     for (auto& batch : es->Batches(loader)) {
 //       ...
 //       running_loss += loss.item<float>() * batch.data.size(0);
 //       num_correct += output.argmax(1).eq(batch.target).sum().item<int64_t>();
 //       es->Backward(loss);
-//       ++batch_index;
 //     }
 //     if (es->stopped()) break;
 //     std::cout << running_loss / num_samples << " " << num_correct << "\n";

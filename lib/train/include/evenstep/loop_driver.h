@@ -21,14 +21,18 @@ namespace evenstep::internal {
 
 class LoopDriver {
  public:
-  // `give(data)` hands a micro-batch to the loop and returns its loss;
-  // `boundary()` pauses after a step (the loop's code after it runs) and
-  // returns false when the loop has left.
+  // `give(data)` hands a micro-batch to the loop and returns its loss (the
+  // first part's); `give(nullptr)` resumes the loop's body on the same
+  // micro-batch and returns its next part's loss; `boundary()` pauses after
+  // a step (the loop's code after it runs) and returns false when the loop
+  // has left.
   using Give = std::function<at::Tensor(void* data)>;
   using Boundary = std::function<bool()>;
   using Run = std::function<absl::Status(const Give& give, const Boundary& boundary)>;
 
-  explicit LoopDriver(Run run);
+  // `parts`: the losses the body passes to Backward per micro-batch (one
+  // per model part), for the messages that name a body that passed fewer.
+  explicit LoopDriver(Run run, int parts = 1);
   // Ends the run if the loop left it early (a `break`, an exception): an
   // open step is abandoned on every rank, naming `why` (see Abort).
   ~LoopDriver();
@@ -40,8 +44,9 @@ class LoopDriver {
   // did not pass to Backward abandons its step on every rank.
   void* Next();
   // The current micro-batch's loss (its mean or sum, as the objective
-  // says). Runs its backward (and, after the step's last micro-batch, the
-  // sync, the optimizer step and the exchange) before it returns.
+  // says; with several parts, the next part's). Runs its backward (and,
+  // after the step's last micro-batch, the part's sync and optimizer step,
+  // and after the last part's, the exchange) before it returns.
   void Backward(const at::Tensor& loss);
   // The loop left: an open step is abandoned on every rank naming `why`;
   // between steps the run just ends.

@@ -261,6 +261,12 @@ class Session {
   // evenstep, taken inside the step, resumes at its step's epoch, whose end
   // then runs again.)
   int64_t first_epoch() const { return first_epoch_; }
+  // The steps of the epoch epoch() already done: 0 at an epoch's start, and
+  // at the top of the epoch a run resumed inside it starts with, the steps
+  // done there before the stop. A loop's count of batches in the epoch
+  // (`int64_t batch_index = 0;` at the epoch's top) starts there:
+  // `int64_t batch_index = es->step_in_epoch();`.
+  int64_t step_in_epoch() const { return step_->step_in_epoch(); }
   BalancedStep& balanced_step() { return *step_; }
 
   // One step (see BalancedStep::Step), then: timeline, log of loss and
@@ -330,10 +336,19 @@ class Session {
   // step abandoned, a preemption: Finish then returns it). What it gives up:
   // out-of-memory split-and-retry (it would run the body again; an
   // out-of-memory error abandons the step on every rank: use the callback
-  // form, Step(loader, loss_of), for recovery) and several model parts. An
-  // exception or a `break` that leaves the body mid-step abandons the step on
-  // every rank (no peer waits for a timeout); a micro-batch whose body does
-  // not call Backward (a `continue`) does the same, naming it.
+  // form, Step(loader, loss_of), for recovery). An exception or a `break`
+  // that leaves the body mid-step abandons the step on every rank (no peer
+  // waits for a timeout); a micro-batch whose body does not call Backward (a
+  // `continue`) does the same, naming it.
+  //
+  // With several model parts (a GAN's discriminator and generator) the body
+  // calls Backward once per part, in the parts' order, where the plain loop
+  // steps that part's optimizer: each Backward runs that part's backward,
+  // sync and optimizer step on every rank before it returns, so the body's
+  // next loss sees the stepped part, as in the plain loop. Each rank's share
+  // of a step is then one micro-batch (the body runs once per step; a
+  // micro-batch cap is refused by name), and the body's zero_grad() before a
+  // part's loss is allowed (the part's gradients are zero then).
   template <typename Data>
   LoopBatches<Data> Batches(const Loader<Data>& loader);
   // The current micro-batch's loss in the loop over Batches (see there).
@@ -538,25 +553,38 @@ class LoopBatches {
   // Empty after a loop over Batches ended with an error (Finish returns it).
   Iterator begin() {
     if (!session_.loop_status_.ok()) return Iterator(nullptr, nullptr);
+    const size_t parts = session_.parts_.size();
+    if (parts > 1) {
+      // The body runs part k + 1's loss after part k stepped: one
+      // micro-batch per rank and step.
+      absl::Status whole = session_.step_->SetWholeShare();
+      if (!whole.ok()) {
+        session_.loop_status_ = whole;
+        return Iterator(nullptr, nullptr);
+      }
+    }
     const int64_t epoch = session_.epoch();
     driver_ = std::make_unique<internal::LoopDriver>(
-        [this, epoch](const internal::LoopDriver::Give& give,
-                      const internal::LoopDriver::Boundary& boundary) -> absl::Status {
+        [this, epoch, parts](const internal::LoopDriver::Give& give,
+                             const internal::LoopDriver::Boundary& boundary) -> absl::Status {
+          // Kept until the loop's body for it ends: the body may read it
+          // after Backward, while the engine hands out the next micro-batch.
+          auto hand = [&](Data& data) {
+            return give(&held_[next_held_ ^= 1].emplace(std::move(data)));
+          };
           while (session_.epoch() == epoch) {
             absl::StatusOr<StepReport> report = session_.Around([&] {
-              return session_.step_->StepOnce(loader_, [&](Data& data) {
-                // Kept until the loop's body for it ends: the body may
-                // read it after Backward, while the engine hands out the
-                // next micro-batch.
-                Data& kept = held_[next_held_ ^= 1].emplace(std::move(data));
-                return give(&kept);
-              });
+              if (parts == 1) return session_.step_->StepOnce(loader_, hand);
+              return session_.step_->StepPartsOnce(
+                  loader_, [&](size_t, Data& data) { return hand(data); },
+                  [&](size_t, size_t) { return give(nullptr); });
             });
             if (!report.ok()) return report.status();
             if (!boundary()) break;
           }
           return absl::OkStatus();
-        });
+        },
+        static_cast<int>(parts));
     session_.loop_ = driver_.get();
     return Iterator(driver_.get(), driver_->Next());
   }

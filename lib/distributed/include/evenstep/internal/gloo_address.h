@@ -26,6 +26,9 @@ struct GlooAddressInputs {
   // not be found: MASTER_ADDR does not resolve, no route).
   std::string route_address;
   std::string route_error;  // why route_address is empty
+  // The addresses the ranks on other hosts reached MASTER_ADDR at (what
+  // the name resolves to there; loopback ones left out).
+  std::vector<std::string> master_seen;
   // This host's non-loopback IPv4/IPv6 addresses of interfaces that are up,
   // as "name=address".
   std::vector<std::string> interfaces;
@@ -41,9 +44,20 @@ struct GlooAddressInputs {
 //   reached over loopback binds to 127.0.0.1;
 // - else the address on the route to MASTER_ADDR, when it is not loopback;
 // - a job spanning hosts whose MASTER_ADDR is loopback here (its name on
-//   127.0.1.1 in /etc/hosts): the one non-loopback interface address, or the
-//   error when there are none or several.
+//   127.0.1.1 in /etc/hosts, as torchrun's rendezvous hands the first
+//   agent's host name to every worker): this host's address that the ranks
+//   on other hosts reached MASTER_ADDR at, else the one non-loopback
+//   interface address, else the error.
 absl::StatusOr<std::string> ChooseGlooAddress(const GlooAddressInputs& in);
+// Why Gloo binds where `spec` (ChooseGlooAddress(in)'s) says, in words.
+std::string GlooWhy(const GlooAddressInputs& in, const std::string& spec);
+
+// The route a packet to host:port takes: the local address it leaves from
+// and the remote address the name resolved to.
+struct Route {
+  std::string local, remote;
+};
+absl::StatusOr<Route> RouteTowards(const std::string& host, int port);
 
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool IsLoopbackAddress(const std::string& address);
