@@ -1,57 +1,153 @@
-// An LSTM language model with truncated BPTT, ported from prabhuomkar/pytorch-cpp
-// (tutorials/intermediate/language_model) to a synthetic corpus (samples/lm_common.h):
-// the hidden state of every row is carried from chunk to chunk and reset each epoch.
-// lm_plain.cc is the single-process loop; lm.cc the same on evenstep (stream mode:
-// each row a stream that stays on its rank); docs/ports.md shows the diff.
+// A plain libtorch trainer in the shape of prabhuomkar/pytorch-cpp's
+// language model tutorial (written here in its shape, not copied): an LSTM
+// language model over batch_size token rows; each epoch starts the hidden
+// and cell states at zeros and carries them from chunk to chunk (truncated
+// BPTT), keeps a running loss and perplexity and prints them at its end;
+// then the model writes sampled word ids to a file. The corpus is
+// SyntheticCorpus (samples/lm_common.h); flags replace the constants a test
+// must change. lm.cc is the same program on evenstep, loop-shaped (stream
+// mode: each row a stream that stays on its rank).
 #include <torch/torch.h>
+
+#include <fstream>
+#include <iomanip>
+#include <iostream>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "evenstep/evenstep.h"
 #include "samples/lm_common.h"
 
-ABSL_FLAG(int, epochs, 2, "Passes over the corpus.");
-ABSL_FLAG(int64_t, rows, 20, "Token streams (the original's batch_size).");
-ABSL_FLAG(int64_t, chunks, 40, "Chunks of seq tokens per row.");
+ABSL_FLAG(size_t, epochs, 5, "Passes over the corpus (the original's 5).");
+ABSL_FLAG(int64_t, chunks, 40, "Chunks of sequence_length tokens per row (synthetic corpus).");
 ABSL_FLAG(int64_t, hidden, 1024, "LSTM hidden size (the original's 1024).");
-ABSL_FLAG(int64_t, vocab, 1000, "Vocabulary size.");
+ABSL_FLAG(int64_t, vocab, 1000, "Vocabulary size (synthetic corpus).");
+ABSL_FLAG(std::string, sample_output, "sample.txt", "Where the sampled word ids go.");
 
 using namespace evenstep::samples;
 
 int main(int argc, char** argv) {
-  evenstep::SetFlagDefaults("loss_reduction=mean clip_grad_norm=0.5");  // nll_loss is a mean
+  evenstep::SetFlagDefaults("loss_reduction=mean clip_grad_norm=0.5");  // nll_loss: a mean
   absl::ParseCommandLine(argc, argv);
   torch::set_num_threads(1);
-  const int64_t rows = absl::GetFlag(FLAGS_rows), chunks = absl::GetFlag(FLAGS_chunks), seq = 30;
-  absl::SetFlag(&FLAGS_evenstep_streams, rows);  // each row is a stream: sample row * chunks + t
-  const int64_t layers = 1, hidden = absl::GetFlag(FLAGS_hidden),
-                vocab = absl::GetFlag(FLAGS_vocab);
-  const torch::Tensor ids = SyntheticCorpus(rows, chunks, seq, vocab);
+  std::cout << "Language Model\n\n";
+
+  // Device
+  auto cuda_available = torch::cuda::is_available();
+  torch::Device device(cuda_available ? torch::kCUDA : torch::kCPU);
+  std::cout << (cuda_available ? "CUDA available. Training on GPU." : "Training on CPU.") << '\n';
+
+  // Hyper parameters
+  const int64_t embed_size = 128;
+  const int64_t hidden_size = absl::GetFlag(FLAGS_hidden);
+  const int64_t num_layers = 1;
+  const int64_t num_samples = 1000;  // the number of words to be sampled
+  const int64_t batch_size = 20;
+  const int64_t sequence_length = 30;
+  const size_t num_epochs = absl::GetFlag(FLAGS_epochs);
+  const double learning_rate = 0.002;
+
+  // The corpus: batch_size rows of token ids
+  auto ids = SyntheticCorpus(batch_size, absl::GetFlag(FLAGS_chunks), sequence_length,
+                             absl::GetFlag(FLAGS_vocab));
+  auto vocab_size = absl::GetFlag(FLAGS_vocab);
+  const std::string sample_output_path = absl::GetFlag(FLAGS_sample_output);
+
+  // Model
   torch::manual_seed(0);
-  RnnLm model(vocab, 128, hidden, layers);
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.002));
-  torch::Tensor state = torch::zeros({2, layers, rows, hidden});
-  // The loss of chunk t of the rows `r`; carries their state on.
-  auto loss_of = [&](const torch::Tensor& r, int64_t t) {
-    if (t == 0) state.index_fill_(2, r, 0);  // a row's first chunk starts from zeros
-    torch::Tensor data = ids.index_select(0, r).slice(1, t * seq, t * seq + seq);
-    torch::Tensor target =
-        ids.index_select(0, r).slice(1, t * seq + 1, t * seq + seq + 1).reshape(-1);
-    LmOutput out = model->forward(data, state.index_select(2, r));
-    state.index_copy_(2, r, out.state.detach());
-    return torch::nll_loss(out.output, target);
-  };
-  auto es = evenstep::Session::Create(*model, optimizer, rows * chunks);
+  LanguageModel model(vocab_size, embed_size, hidden_size, num_layers);
+  model->to(device);
+
+  // Optimizer
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(learning_rate));
+  auto es = evenstep::Session::Create(*model, optimizer, evenstep::StreamsOf(ids, sequence_length));
   if (!es.ok()) return Fail(es.status());
-  if (absl::Status s = (*es)->AddStreamState("lstm", &state, 2); !s.ok()) return Fail(s);
-  RunningMetrics metrics;
-  (*es)->Keep(metrics, [&](auto& r) { metrics.Add(r.loss); });
-  for (int64_t epoch = (*es)->first_epoch(); epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
-    while ((*es)->epoch() == epoch) {
-      auto report = (*es)->Step([&](auto& s) { return loss_of(Rows(s, chunks), s[0] % chunks); });
-      if (!report.ok()) return Fail(report.status());
+  ids = (*es)->OwnRows(ids);
+
+  // Set floating point output precision
+  std::cout << std::fixed << std::setprecision(6);
+
+  std::cout << "Training...\n";
+
+  // Train the model
+  for (size_t epoch = (*es)->first_epoch(); epoch != num_epochs; ++epoch) {
+    // Initialize running metrics
+    evenstep::KeptSum<double> running_loss(**es, "running_loss", 0.0);
+    evenstep::KeptSum<double> running_perplexity(**es, "running_perplexity", 0.0);
+    evenstep::KeptSum<size_t> running_num_samples(**es, "running_num_samples", 0);
+
+    // Initialize hidden- and cell-states.
+    evenstep::KeptRows h(**es, "h", torch::zeros({num_layers, batch_size, hidden_size}).to(device));
+    evenstep::KeptRows c(**es, "c", torch::zeros({num_layers, batch_size, hidden_size}).to(device));
+
+    for (int64_t i : (*es)->Positions(0, ids.size(1) - sequence_length, sequence_length)) {
+      // Transfer data and target labels to device
+      auto data = ids.slice(1, i, i + sequence_length).to(device);
+      auto target = ids.slice(1, i + 1, i + 1 + sequence_length).reshape(-1).to(device);
+
+      // Forward pass
+      auto rnn_output = model->forward(data, std::make_tuple(h, c));
+      auto output = std::get<0>(rnn_output);
+      h = std::get<0>(std::get<1>(rnn_output)).detach();
+      c = std::get<1>(std::get<1>(rnn_output)).detach();
+
+      // Calculate the loss
+      auto loss = torch::nn::functional::nll_loss(output, target);
+
+      // Update running metrics
+      running_loss += loss.item<double>() * data.size(0);
+      running_perplexity += torch::exp(loss).item<double>() * data.size(0);
+      running_num_samples += data.size(0);
+
+      // Backward pass and optimize
+      optimizer.zero_grad();
+      (*es)->Backward(loss);
     }
-    metrics.EndEpoch(epoch);
+    if ((*es)->stopped()) break;
+
+    auto sample_mean_loss = running_loss / running_num_samples;
+    auto sample_mean_perplexity = running_perplexity / running_num_samples;
+
+    std::cout << "Epoch [" << (epoch + 1) << "/" << num_epochs
+              << "], Trainset - Loss: " << sample_mean_loss
+              << ", Perplexity: " << sample_mean_perplexity << '\n';
   }
-  return (*es)->Finish().ok() ? 0 : 1;
+
+  std::cout << "Training finished!\n\n";
+  if (auto s = (*es)->Finish(); !s.ok() || (*es)->rank() != 0) return evenstep::ExitCode(s);
+  std::cout << "Generating samples...\n";
+
+  // Generate samples
+  model->eval();
+  torch::NoGradGuard no_grad;
+
+  std::ofstream sample_output_file(sample_output_path);
+
+  // Initialize hidden- and cell-states.
+  auto h = torch::zeros({num_layers, 1, hidden_size}).to(device);
+  auto c = torch::zeros({num_layers, 1, hidden_size}).to(device);
+
+  // Select one word-id at random
+  auto prob = torch::ones(vocab_size);
+  auto data = prob.multinomial(1).unsqueeze(1).to(device);
+
+  for (int64_t i = 0; i != num_samples; ++i) {
+    // Forward pass
+    auto rnn_output = model->forward(data, std::make_tuple(h, c));
+    auto out = std::get<0>(rnn_output);
+    h = std::get<0>(std::get<1>(rnn_output));
+    c = std::get<1>(std::get<1>(rnn_output));
+
+    // Sample a word id
+    prob = out.exp();
+    auto word_id = prob.multinomial(1).item();
+
+    // Fill input data with sampled word id for the next time step
+    data.fill_(word_id);
+
+    // Write the word id (the synthetic corpus has no dictionary) to the file
+    sample_output_file << word_id.toLong() << ((i + 1) % 20 == 0 ? "\n" : " ");
+  }
+
+  std::cout << "Finished generating samples!\nSaved output to: " << sample_output_path << "\n";
 }

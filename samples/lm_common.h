@@ -1,52 +1,48 @@
-// The LSTM language model of prabhuomkar/pytorch-cpp
-// (tutorials/intermediate/language_model) on a synthetic corpus: an
-// embedding, an LSTM whose hidden and cell states (stacked: [2, layers,
-// rows, hidden]) are carried from one chunk to the next (truncated BPTT),
-// and a linear layer to log-probabilities. The corpus is `rows` token streams
-// of `chunks` x `seq` + 1 tokens (a fixed random walk over the vocabulary,
-// so the model has something to learn); chunk t of every row is one step.
+// The language model of prabhuomkar/pytorch-cpp's tutorial
+// (tutorials/intermediate/language_model), written here in its shape: an
+// embedding, an LSTM (batch first) whose hidden and cell states the loop
+// carries from one chunk to the next (truncated BPTT), and a linear layer
+// to log-probabilities. The corpus is synthetic: `rows` token streams of
+// `chunks` x `seq` + 1 tokens (a fixed random walk over the vocabulary, so
+// the model has something to learn), in place of the Penn Treebank's.
 #pragma once
 
 #include <torch/torch.h>
 
-#include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <string>
+#include <tuple>
 
 #include "samples/dist_mnist_common.h"  // Fail
 
 namespace evenstep::samples {
 
-struct LmOutput {
-  torch::Tensor output, state;
-};
-
-struct RnnLmImpl : torch::nn::Module {
-  RnnLmImpl(int64_t vocab, int64_t embed, int64_t hidden, int64_t layers)
-      : embed(vocab, embed),
-        lstm(torch::nn::LSTMOptions(embed, hidden).num_layers(layers).batch_first(true)),
-        linear(hidden, vocab) {
-    register_module("embed", this->embed);
+class LanguageModelImpl : public torch::nn::Module {
+ public:
+  LanguageModelImpl(int64_t vocab_size, int64_t embed_size, int64_t hidden_size, int64_t num_layers)
+      : embed(vocab_size, embed_size),
+        lstm(torch::nn::LSTMOptions(embed_size, hidden_size)
+                 .num_layers(num_layers)
+                 .batch_first(true)),
+        linear(hidden_size, vocab_size) {
+    register_module("embed", embed);
     register_module("lstm", lstm);
     register_module("linear", linear);
   }
-  // `state`: [2, layers, rows, hidden] (hidden and cell states).
-  LmOutput forward(const torch::Tensor& x, const torch::Tensor& state) {
-    auto [out, hc] = lstm->forward(embed->forward(x), std::make_tuple(state[0], state[1]));
+  // The log-probabilities of the next tokens of `x` ([rows, seq] ids), and
+  // the LSTM's states after it.
+  std::tuple<torch::Tensor, std::tuple<torch::Tensor, torch::Tensor>> forward(
+      torch::Tensor x, std::tuple<torch::Tensor, torch::Tensor> hx) {
+    auto [out, state] = lstm->forward(embed->forward(x), hx);
     out = linear->forward(out.reshape({-1, out.size(2)}));
-    return {torch::log_softmax(out, 1), torch::stack({std::get<0>(hc), std::get<1>(hc)})};
+    return {torch::log_softmax(out, 1), state};
   }
+
+ private:
   torch::nn::Embedding embed;
   torch::nn::LSTM lstm;
   torch::nn::Linear linear;
 };
-TORCH_MODULE(RnnLm);
-
-// The rows (streams) of the samples `s` (sample row * chunks + t), as an index tensor.
-inline torch::Tensor Rows(const std::vector<int64_t>& s, int64_t chunks) {
-  return torch::tensor(s).div(chunks, "floor");
-}
+TORCH_MODULE(LanguageModel);
 
 // [rows, chunks * seq + 1] token ids.
 inline torch::Tensor SyntheticCorpus(int64_t rows, int64_t chunks, int64_t seq, int64_t vocab) {
@@ -59,25 +55,5 @@ inline torch::Tensor SyntheticCorpus(int64_t rows, int64_t chunks, int64_t seq, 
     ids.select(1, k).copy_((ids.select(1, k - 1) * 7 + steps.select(1, k)) % vocab);
   return ids;
 }
-
-// The running metrics of the original (the epoch's loss and perplexity) and
-// a step count, as JSON for a checkpoint. Add prints each step's loss.
-struct RunningMetrics {
-  double loss_sum = 0, perplexity_sum = 0, n = 0, step = 0;
-  void Add(double loss) {
-    loss_sum += loss, perplexity_sum += std::exp(loss), n += 1, step += 1;
-    std::printf("step %.0f loss %.9g\n", step, loss);
-  }
-  // Prints the epoch's means; the sums start again.
-  void EndEpoch(int64_t epoch) {
-    std::printf("Epoch [%lld] Loss: %.6f, Perplexity: %.6f\n", static_cast<long long>(epoch + 1),
-                loss_sum / n, perplexity_sum / n);
-    loss_sum = perplexity_sum = n = 0;
-  }
-  std::string Json() const { return NumbersJson({loss_sum, perplexity_sum, n, step}); }
-  void Restore(const std::string& json) {
-    RestoreNumbers(json, {&loss_sum, &perplexity_sum, &n, &step});
-  }
-};
 
 }  // namespace evenstep::samples

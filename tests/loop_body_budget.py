@@ -4,7 +4,8 @@
 usage: loop_body_budget.py PLAIN PORT BUDGET
 
 The training loop is the first `for` over batches in each file (`for (auto&
-batch : ...)`, or with the batch's type: `for (torch::data::Example<>& batch : ...)`), from its header to its closing brace. A changed line is a
+batch : ...)`, or with the batch's type: `for (torch::data::Example<>& batch : ...)`), or over a stream's positions
+(`for (int64_t i ...`), from its header to its closing brace. A changed line is a
 line of the plain loop that the port removes or replaces, or a line of the
 port's loop that it adds (difflib's alignment of the two files).
 """
@@ -12,7 +13,7 @@ import difflib
 import re
 import sys
 
-LOOP = re.compile(r"^\s*for \((const )?[\w:<>]+&\s*\w+\s*:")
+LOOP = re.compile(r"^\s*for \(((const )?[\w:<>]+&\s*\w+\s*:|int64_t i\b)")
 
 
 def loop_lines(lines, name):

@@ -734,5 +734,153 @@ TEST(LoopStateMisuseTest, MisuseIsNamedByTheNextStepWhichRunsNothing) {
   });
 }
 
+// Stream mode, loop-shaped (Session::Positions, OwnRows, KeptRows): a
+// truncated-BPTT loop over 6 token streams as a plain loop writes it (its
+// own zero_grad kept), on 1-3 ranks (streams 6, 3+3, 2+2+2): after every
+// step the parameters equal the plain loop's on all rows, 2 epochs whose
+// states start at zeros.
+constexpr int64_t kStreams = 6, kSeq = 3, kChunks = 4, kVocab = 11, kHidden = 5;
+
+struct TinyLm : torch::nn::Module {
+  TinyLm() {
+    torch::manual_seed(5);  // the same initial values on every rank and in the plain loop
+    embed = register_module("embed", torch::nn::Embedding(kVocab, 4));
+    lstm = register_module("lstm",
+                           torch::nn::LSTM(torch::nn::LSTMOptions(4, kHidden).batch_first(true)));
+    linear = register_module("linear", torch::nn::Linear(kHidden, kVocab));
+  }
+  // The mean loss of predicting `ids`' next tokens from position i, and the states after.
+  torch::Tensor Loss(const torch::Tensor& ids, int64_t i, torch::Tensor& h, torch::Tensor& c) {
+    auto [out, state] =
+        lstm->forward(embed->forward(ids.slice(1, i, i + kSeq)), std::make_tuple(h, c));
+    h = std::get<0>(state).detach();
+    c = std::get<1>(state).detach();
+    const torch::Tensor logits = linear->forward(out.reshape({-1, kHidden}));
+    return torch::nll_loss(torch::log_softmax(logits, 1),
+                           ids.slice(1, i + 1, i + 1 + kSeq).reshape(-1));
+  }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::LSTM lstm{nullptr};
+  torch::nn::Linear linear{nullptr};
+};
+
+torch::Tensor StreamCorpus() {
+  torch::manual_seed(9);
+  return torch::randint(0, kVocab, {kStreams, kChunks * kSeq + 1}, torch::kLong);
+}
+
+void SetStreamFlags() {
+  SetFlags();
+  absl::SetFlag(&FLAGS_evenstep_micro_batch_samples, 0);
+  absl::SetFlag(&FLAGS_evenstep_global_batch, kStreams);
+  absl::SetFlag(&FLAGS_evenstep_streams, kStreams);
+  absl::SetFlag(&FLAGS_evenstep_loss_reduction, "mean");
+  absl::SetFlag(&FLAGS_evenstep_balance, "dynamic");  // the streams stay pinned all the same
+}
+
+class StreamLoopWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(StreamLoopWorldTest, EveryStepEqualsThePlainLoopOnAllRows) {
+  RunOnRanks(GetParam(), [](DistContext& dist) {
+    SetStreamFlags();
+    TinyLm model, plain;
+    torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.5));
+    torch::optim::SGD plain_optimizer(plain.parameters(), torch::optim::SGDOptions(0.5));
+    torch::Tensor ids = StreamCorpus();
+    const torch::Tensor all_rows = ids;
+    auto es = Session::Create(dist, model, optimizer, UniformLengths(kStreams * kChunks),
+                              RanksDir() + "/run");
+    ASSERT_TRUE(es.ok()) << es.status();
+    Session& session = **es;
+    ASSERT_EQ(StreamsOf(ids, kSeq).positions, kChunks);
+    ids = session.OwnRows(ids);
+    EXPECT_EQ(ids.size(0), kStreams / dist.world_size());
+    int steps = 0;
+    for (int64_t epoch = session.first_epoch(); epoch < 2; ++epoch) {
+      KeptRows h(session, "h", torch::zeros({1, kStreams, kHidden}));
+      KeptRows c(session, "c", torch::zeros({1, kStreams, kHidden}));
+      EXPECT_EQ(h.size(1), ids.size(0));
+      torch::Tensor plain_h = torch::zeros({1, kStreams, kHidden}), plain_c = plain_h.clone();
+      for (int64_t i : session.Positions(0, ids.size(1) - kSeq, kSeq)) {
+        torch::Tensor hh = h, cc = c;
+        torch::Tensor loss = model.Loss(ids, i, hh, cc);
+        h = hh;
+        c = cc;
+        optimizer.zero_grad();
+        session.Backward(loss);
+        ASSERT_TRUE(session.step_ended());
+        plain_optimizer.zero_grad();
+        plain.Loss(all_rows, i, plain_h, plain_c).backward();
+        plain_optimizer.step();
+        ++steps;
+        auto want = plain.named_parameters();
+        for (const auto& p : model.named_parameters()) {
+          const torch::Tensor w = want[p.key()];
+          EXPECT_LE(((p.value() - w).abs().max() / (w.abs().max() + 1e-12)).item<double>(), 1e-5)
+              << p.key() << " after step " << steps;
+        }
+      }
+      ASSERT_FALSE(session.stopped());
+    }
+    EXPECT_EQ(steps, 2 * kChunks);
+    EXPECT_TRUE(session.Finish().ok());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, StreamLoopWorldTest, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return absl::StrCat("world", info.param); });
+
+// Misuse in stream mode's loop is named by the next step (Finish): a range
+// of other positions than the streams', a state whose streams' dimension is
+// ambiguous, and OwnRows outside stream mode.
+TEST(StreamLoopMisuseTest, IsNamedByTheNextStep) {
+  RunOnRanks(2, [](DistContext& dist) {
+    SetStreamFlags();
+    TinyLm model;
+    torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.5));
+    const torch::Tensor ids = StreamCorpus();
+    auto open = [&](const std::string& dir) {
+      auto es = Session::Create(dist, model, optimizer, UniformLengths(kStreams * kChunks),
+                                RanksDir() + "/" + dir);
+      EXPECT_TRUE(es.ok()) << es.status();
+      return std::move(*es);
+    };
+    auto body = [&](Session& session, int64_t end, const at::Tensor& initial) {
+      const torch::Tensor rows = session.OwnRows(ids);
+      KeptRows h(session, "h", initial);
+      int bodies = 0;
+      for (int64_t i : session.Positions(0, end, kSeq)) {
+        ++bodies;
+        torch::Tensor hh = torch::zeros({1, rows.size(0), kHidden}), cc = hh.clone();
+        session.Backward(model.Loss(rows, i, hh, cc));
+      }
+      EXPECT_EQ(bodies, 0);
+      return session.Finish();
+    };
+    std::unique_ptr<Session> a = open("range");
+    absl::Status status = body(*a, ids.size(1) - 2 * kSeq, torch::zeros({1, kStreams, kHidden}));
+    EXPECT_THAT(status.message(), HasSubstr("Session::Positions(0, 7, 3), rank "));
+    EXPECT_THAT(status.message(),
+                HasSubstr(": visits 3 positions, but each of the 6 streams has 4"));
+    a.reset();
+    std::unique_ptr<Session> b = open("ambiguous");
+    status = body(*b, ids.size(1) - kSeq, torch::zeros({kStreams, kStreams}));
+    EXPECT_THAT(status.message(),
+                HasSubstr("evenstep::KeptRows('h'), rank " + std::to_string(dist.rank()) +
+                          ": more than one dimension of [6, 6] has the 6 streams' size; give the "
+                          "streams' dimension"));
+    b.reset();
+    absl::SetFlag(&FLAGS_evenstep_streams, 0);
+    absl::SetFlag(&FLAGS_evenstep_global_batch, 6);
+    std::unique_ptr<Session> c = open("not_streams");
+    c->OwnRows(ids);
+    auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
+    for (auto& batch : c->Batches(loader)) c->Backward(batch.data.sum() * 0);
+    EXPECT_THAT(c->Finish().message(),
+                HasSubstr("Session::OwnRows, rank " + std::to_string(dist.rank()) +
+                          ": not in stream mode"));
+  });
+}
+
 }  // namespace
 }  // namespace evenstep

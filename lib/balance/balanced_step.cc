@@ -157,11 +157,10 @@ absl::Status BalancedStep::CheckUntouched(bool* replica_changed) const {
       *replica_changed = true;
     } else if (grad != was.grad || grad_version != was.grad_version) {
       // With the share whole (SetWholeShare) this is the part's only
-      // backward on this rank and its gradients were zeroed as it began:
-      // the loop's zero_grad() before it changes nothing.
-      if (whole_share_ && parts_.size() > 1 &&
-          (!g.defined() || g.count_nonzero().item<int64_t>() == 0))
-        continue;
+      // backward on this rank, before which the plain loop zeroes the
+      // gradients: the loop's own zero_grad() there is allowed (values put
+      // there, by a backward of the loop's own, are not).
+      if (whole_share_ && (!g.defined() || g.count_nonzero().item<int64_t>() == 0)) continue;
       what = "its gradient changed (loss.backward() or zero_grad() inside it?)";
     }
     if (what != nullptr) {
@@ -296,7 +295,9 @@ void BalancedStep::PlanNextStep(int64_t steps_done) {
   std::vector<std::vector<int64_t>> parts;
   if (sampler_.options().streams > 0) {
     // Streams move between ranks only at an epoch's start.
-    if (next.batch.step == 0 || stream_shares_.empty()) stream_shares_ = plan.shares;
+    if ((next.batch.step == 0 && !pinned_streams_) || stream_shares_.empty()) {
+      stream_shares_ = plan.shares;
+    }
     parts = sampler_.PartitionStreams(next.batch, stream_shares_);
   } else {
     parts = SplitGlobalBatch(sampler_, next.batch, plan);
@@ -512,7 +513,7 @@ int64_t BalancedStep::step_in_epoch() const {
   return at.step >= sampler_.steps_per_epoch() ? 0 : at.step;
 }
 
-absl::Status BalancedStep::SetWholeShare() {
+absl::Status BalancedStep::SetWholeShare(const std::string& what) {
   const SamplerOptions& o = sampler_.options();
   std::string flag;
   if (o.micro_batch_samples > 0) {
@@ -524,16 +525,23 @@ absl::Status BalancedStep::SetWholeShare() {
   }
   if (!flag.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "BalancedStep: rank ", ctx_.rank(), ": a loop over Session::Batches with ", parts_.size(),
-        " model parts runs each rank's share of a step as one micro-batch (its body runs part 2's "
-        "loss after part 1 has stepped), but ",
-        flag,
-        " would cut it into several: leave it unset, or use the callback form "
-        "Session::Step(loader, {loss_of_part_1, loss_of_part_2, ...}), which keeps the caps"));
+        "BalancedStep: rank ", ctx_.rank(), ": ", what, ", but ", flag,
+        " would cut it into several: leave it unset",
+        parts_.size() > 1 ? ", or use the callback form Session::Step(loader, {loss_of_part_1, "
+                            "loss_of_part_2, ...}), which keeps the caps"
+                          : ""));
   }
   whole_share_ = true;
   RepackPlanned();
   return absl::OkStatus();
+}
+
+std::pair<int64_t, int64_t> BalancedStep::PinStreams() {
+  if (sampler_.options().streams <= 0) return {0, 0};
+  if (stream_shares_.empty()) stream_shares_ = planner_.plan().shares;
+  pinned_streams_ = true;
+  // What every later step partitions by (a step planned already did too).
+  return sampler_.StreamRange(stream_shares_, ctx_.rank());
 }
 
 int64_t BalancedStep::last_step_epoch() const {

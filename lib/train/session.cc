@@ -278,18 +278,7 @@ absl::Status Session::Checkpoint() {
   const absl::Time begin = absl::Now();
   TrainState state = State();
   loop_vars_.kept->AddTensors(&state.tensors);
-  // Each rank holds its own streams' rows: one all-reduce of each state with
-  // the others' rows zeroed gives every rank the whole tensor.
-  const auto [first, last] = step_->owned_streams();
-  for (const StreamState& s : stream_states_) {
-    at::Tensor whole = at::zeros_like(*s.tensor);
-    if (last > first) {
-      whole.narrow(s.dim, first, last - first).copy_(s.tensor->narrow(s.dim, first, last - first));
-    }
-    EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(whole), "rank ", ctx_.rank(),
-                             ": gathering the stream state '", s.name, "' for step ", last_step_);
-    state.tensors.push_back({"stream/" + s.name, whole});
-  }
+  EVENSTEP_RETURN_IF_ERROR(GatherStreamStates(&state));
   absl::StatusOr<SaveTicket> ticket = checkpointer_->Save(last_step_, state);
   if (timeline_) timeline_->Span("checkpoint", begin, absl::Now(), last_step_);
   if (!ticket.ok()) return ticket.status();

@@ -183,6 +183,28 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::vector<ModelPart> 
   return Create(std::move(parts), std::move(lengths), std::move(options), std::move(counts));
 }
 
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(torch::nn::Module& model,
+                                                         torch::optim::Optimizer& optimizer,
+                                                         StreamLayout layout,
+                                                         const std::string& run_dir) {
+  EVENSTEP_ASSIGN_OR_RETURN(SessionOptions options, OptionsWithRunDir(run_dir));
+  int64_t& streams = options.balance.sampler.streams;
+  if (layout.streams <= 0 || layout.positions <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Session::Create: a stream layout of ",
+                                                   layout.streams, " streams x ", layout.positions,
+                                                   " positions (StreamsOf: a [rows, tokens] tensor "
+                                                   "with more than stride + 1 tokens per row)"));
+  }
+  if (streams != 0 && streams != layout.streams) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Session::Create: --evenstep_streams=", streams, ", but the stream layout has ",
+        layout.streams, " streams (StreamsOf's rows); leave the flag unset"));
+  }
+  streams = layout.streams;
+  return Create({ModelPart("model", model, optimizer)},
+                UniformLengths(layout.streams * layout.positions), std::move(options));
+}
+
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::vector<ModelPart> parts,
                                                          std::vector<int64_t> lengths,
                                                          SessionOptions options,

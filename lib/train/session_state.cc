@@ -1,5 +1,5 @@
 // Session: the loop's own state across a resume (Keep, KeepSum,
-// evenstep::Kept, stream state).
+// evenstep::Kept; stream state in session_streams.cc).
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -39,39 +39,6 @@ namespace evenstep {
 using internal::LearningRates;
 using internal::Read;
 using internal::Write;
-
-absl::Status Session::AddStreamState(const std::string& name, at::Tensor* state,
-                                     int64_t stream_dim) {
-  const std::string where =
-      absl::StrCat("Session::AddStreamState('", name, "'), rank ", ctx_.rank());
-  const int64_t streams = step_->sampler().options().streams;
-  if (streams <= 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(where, ": not in stream mode (--evenstep_streams=0)"));
-  }
-  if (state == nullptr || !state->defined() || stream_dim < 0 || stream_dim >= state->dim() ||
-      state->size(stream_dim) != streams) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": expected a tensor whose dimension ", stream_dim, " has the ", streams,
-        " streams; got ",
-        state != nullptr && state->defined() ? c10::str(state->sizes()) : std::string("none")));
-  }
-  for (const StreamState& s : stream_states_) {
-    if (s.name == name)
-      return absl::InvalidArgumentError(absl::StrCat(where, ": registered twice"));
-  }
-  stream_states_.push_back({name, state, stream_dim});
-  if (resumed_path_.empty()) return absl::OkStatus();
-  absl::Status loaded = LoadResumedTensor("stream/" + name, state);
-  if (absl::IsNotFound(loaded)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(where, ": the resumed checkpoint ", resumed_path_,
-                     " holds no stream state of that name (the run that saved it did not "
-                     "register it)"));
-  }
-  EVENSTEP_RETURN_IF_ERROR(loaded, where, ": loading it from ", resumed_path_);
-  return absl::OkStatus();
-}
 
 absl::Status Session::LoadResumedTensor(const std::string& name, at::Tensor* tensor) {
   TrainState only;

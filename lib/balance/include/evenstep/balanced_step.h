@@ -461,11 +461,18 @@ class BalancedStep {
                      [](size_t) { return std::function<at::Tensor(const MicroBatch&)>(); });
   }
   // Each rank's share of every later step as one micro-batch, whatever the
-  // caps (Session::Batches with several parts: the loop's body runs part
-  // k + 1's loss of its data after part k has stepped). A step planned
-  // already is packed again. FailedPrecondition naming the flag when a
-  // micro-batch cap or minimum is set (they could not be kept).
-  absl::Status SetWholeShare();
+  // caps, for a loop whose body runs once per step (Session::Batches with
+  // several parts: the body runs part k + 1's loss after part k stepped;
+  // Session::Positions in stream mode). A step planned already is packed
+  // again, and a part's gradients that the body zeroes before its one
+  // backward are accepted. FailedPrecondition when a micro-batch cap or
+  // minimum is set (they could not be kept): "<what>, but <flag> would cut
+  // it into several ...", where `what` says which loop and why.
+  absl::Status SetWholeShare(const std::string& what);
+  // Stream mode: each rank keeps the streams it owns now (or, before the
+  // first step, those of the current plan) for the rest of the run, where
+  // it would otherwise take new ones at each epoch's start; its range.
+  std::pair<int64_t, int64_t> PinStreams();
   // Sums over all ranks that every step reports (StepReport::sums) without
   // a collective of the loop's own: DeclareSum each name once, on every
   // rank in the same order, before the first step; inside a step's
@@ -819,7 +826,8 @@ class BalancedStep {
   std::unique_ptr<SplitLog> split_log_;
   absl::Status OpenSplitLog();
   std::optional<NextStep> planned_;
-  bool whole_share_ = false;  // SetWholeShare
+  bool whole_share_ = false;     // SetWholeShare
+  bool pinned_streams_ = false;  // PinStreams
   // Stream mode: the shares the current epoch's streams were assigned by
   // (fixed from the epoch's first step).
   std::vector<double> stream_shares_;

@@ -35,6 +35,9 @@
 // returned by the next step, naming the variable.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -109,6 +112,47 @@ class KeptSum : public Kept<T> {
   KeptSum(Session& session, std::string name, T initial = T())
       : Kept<T>(session, std::move(name), std::move(initial), /*sum=*/true) {}
   using Kept<T>::operator=;
+};
+
+// Stream mode (Session::Positions): a tensor with one row per stream (an
+// LSTM's hidden state [layers, streams, hidden]), declared where the loop
+// declares it, also at the top of each epoch:
+//
+//   evenstep::KeptRows h(*es, "h", torch::zeros({layers, rows, hidden}));  // was: auto h = ...
+//   ... model->forward(data, std::make_tuple(h, c)) ...; h = state.detach();
+//
+// It holds this rank's rows (Session::OwnRows's) of `initial` (all the
+// streams' rows), or, in a resumed run's first declaration, of what the
+// checkpoint saved, so a run resumed inside an epoch goes on with every
+// row's state. It is a tensor: use and assign it as the loop's own
+// variable. Every checkpoint gathers all ranks' rows and saves the whole
+// tensor ("stream/<name>"); when the variable leaves scope the name is
+// unbound (ended: a checkpoint then has none, and a resumed run starts it at
+// `initial`). `dim` is the streams' dimension (-1: the one dimension of
+// the stream count's size). Copies (std::make_tuple's) share the binding;
+// misuse is named by the next step.
+class KeptRows : public at::Tensor {
+ public:
+  KeptRows(Session& session, std::string name, const at::Tensor& initial, int64_t dim = -1)
+      : binding_(std::make_shared<Binding>(session, std::move(name))) {
+    session.BindRows(binding_->name, this, initial, dim);
+  }
+  KeptRows(const KeptRows&) = default;
+  // Assigns the value (this variable stays bound to its name).
+  KeptRows& operator=(const KeptRows& other) {
+    at::Tensor::operator=(static_cast<const at::Tensor&>(other));
+    return *this;
+  }
+  using at::Tensor::operator=;
+
+ private:
+  struct Binding {
+    Binding(Session& s, std::string n) : session(s), name(std::move(n)) {}
+    ~Binding() { session.UnbindRows(name); }
+    Session& session;
+    const std::string name;
+  };
+  std::shared_ptr<Binding> binding_;
 };
 
 }  // namespace evenstep

@@ -21,6 +21,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -55,6 +56,18 @@ class SaveTracker;
 }  // namespace internal
 template <typename Data>
 class LoopBatches;
+
+// Stream mode's layout (a truncated-BPTT corpus): `streams` rows of
+// `positions` steps each; sample s * positions + t is stream s's position t.
+struct StreamLayout {
+  int64_t streams = 0;
+  int64_t positions = 0;
+};
+// The layout of `ids`, a [rows, tokens] tensor of token streams, stepped by
+// `stride` tokens as a loop `for (i = 0; i < ids.size(1) - stride; i +=
+// stride)` visits it (each position reads stride + 1 tokens: the inputs and
+// the targets one token later).
+StreamLayout StreamsOf(const at::Tensor& ids, int64_t stride);
 
 class Session {
  public:
@@ -123,6 +136,14 @@ class Session {
                                                          const std::string& run_dir = "") {
     return Create(model, optimizer, UniformLengths(samples), run_dir);
   }
+  // Stream mode (see Positions): one model over `layout`'s streams, the
+  // flags' options with --evenstep_streams set to layout.streams (another
+  // value given for it is refused, naming both), on a DistContext the
+  // Session creates and owns.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(torch::nn::Module& model,
+                                                         torch::optim::Optimizer& optimizer,
+                                                         StreamLayout layout,
+                                                         const std::string& run_dir = "");
   // One model, on a DistContext the Session creates and owns.
   static absl::StatusOr<std::unique_ptr<Session>> Create(torch::nn::Module& model,
                                                          torch::optim::Optimizer& optimizer,
@@ -236,6 +257,40 @@ class Session {
   absl::Status AddStreamState(const std::string& name, at::Tensor* state, int64_t stream_dim);
   // Stream mode: the streams [first, last) this rank owns this epoch.
   std::pair<int64_t, int64_t> stream_range() const { return step_->owned_streams(); }
+  // Stream mode, loop-shaped: a truncated-BPTT loop over a [streams,
+  // tokens] tensor keeps its `for` over positions and its body:
+  //
+  //   auto es = evenstep::Session::Create(*model, optimizer, evenstep::StreamsOf(ids, seq));
+  //   ids = es->OwnRows(ids);  // this rank's rows
+  //   for (size_t epoch = es->first_epoch(); epoch != epochs; ++epoch) {
+  //     evenstep::KeptRows h(*es, "h", torch::zeros({layers, rows, hidden}));  // was: auto h =
+  //     for (int64_t i : es->Positions(0, ids.size(1) - seq, seq)) {  // was: i = 0; i < ...
+  //       ... ids.slice(1, i, i + seq) ... h = new_state.detach(); ...
+  //       es->Backward(loss);  // was: loss.backward(), clipping, optimizer.step()
+  //     }
+  //     if (es->stopped()) break;
+  //   }
+  //
+  // OwnRows pins each rank's streams for the rest of the run (they no
+  // longer move between ranks at epochs' starts: the loop slices its
+  // tensors once) and returns `t`'s rows of them along `dim`. Call it
+  // before the first step (later, the next step names the misuse).
+  at::Tensor OwnRows(const at::Tensor& t, int64_t dim = 0);
+  // The positions begin, begin + stride, ... before `end`, one per step of
+  // the current epoch (from where a resumed run stopped), as a loop over
+  // Batches (see there) whose data is the position. Each rank's rows of a
+  // step are one micro-batch: the body runs once per step, as the plain
+  // loop's does, and may keep its optimizer.zero_grad(). The positions
+  // must be the streams' (StreamsOf), else the loop ends at once and
+  // Finish names both counts.
+  LoopBatches<int64_t> Positions(int64_t begin, int64_t end, int64_t stride);
+  // KeptRows' binding (kept.h): `*rows` is set to this rank's rows (along
+  // `dim`, -1: the one dimension of the stream count's size) of `initial`,
+  // or in a resumed run's first binding of `name` of the checkpoint's
+  // "stream/<name>"; every checkpoint gathers the bound rows from all
+  // ranks. Misuse is named by the next step.
+  void BindRows(const std::string& name, at::Tensor* rows, const at::Tensor& initial, int64_t dim);
+  void UnbindRows(const std::string& name);
   // Step sums over all ranks (StepReport::sums; see BalancedStep::DeclareSum):
   // declare before the first step, add inside the loss functions; each sum
   // is also logged as a metric under its name.
@@ -484,9 +539,16 @@ class Session {
   StepReport last_report_;
   struct StreamState {
     std::string name;
-    at::Tensor* tensor;
+    at::Tensor* tensor;  // null: a KeptRows out of scope
     int64_t dim;
+    bool own_rows = false;  // KeptRows: only this rank's rows (else all streams')
   };
+  // Every bound stream state, all ranks' rows gathered (one all-reduce
+  // each), into `state` as "stream/<name>".
+  absl::Status GatherStreamStates(TrainState* state);
+  // Positions' range checked against the streams' positions, and each
+  // rank's share made one micro-batch.
+  absl::Status CheckPositions(int64_t begin, int64_t end, int64_t stride);
   std::vector<StreamState> stream_states_;
   std::string resumed_path_;  // the checkpoint this run resumed from ("" = none)
   std::unique_ptr<BalancedStep> step_;
@@ -557,7 +619,10 @@ class LoopBatches {
     if (parts > 1) {
       // The body runs part k + 1's loss after part k stepped: one
       // micro-batch per rank and step.
-      absl::Status whole = session_.step_->SetWholeShare();
+      absl::Status whole = session_.step_->SetWholeShare(
+          "a loop over Session::Batches with " + std::to_string(parts) +
+          " model parts runs each rank's share of a step as one micro-batch (its body runs "
+          "part 2's loss after part 1 has stepped)");
       if (!whole.ok()) {
         session_.loop_status_ = whole;
         return Iterator(nullptr, nullptr);
@@ -602,6 +667,19 @@ class LoopBatches {
 template <typename Data>
 LoopBatches<Data> Session::Batches(const Loader<Data>& loader) {
   return LoopBatches<Data>(*this, loader);
+}
+
+inline LoopBatches<int64_t> Session::Positions(int64_t begin, int64_t end, int64_t stride) {
+  if (absl::Status checked = CheckPositions(begin, end, stride);
+      !checked.ok() && loop_status_.ok()) {
+    loop_status_ = checked;
+  }
+  const int64_t streams = std::max<int64_t>(step_->sampler().options().streams, 1);
+  const int64_t positions = step_->sampler().num_samples() / streams;
+  return LoopBatches<int64_t>(
+      *this, Loader<int64_t>([begin, stride, positions](const MicroBatch& mb) {
+        return positions > 0 ? begin + stride * (mb.samples.front() % positions) : begin;
+      }));
 }
 
 }  // namespace evenstep
