@@ -102,6 +102,33 @@ TEST_P(CollectivesTest, ExactResults) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return absl::StrCat("world", info.param); });
 
+// Agree: a stage each rank runs alone, agreed before the next collective.
+// All succeed: OK everywhere. One fails: every other rank stops at once
+// quoting it (and the failed rank gets its own error). The context stays
+// usable: the next agreement and collective are exact.
+TEST(DistContextTest, AgreeStopsEveryRankQuotingTheRankThatFailed) {
+  evenstep::testing::RunOnRanks(3, [](DistContext& dist) {
+    const int r = dist.rank();
+    EXPECT_TRUE(dist.Agree("opening the files", absl::OkStatus()).ok());
+    const absl::Status mine =
+        r == 2 ? absl::NotFoundError("rank 2: shard-2.bin: no such file") : absl::OkStatus();
+    const absl::Status agreed = dist.Agree("opening the shards", mine);
+    if (r == 2) {
+      EXPECT_EQ(agreed, mine);
+    } else {
+      EXPECT_EQ(agreed.code(), absl::StatusCode::kFailedPrecondition) << agreed;
+      EXPECT_EQ(agreed.message(),
+                absl::StrCat("rank ", r,
+                             ": opening the shards stopped on every rank because one failed: "
+                             "rank 2: shard-2.bin: no such file"));
+    }
+    EXPECT_TRUE(dist.Agree("opening them again", absl::OkStatus()).ok());
+    at::Tensor t = at::full({2}, r + 1.0);
+    ASSERT_TRUE(dist.AllReduce(t).ok());
+    EXPECT_TRUE(at::equal(t, at::full({2}, 6.0)));
+  });
+}
+
 TEST(DistContextTest, SingleProcessNeedsNoLauncher) {
   auto results = RunAll({ProcessSpec{HelperArgs({"collectives"}), {}}}, kHangBound);
   EXPECT_EQ(results[0].exit_code, 0) << Describe(results);
@@ -119,20 +146,43 @@ class Rank0HostsTest : public ::testing::Test {
                       "hosting the store on a fixed port is not run";
     }
   }
+  // `world` torchrun-style ranks running `argv` in the namespace, without
+  // TORCHELASTIC_USE_AGENT_STORE: rank 0 hosts the store.
+  std::vector<ProcessSpec> Rank0HostedRanks(int world, const std::vector<std::string>& argv) {
+    auto specs = TorchrunRanks(world, ns_->kPort, argv);
+    for (auto& spec : specs) {
+      spec.argv = ns_->Wrap(spec.argv);
+      auto& env = spec.env;
+      env.erase(
+          std::remove_if(env.begin(), env.end(),
+                         [](const auto& kv) { return kv.first == "TORCHELASTIC_USE_AGENT_STORE"; }),
+          env.end());
+    }
+    return specs;
+  }
   std::unique_ptr<evenstep::testing::NetNamespace> ns_;
 };
 
-TEST_F(Rank0HostsTest, Rank0HostsTheStoreWhenNoAgent) {
-  const auto& ns = ns_;
-  auto specs = TorchrunRanks(2, ns->kPort, HelperArgs({"collectives"}));
-  for (auto& spec : specs) {  // no TORCHELASTIC_USE_AGENT_STORE: rank 0 hosts the store
-    spec.argv = ns->Wrap(spec.argv);
-    auto& env = spec.env;
-    env.erase(
-        std::remove_if(env.begin(), env.end(),
-                       [](const auto& kv) { return kv.first == "TORCHELASTIC_USE_AGENT_STORE"; }),
-        env.end());
+// The rank that hosts the store (rank 0, no launcher agent) stopping in
+// start-up: it keeps the store up until the others have read why, and they
+// name it (the store's end used to reach them as "Broken pipe").
+TEST_F(Rank0HostsTest, Rank0StoppingInStartUpIsNamedByTheOthersWithItsReason) {
+  auto specs = Rank0HostedRanks(2, HelperArgs({"init"}, {"--evenstep_timeout=60s"}));
+  specs[0].env.push_back({"GLOO_SOCKET_IFNAME", "no-such-if0"});
+  auto results = RunAll(specs, kHangBound);
+  for (const ProcessResult& r : results) {
+    EXPECT_FALSE(r.timed_out) << Describe(results);
+    EXPECT_EQ(r.exit_code, 3) << Describe(results);
   }
+  EXPECT_THAT(results[1].output,
+              HasSubstr("rank 1: start-up stopped on every rank because one failed: rank 0 (host "))
+      << Describe(results);
+  EXPECT_THAT(results[1].output, HasSubstr("GLOO_SOCKET_IFNAME=no-such-if0 is not an interface"))
+      << Describe(results);
+}
+
+TEST_F(Rank0HostsTest, Rank0HostsTheStoreWhenNoAgent) {
+  auto specs = Rank0HostedRanks(2, HelperArgs({"collectives"}));
   auto results = RunAll(specs, kHangBound);
   for (const ProcessResult& r : results) EXPECT_EQ(r.exit_code, 0) << Describe(results);
   EXPECT_THAT(results[0].output, HasSubstr("hosted by rank 0"));
@@ -192,6 +242,35 @@ TEST(DistContextTest, MissingPeerAtRendezvousIsNamed) {
     EXPECT_EQ(r.exit_code, 3) << Describe(results);
     EXPECT_THAT(r.output, HasSubstr("DEADLINE_EXCEEDED"));
     EXPECT_THAT(r.output, HasSubstr("with 2 of 3 ranks joined; missing rank(s) 2"));
+  }
+}
+
+// A rank that stops in start-up (here: GLOO_SOCKET_IFNAME names an interface
+// its host does not have) is named by every other rank, with its reason, as
+// soon as it stops: the others used to wait in Gloo's connect until its
+// timeout and then report only a broken connection.
+TEST(DistContextTest, ARankThatStopsInStartUpIsNamedByEveryOtherRankWithItsReason) {
+  auto store = HostStore();
+  ASSERT_NE(store, nullptr);
+  const std::vector<std::string> long_timeouts = {"--evenstep_rendezvous_timeout=60s",
+                                                  "--evenstep_timeout=60s"};
+  auto specs = TorchrunRanks(3, store->port(), HelperArgs({"init"}, long_timeouts));
+  specs[1].env.push_back({"GLOO_SOCKET_IFNAME", "no-such-if0"});
+  auto results = RunAll(specs, kHangBound);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << Describe(results);
+    EXPECT_EQ(results[r].exit_code, 3) << Describe(results);
+    EXPECT_THAT(results[r].output, HasSubstr("rank 1 (host ")) << Describe(results);
+    EXPECT_THAT(results[r].output,
+                HasSubstr("): GLOO_SOCKET_IFNAME=no-such-if0 is not an interface that is up"))
+        << Describe(results);
+    if (r != 1) {
+      EXPECT_THAT(results[r].output,
+                  HasSubstr(absl::StrCat("rank ", r,
+                                         ": start-up stopped on every rank because one failed: "
+                                         "rank 1 (host ")))
+          << Describe(results);
+    }
   }
 }
 

@@ -206,6 +206,40 @@ TEST(SessionOptionsTest, TwoSessionsOneAfterTheOtherRunAsTheirOwnOptionsSay) {
   });
 }
 
+// A rank whose own set-up fails in Session::Create (here: its run directory
+// lies under a regular file) stops every rank at once with its reason: the
+// others used to go on into Create's first collective and wait for it until
+// the collective timeout (60 s here), then name only a rank that never
+// arrived. Then the same ranks create a good Session and train: the failed
+// Create left nothing behind.
+TEST(SessionOptionsTest, ARankWhoseSetUpFailsStopsEveryRankNamingItsReason) {
+  RunOnRanks(3, [](DistContext& dist) {
+    const std::string blocker = RanksDir() + "/a-file";
+    if (dist.rank() == 1) evenstep::testing::WriteRanksFile("a-file", "not a directory");
+    SessionOptions options;
+    options.balance.planner.mode = BalanceMode::kStatic;
+    options.balance.sampler.global_batch = 6;
+    options.run_dir = dist.rank() == 1 ? blocker + "/run" : RanksDir() + "/run";
+    torch::nn::Linear model(3, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto es = Session::Create(dist, *model, optimizer, std::vector<int64_t>(24, 1), options);
+    ASSERT_FALSE(es.ok());
+    EXPECT_THAT(es.status().message(), HasSubstr("rank 1")) << es.status();
+    EXPECT_THAT(es.status().message(), HasSubstr(blocker + "/run")) << es.status();
+    if (dist.rank() != 1) {
+      EXPECT_EQ(es.status().code(), absl::StatusCode::kFailedPrecondition) << es.status();
+      EXPECT_THAT(es.status().message(),
+                  HasSubstr(absl::StrCat("rank ", dist.rank(),
+                                         ": Session::Create stopped on every rank because one "
+                                         "failed: ")))
+          << es.status();
+    }
+    options.run_dir = RanksDir() + "/good";
+    const RunResult good = Train(dist, options, 2);
+    EXPECT_EQ(good.batch_counts, (std::vector<double>(2, 6)));
+  });
+}
+
 // Every line the library prints goes through the one sink: an application
 // that replaces it gets the Session's lines (a fresh start, then a resume),
 // without the prefix, which is the default sink's.

@@ -1,14 +1,7 @@
 // Distributed context: rendezvous through a c10d store, Gloo/NCCL process
-// groups, and collectives whose failures name the missing ranks.
+// groups, and collectives whose failures name the missing ranks. The
+// rendezvous and the other stages agreed through the store: dist_agree.cc.
 //
-// Rendezvous protocol (keys under "evenstep/ctx/" in the job's store):
-//   1. compareSet("rdzv/world_size", "", "<W> <rank>"): the first rank fixes
-//      the world size; a rank that reads a different W fails at once with
-//      InvalidArgument and publishes its message under "rdzv/error".
-//   2. add("rdzv/rank/<r>", 1) > 1 means two processes claim rank r.
-//   3. add("rdzv/joined", 1), then poll until joined == W, "rdzv/error" shows
-//      up (abort with that message), or the rendezvous timeout passes
-//      (DeadlineExceeded naming the ranks whose "rdzv/rank/<r>" key is absent).
 // Collectives: before each one a rank increments "seq/<rank>"; when one fails,
 // the ranks whose counter is below this rank's sequence number never arrived.
 #include "evenstep/dist_context.h"
@@ -234,70 +227,6 @@ absl::Status DistContext::Connect() {
   return absl::OkStatus();
 }
 
-absl::Status DistContext::Rendezvous() {
-  if (env_.world_size == 1) return absl::OkStatus();
-  c10d::Store& store = *groups_->ctx_store;
-  const std::string where = absl::StrCat(env_.master_addr, ":", env_.master_port);
-  auto fail = [&](absl::Status status) {
-    try {
-      store.set("rdzv/error", Bytes(status.message()));
-    } catch (const std::exception&) {
-      // The store is gone; the other ranks will time out on their own.
-    }
-    return status;
-  };
-  try {
-    const std::string mine = absl::StrCat(env_.world_size, " ", env_.rank);
-    const std::string agreed = Text(store.compareSet("rdzv/world_size", {}, Bytes(mine)));
-    std::vector<std::string> parts = absl::StrSplit(agreed, ' ');
-    int agreed_world = 0;
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &agreed_world)) {
-      return absl::InternalError(absl::StrCat("rank ", env_.rank, ": unreadable rendezvous key \"",
-                                              agreed, "\" in the store at ", where));
-    }
-    if (agreed_world != env_.world_size) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("world size mismatch: rank ", env_.rank, " has WORLD_SIZE=", env_.world_size,
-                       " but rank ", parts[1], " joined with WORLD_SIZE=", agreed_world)));
-    }
-    // Where MASTER_ADDR is reached from this host, for a master host that
-    // has its own name on loopback (ChooseGlooDevice): set before joining,
-    // so every rank's is there once all have joined.
-    store.set(absl::StrCat("rdzv/master_seen/", env_.rank), Bytes(MasterSeenHere()));
-    if (store.add(absl::StrCat("rdzv/rank/", env_.rank), 1) > 1) {
-      return fail(absl::AlreadyExistsError(absl::StrCat(
-          "two processes claim rank ", env_.rank, " (check RANK / SLURM_PROCID of the job)")));
-    }
-    store.add("rdzv/joined", 1);
-    const absl::Time deadline = absl::Now() + options_.rendezvous_timeout;
-    absl::Duration pause = absl::Milliseconds(1);
-    while (true) {
-      if (store.check({"rdzv/error"})) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "rank ", env_.rank, ": rendezvous aborted: ", Text(store.get("rdzv/error"))));
-      }
-      const int64_t joined = store.add("rdzv/joined", 0);
-      if (joined >= env_.world_size) break;
-      if (absl::Now() >= deadline) {
-        std::vector<int> missing;
-        for (int r = 0; r < env_.world_size; ++r) {
-          if (!store.check({absl::StrCat("rdzv/rank/", r)})) missing.push_back(r);
-        }
-        return absl::DeadlineExceededError(absl::StrCat(
-            "rank ", env_.rank, ": rendezvous at ", where, " timed out after ",
-            absl::FormatDuration(options_.rendezvous_timeout), " with ", joined, " of ",
-            env_.world_size, " ranks joined; missing rank(s) ", absl::StrJoin(missing, ", ")));
-      }
-      absl::SleepFor(pause);
-      pause = std::min(pause * 2, absl::Milliseconds(50));
-    }
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("rank ", env_.rank, ": rendezvous at ", where,
-                                               " failed: ", internal::ErrorText(e)));
-  }
-  return absl::OkStatus();
-}
-
 std::string DistContext::MasterSeenHere() const {
   if (env_.world_size == 1) return "";
   absl::StatusOr<internal::Route> route =
@@ -348,13 +277,31 @@ absl::Status DistContext::ChooseGlooDevice() {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", env_.rank, ": ", chosen.status().message()));
   }
+  if (!in.ifname.empty() && env_.world_size > 1) {
+    // An interface that is not here fails now, naming it, rather than
+    // inside Gloo's connect.
+    if (absl::StatusOr<std::string> bound = internal::GlooBindAddress(*chosen); !bound.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", env_.rank, " (host ", in.host, "): ", bound.status().message()));
+    }
+  }
   gloo_device_ = *chosen;
   gloo_why_ = internal::GlooWhy(in, gloo_device_);
   return absl::OkStatus();
 }
 
 absl::Status DistContext::CreateGroups() {
-  EVENSTEP_RETURN_IF_ERROR(ChooseGlooDevice());
+  if (env_.world_size == 1) {
+    EVENSTEP_RETURN_IF_ERROR(ChooseGlooDevice());
+  } else if (absl::Status chosen = ChooseGlooDevice(); !chosen.ok()) {
+    return internal::PublishFailure(*groups_->ctx_store, env_, internal::StartUpStage(), chosen);
+  } else {
+    // Agreed before Gloo connects, which would wait for a rank that stopped
+    // until its timeout and then say only "Broken pipe".
+    EVENSTEP_RETURN_IF_ERROR(internal::AwaitStage(
+        *groups_->ctx_store, env_, options_.rendezvous_timeout, internal::StartUpStage(),
+        "gloo_address", "past choosing their Gloo address"));
+  }
   const std::string& device = gloo_device_;
   if (env_.world_size > env_.local_world_size && env_.local_rank == 0) {
     // One line per host: where its ranks listen, before anything connects.

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,8 @@ struct DistContext::Groups {
   compat::ProcessGroupPtr sync_order;
   // CommitStores made so far: each gets keys of its own.
   int commit_stores = 0;
+  // DistContext::Agree calls so far: each gets keys of its own.
+  int agreements = 0;
   // The first collective that timed out or lost a peer: c10d cannot cancel
   // it, so a later collective on these groups would queue behind it or pair
   // with the wrong operation. Every later one fails at once with it.
@@ -40,6 +43,30 @@ struct DistContext::Groups {
 };
 
 namespace internal {
+
+// A stage every rank passes before any goes on, agreed through the store
+// (dist_agree.cc): its keys under `prefix` ("rdzv/" for start-up,
+// "agree/<n>/" for DistContext::Agree).
+struct Stage {
+  std::string prefix;
+  std::string stopped;  // "rank R: <stopped> stopped on every rank because one failed: ..."
+  std::string waited;   // "rank R: <waited> at HOST:PORT timed out after ..."
+};
+// DistContext::Create's stages (the rendezvous, the Gloo address chosen).
+const Stage& StartUpStage();
+// This rank failed `stage`: its message published for the other ranks (the
+// first failure's stays); a rank 0 that hosts the store keeps it up until
+// every rank has read it (at most 10 s). Returns `status`.
+absl::Status PublishFailure(c10d::Store& store, const LaunchEnv& env, const Stage& stage,
+                            absl::Status status);
+// Waits up to `timeout` for every rank to pass `stage`'s step `step`
+// (`passed` says what that means, for the timeout's message), or for a
+// rank's failure (FailedPrecondition quoting it).
+absl::Status AwaitStage(c10d::Store& store, const LaunchEnv& env, absl::Duration timeout,
+                        const Stage& stage, const std::string& step, const std::string& passed);
+// A store operation of `what` that threw: the message, naming rank 0 as the
+// store's host where it is.
+std::string StoreLost(const LaunchEnv& env, const std::string& what, const std::exception& e);
 
 inline std::vector<uint8_t> Bytes(absl::string_view s) {
   return std::vector<uint8_t>(s.begin(), s.end());

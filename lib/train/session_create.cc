@@ -228,36 +228,79 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
   return Create(ctx, std::move(parts), std::move(lengths), std::move(options), std::move(counts));
 }
 
+namespace {
+
+// One stage of Create that each rank runs alone, agreed on every rank
+// (DistContext::Agree); a failure names its rank.
+absl::Status AgreeOnSetUp(DistContext& ctx, absl::Status mine) {
+  if (!mine.ok() && !absl::StrContains(mine.message(), absl::StrCat("rank ", ctx.rank()))) {
+    mine = Annotate(mine, absl::StrCat("rank ", ctx.rank()));
+  }
+  return ctx.Agree("Session::Create", mine);
+}
+
+}  // namespace
+
+absl::Status Session::ClaimRunDir(const SessionOptions& options) {
+  EVENSTEP_RETURN_IF_ERROR(options.Validate());
+  {
+    absl::MutexLock lock(&sessions_mu);
+    if (!ContextsWithSession().insert(&ctx_).second) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", ctx_.rank(),
+          ": a Session already runs on this DistContext; one Session per DistContext (a second "
+          "one's checkpoints would never commit, and its steps would interleave with the first's "
+          "collectives): finish or destroy the first Session before creating another"));
+    }
+    owns_context_ = true;
+  }
+  return LockRunDir(options.run_dir);
+}
+
+absl::Status Session::OpenRunFiles(const SessionOptions& options,
+                                   const std::vector<int64_t>& lengths,
+                                   const CheckpointOptions& ckpt, BalanceConfig* config) {
+  const std::string& run_dir = options.run_dir;
+  EVENSTEP_RETURN_IF_ERROR(SplitRecordIn(run_dir, options, config), "Session::Create, rank ",
+                           ctx_.rank());
+  EVENSTEP_RETURN_IF_ERROR(CheckEvalCap(lengths, options.eval_micro_batch_tokens));
+  EVENSTEP_ASSIGN_OR_RETURN(checkpointer_, TrainCheckpointer::Create(ctx_, ckpt),
+                            "Session::Create, rank ", ctx_.rank(), ": checkpoints in ", ckpt.dir,
+                            " (--evenstep_ckpt_dir; default RUN_DIR/ckpt)");
+  if (options.timeline) {
+    EVENSTEP_ASSIGN_OR_RETURN(timeline_, Timeline::Open(run_dir, ctx_.rank()),
+                              "Session::Create, rank ", ctx_.rank(), ": the timeline in ", run_dir,
+                              " (--evenstep_timeline)");
+  }
+  MetricsOptions metrics;
+  metrics.dir = run_dir;
+  metrics.interval = options.log_every;
+  EVENSTEP_ASSIGN_OR_RETURN(metrics_, MetricsLogger::Create(ctx_, metrics),
+                            "Session::Create, rank ", ctx_.rank(), ": metric logs in ", run_dir);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
                                                          std::vector<ModelPart> parts,
                                                          std::vector<int64_t> lengths,
                                                          SessionOptions options,
                                                          std::vector<double> counts) {
-  EVENSTEP_RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<Session> s(new Session(ctx, parts));
-  {
-    absl::MutexLock lock(&sessions_mu);
-    if (!ContextsWithSession().insert(&ctx).second) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", ctx.rank(),
-          ": a Session already runs on this DistContext; one Session per DistContext (a second "
-          "one's checkpoints would never commit, and its steps would interleave with the first's "
-          "collectives): finish or destroy the first Session before creating another"));
-    }
-    s->owns_context_ = true;
-  }
   const std::string run_dir = options.run_dir;
-  EVENSTEP_RETURN_IF_ERROR(s->LockRunDir(run_dir));
   BalanceConfig config = options.balance;
-  EVENSTEP_RETURN_IF_ERROR(SplitRecordIn(run_dir, options, &config), "Session::Create, rank ",
-                           ctx.rank());
   CheckpointOptions ckpt = options.checkpoint;
   if (ckpt.dir.empty()) ckpt.dir = run_dir + "/ckpt";
+  // What each rank sets up alone, agreed before the first collective: a
+  // rank that fails here stops every rank at once, naming it, instead of
+  // leaving the others waiting for it in a collective until the timeout.
+  // The run directory is claimed (its lock) before any rank opens a file in
+  // it: no file of another run's is touched.
+  EVENSTEP_RETURN_IF_ERROR(AgreeOnSetUp(ctx, s->ClaimRunDir(options)));
+  EVENSTEP_RETURN_IF_ERROR(AgreeOnSetUp(ctx, s->OpenRunFiles(options, lengths, ckpt, &config)));
   if (options.preflight != PreflightMode::kOff) {
     EVENSTEP_RETURN_IF_ERROR(
         RunSessionPreflight(ctx, options.preflight, options.preflight_options, ckpt.dir, &config));
   }
-  EVENSTEP_RETURN_IF_ERROR(CheckEvalCap(lengths, options.eval_micro_batch_tokens));
   s->options_ = options;  // read once: nothing changes a running Session's settings
   // KeepSum's additions join the step sums after each part's sync.
   config.after_sync = [session = s.get(), user = std::move(config.after_sync)] {
@@ -278,19 +321,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(DistContext& ctx,
           part.name, std::shared_ptr<torch::nn::Module>(part.module, [](torch::nn::Module*) {}));
     }
   }
-  EVENSTEP_ASSIGN_OR_RETURN(s->checkpointer_, TrainCheckpointer::Create(ctx, ckpt),
-                            "Session::Create, rank ", ctx.rank(), ": checkpoints in ", ckpt.dir,
-                            " (--evenstep_ckpt_dir; default RUN_DIR/ckpt)");
-  if (options.timeline) {
-    EVENSTEP_ASSIGN_OR_RETURN(s->timeline_, Timeline::Open(run_dir, ctx.rank()),
-                              "Session::Create, rank ", ctx.rank(), ": the timeline in ", run_dir,
-                              " (--evenstep_timeline)");
-  }
-  MetricsOptions metrics;
-  metrics.dir = run_dir;
-  metrics.interval = options.log_every;
-  EVENSTEP_ASSIGN_OR_RETURN(s->metrics_, MetricsLogger::Create(ctx, metrics),
-                            "Session::Create, rank ", ctx.rank(), ": metric logs in ", run_dir);
   if (options.resume != ResumeMode::kOff) {
     EVENSTEP_RETURN_IF_ERROR(s->Resume(ckpt.dir, options.resume == ResumeMode::kNewestValid));
   } else if (ctx.rank() == 0) {
@@ -367,53 +397,40 @@ absl::Status Session::Resume(const std::string& ckpt_dir, bool fallback) {
 // by the kernel when the process ends, however it ends); every rank learns
 // the outcome in one all-reduce, so none waits for a rank that stopped.
 absl::Status Session::LockRunDir(const std::string& given) {
+  // Rank 0 locks; the other ranks learn its outcome when Create's set-up is
+  // agreed (DistContext::Agree).
+  if (ctx_.rank() != 0) return absl::OkStatus();
   const std::string run_dir = given.empty() ? "." : given;
-  // What rank 0 found: 0 the lock is ours, 1 another run holds it, 2 the
-  // directory or its lock file cannot be made or opened (why says which).
-  double verdict = 0;
+  const std::string where =
+      absl::StrCat("Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir);
+  const absl::Status made = Env::Default()->CreateDirs(run_dir);
+  const std::string path = run_dir + "/.evenstep.lock";
   std::string why;
-  if (ctx_.rank() == 0) {
-    const absl::Status made = Env::Default()->CreateDirs(run_dir);
-    const std::string path = run_dir + "/.evenstep.lock";
-    if (!made.ok()) {
-      verdict = 2;
-      why = absl::StrCat("cannot create it: ", made.message());
-    } else if ((run_dir_lock_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
-      verdict = 2;
-      why = absl::StrCat("cannot open ", path, ": ", strerror(errno));
-    } else if (flock(run_dir_lock_, LOCK_EX | LOCK_NB) != 0) {
-      char pid[32] = {};
-      const ssize_t n = pread(run_dir_lock_, pid, sizeof(pid) - 1, 0);
-      verdict = 1;
-      why = absl::StrCat("another run (pid ", n > 0 ? absl::StripAsciiWhitespace(pid) : "?",
-                         ") holds ", path);
-      close(run_dir_lock_);
-      run_dir_lock_ = -1;
-    } else {
-      const std::string mine = absl::StrCat(getpid(), "\n");
-      if (ftruncate(run_dir_lock_, 0) != 0 ||
-          pwrite(run_dir_lock_, mine.data(), mine.size(), 0) < 0) {
-        // Only the holder's pid in the message is lost; the lock holds.
-      }
-    }
-  }
-  at::Tensor shared = at::full({1}, verdict, at::kDouble);
-  EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(shared), "Session::Create, rank ", ctx_.rank(),
-                           ": agreeing on the run directory ", run_dir);
-  verdict = shared.item<double>();
-  if (verdict == 0) return absl::OkStatus();
-  const std::string said = why.empty() ? " (rank 0 says why)" : ": " + why;
-  if (verdict == 2) {
+  if (!made.ok()) {
+    why = absl::StrCat("cannot create it: ", made.message());
+  } else if ((run_dir_lock_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
+    why = absl::StrCat("cannot open ", path, ": ", strerror(errno));
+  } else if (flock(run_dir_lock_, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = {};
+    const ssize_t n = pread(run_dir_lock_, pid, sizeof(pid) - 1, 0);
+    close(run_dir_lock_);
+    run_dir_lock_ = -1;
     return absl::FailedPreconditionError(
-        absl::StrCat("Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir,
-                     " cannot be used", said,
-                     "; give this run a directory it may create and write (--evenstep_run_dir or "
-                     "Session::Create's run_dir)"));
+        absl::StrCat(where, " is in use by another run: another run (pid ",
+                     n > 0 ? absl::StripAsciiWhitespace(pid) : "?", ") holds ", path,
+                     "; wait for it to end, or give this run another directory"));
+  } else {
+    const std::string mine = absl::StrCat(getpid(), "\n");
+    if (ftruncate(run_dir_lock_, 0) != 0 ||
+        pwrite(run_dir_lock_, mine.data(), mine.size(), 0) < 0) {
+      // Only the holder's pid in the message is lost; the lock holds.
+    }
+    return absl::OkStatus();
   }
   return absl::FailedPreconditionError(
-      absl::StrCat("Session::Create, rank ", ctx_.rank(), ": the run directory ", run_dir,
-                   " is in use by another run", said,
-                   "; wait for it to end, or give this run another directory"));
+      absl::StrCat(where, " cannot be used: ", why,
+                   "; give this run a directory it may create and write (--evenstep_run_dir or "
+                   "Session::Create's run_dir)"));
 }
 
 }  // namespace evenstep

@@ -157,6 +157,14 @@ class DistContext {
   absl::Status AllGather(const at::Tensor& in, std::vector<at::Tensor>* out);
   absl::Status Broadcast(at::Tensor& tensor, int root);
   absl::Status Barrier();
+  // Every rank's outcome of a stage it runs alone (its files, its options),
+  // agreed through the store before the ranks go on to a collective that a
+  // failed rank would never join: OK on every rank when all succeeded, else
+  // on every rank at once (not after a collective's timeout)
+  // FailedPrecondition "rank R: <what> stopped on every rank because one
+  // failed: <the first failure's message>". Every rank calls it, in the
+  // same order; up to the collective timeout for the slowest rank.
+  absl::Status Agree(const std::string& what, const absl::Status& mine);
 
   // A group of `ranks` (distinct, each < world_size; this rank among them),
   // created by exactly those ranks with the same `name` and `ranks`; a name

@@ -488,6 +488,12 @@ class Session {
   // when the checkpoint lacks it).
   absl::Status LoadResumedTensor(const std::string& name, at::Tensor* tensor);
   absl::Status LockRunDir(const std::string& run_dir);
+  // Create's parts that each rank runs alone, each agreed on before the next
+  // (DistContext::Agree): the options checked and the run directory locked;
+  // then the split record, checkpoint, timeline and metric files opened.
+  absl::Status ClaimRunDir(const SessionOptions& options);
+  absl::Status OpenRunFiles(const SessionOptions& options, const std::vector<int64_t>& lengths,
+                            const CheckpointOptions& ckpt, BalanceConfig* config);
   // --evenstep_resume: the newest committed checkpoint in `ckpt_dir` loaded
   // (with `fallback`, the newest that loads) into the run's state, or none
   // there (said on rank 0).
