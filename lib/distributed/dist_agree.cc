@@ -74,9 +74,9 @@ absl::Status StopInStage(c10d::Store& store, const LaunchEnv& env, const Stage& 
 
 namespace internal {
 
-// A start-up failure's message as the other ranks read it: `status`'s own
-// (which names this rank and what failed), with the failure that the store
-// connection broke explained for a rank that does not host it.
+// What a store operation of `what` that threw becomes: this rank, where the
+// store is and c10d's words, and for a rank that does not host the store
+// and has no launcher's agent store, that rank 0 hosts it.
 std::string StoreLost(const LaunchEnv& env, const std::string& what, const std::exception& e) {
   return absl::StrCat(
       "rank ", env.rank, ": ", what, " at ", env.master_addr, ":", env.master_port,
