@@ -181,6 +181,20 @@ TEST_F(Rank0HostsTest, Rank0StoppingInStartUpIsNamedByTheOthersWithItsReason) {
       << Describe(results);
 }
 
+// Rank 0, the store's host, lost after start-up: the others' failed
+// collective says that the store went with it, naming rank 0.
+TEST_F(Rank0HostsTest, Rank0LostAfterStartUpIsNamedAsTheStoresHost) {
+  auto results =
+      RunAll(Rank0HostedRanks(2, HelperArgs({"die_after_init", "0"}, kShortTimeouts)), kHangBound);
+  EXPECT_EQ(results[0].exit_code, 0) << Describe(results);
+  EXPECT_FALSE(results[1].timed_out) << Describe(results);
+  EXPECT_EQ(results[1].exit_code, 4) << Describe(results);
+  EXPECT_THAT(results[1].output,
+              HasSubstr("the store is unreachable too (rank 0 hosts it, so rank 0 has stopped or "
+                        "cannot be reached)"))
+      << Describe(results);
+}
+
 TEST_F(Rank0HostsTest, Rank0HostsTheStoreWhenNoAgent) {
   auto specs = Rank0HostedRanks(2, HelperArgs({"collectives"}));
   auto results = RunAll(specs, kHangBound);

@@ -461,8 +461,13 @@ absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::D
       if (reached < seq) missing.push_back(absl::StrCat(r, " (last at #", reached, ")"));
     }
   } catch (const std::exception& e) {
-    store_note = absl::StrCat("; the store is unreachable too, so missing ranks cannot be named (",
-                              internal::ErrorText(e), ")");
+    // Where rank 0 hosts the store (no launcher's agent store), a store
+    // that is gone says which rank stopped.
+    const bool rank0_hosts = !env_.agent_store && env_.rank != 0;
+    store_note = absl::StrCat(
+        "; the store is unreachable too",
+        rank0_hosts ? " (rank 0 hosts it, so rank 0 has stopped or cannot be reached)" : "",
+        ", so missing ranks cannot be named (", internal::ErrorText(e), ")");
   }
   std::string message =
       absl::StrFormat("rank %d: %s (collective #%d) failed after %s", env_.rank, what, seq,
