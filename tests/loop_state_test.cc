@@ -830,6 +830,47 @@ TEST_P(StreamLoopWorldTest, EveryStepEqualsThePlainLoopOnAllRows) {
 INSTANTIATE_TEST_SUITE_P(Worlds, StreamLoopWorldTest, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return absl::StrCat("world", info.param); });
 
+// Stream mode's callback form (Session::AddStreamState): each rank writes
+// only its own streams' rows of a state that has all of them; a checkpoint
+// after a step gathers every rank's rows, and a Session resumed from it
+// hands the whole tensor back, on every rank.
+TEST(StreamStateTest, ACheckpointGathersEveryRanksRowsAndAResumeHandsThemBack) {
+  RunOnRanks(2, [](DistContext& dist) {
+    SetStreamFlags();
+    TinyLm model;
+    torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.5));
+    const torch::Tensor ids = StreamCorpus();
+    auto open = [&](at::Tensor* state) {
+      auto es = Session::Create(dist, model, optimizer, UniformLengths(kStreams * kChunks),
+                                RanksDir() + "/run");
+      EXPECT_TRUE(es.ok()) << es.status();
+      EXPECT_TRUE((*es)->AddStreamState("h", state, 1).ok());
+      return std::move(*es);
+    };
+    torch::Tensor state = torch::full({2, kStreams}, -1.0);
+    std::unique_ptr<Session> first = open(&state);
+    auto report = first->Step([&](const std::vector<int64_t>& samples) {
+      // Sample s * kChunks + t is stream s's position t.
+      torch::Tensor rows = torch::tensor(samples).div(kChunks, "floor");
+      torch::Tensor h = torch::zeros({1, rows.size(0), kHidden}), c = h.clone();
+      return model.Loss(ids.index_select(0, rows), 0, h, c) * rows.size(0);
+    });
+    ASSERT_TRUE(report.ok()) << report.status();
+    const auto [begin, end] = first->stream_range();
+    EXPECT_EQ(end - begin, kStreams / 2);
+    for (int64_t r = begin; r < end; ++r) state.select(1, r).fill_(10.0 * r + dist.rank());
+    ASSERT_TRUE(first->Checkpoint().ok());
+    ASSERT_TRUE(first->Finish().ok());
+    first.reset();
+    torch::Tensor resumed = torch::zeros({2, kStreams});
+    std::unique_ptr<Session> second = open(&resumed);
+    torch::Tensor want = torch::empty({2, kStreams});
+    for (int64_t r = 0; r < kStreams; ++r) want.select(1, r).fill_(10.0 * r + r / (kStreams / 2));
+    EXPECT_TRUE(at::equal(resumed, want)) << resumed;
+    EXPECT_TRUE(second->Finish().ok());
+  });
+}
+
 // Misuse in stream mode's loop is named by the next step (Finish): a range
 // of other positions than the streams', a state whose streams' dimension is
 // ambiguous, and OwnRows outside stream mode.

@@ -13,6 +13,16 @@
 
 namespace evenstep {
 
+namespace {
+
+// OwnRows, Positions or KeptRows outside stream mode.
+absl::Status NotInStreamMode(const std::string& where) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      where, ": not in stream mode (Session::Create with evenstep::StreamsOf(ids, stride))"));
+}
+
+}  // namespace
+
 StreamLayout StreamsOf(const at::Tensor& ids, int64_t stride) {
   if (ids.dim() != 2 || stride <= 0) return {};
   return {ids.size(0), ids.size(1) > 1 ? (ids.size(1) - 1) / stride : 0};
@@ -55,8 +65,7 @@ at::Tensor Session::OwnRows(const at::Tensor& t, int64_t dim) {
   const int64_t streams = step_->sampler().options().streams;
   const std::string where = absl::StrCat("Session::OwnRows, rank ", ctx_.rank());
   if (streams <= 0) {
-    KeepError(absl::FailedPreconditionError(absl::StrCat(
-        where, ": not in stream mode (Session::Create with evenstep::StreamsOf(ids, stride))")));
+    KeepError(NotInStreamMode(where));
     return t;
   }
   if (dim < 0 || dim >= t.dim() || t.size(dim) != streams) {
@@ -79,8 +88,7 @@ absl::Status Session::CheckPositions(int64_t begin, int64_t end, int64_t stride)
   const std::string where =
       absl::StrCat("Session::Positions(", begin, ", ", end, ", ", stride, "), rank ", ctx_.rank());
   if (streams <= 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, ": not in stream mode (Session::Create with evenstep::StreamsOf(ids, stride))"));
+    return NotInStreamMode(where);
   }
   const int64_t positions = step_->sampler().num_samples() / streams;
   const int64_t visits = stride > 0 && end > begin ? (end - begin + stride - 1) / stride : 0;
@@ -99,10 +107,7 @@ void Session::BindRows(const std::string& name, at::Tensor* rows, const at::Tens
   const std::string where = absl::StrCat("evenstep::KeptRows('", name, "'), rank ", ctx_.rank());
   const int64_t streams = step_->sampler().options().streams;
   auto bind = [&]() -> absl::Status {
-    if (streams <= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": not in stream mode (Session::Create with evenstep::StreamsOf(ids, stride))"));
-    }
+    if (streams <= 0) return NotInStreamMode(where);
     if (dim < 0) {
       std::vector<int64_t> candidates;
       for (int64_t d = 0; d < initial.dim(); ++d) {
@@ -169,19 +174,12 @@ absl::Status Session::GatherStreamStates(TrainState* state) {
   const int64_t streams = step_->sampler().options().streams;
   for (const StreamState& s : stream_states_) {
     if (s.tensor == nullptr) continue;  // a KeptRows out of scope: ended
-    at::Tensor whole;
-    if (s.own_rows) {
-      std::vector<int64_t> sizes = s.tensor->sizes().vec();
-      sizes[s.dim] = streams;
-      whole = at::zeros(sizes, s.tensor->options());
-      if (last > first) whole.narrow(s.dim, first, last - first).copy_(*s.tensor);
-    } else {
-      whole = at::zeros_like(*s.tensor);
-      if (last > first) {
-        whole.narrow(s.dim, first, last - first)
-            .copy_(s.tensor->narrow(s.dim, first, last - first));
-      }
-    }
+    // This rank's rows: a KeptRows holds only them, a registered state all.
+    const at::Tensor mine = s.own_rows ? *s.tensor : s.tensor->narrow(s.dim, first, last - first);
+    std::vector<int64_t> sizes = mine.sizes().vec();
+    sizes[s.dim] = streams;
+    at::Tensor whole = at::zeros(sizes, mine.options());
+    if (last > first) whole.narrow(s.dim, first, last - first).copy_(mine);
     EVENSTEP_RETURN_IF_ERROR(ctx_.AllReduce(whole), "rank ", ctx_.rank(),
                              ": gathering the stream state '", s.name, "' for step ", last_step_);
     state->tensors.push_back({"stream/" + s.name, whole});
