@@ -135,6 +135,27 @@ TEST(DistContextTest, SingleProcessNeedsNoLauncher) {
   EXPECT_THAT(results[0].output, HasSubstr("via single process"));
 }
 
+// Prefixes and claims belong to their context, not to the process: a
+// context made after another (a second run in one process) hands out the
+// first prefixes again, as its peers do, and holds no claim of the first.
+TEST(DistContextTest, PrefixesAndClaimsBelongToTheirContext) {
+  {
+    auto a = DistContext::Create(LaunchEnv{}, DistOptions{});
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ((*a)->NextPrefix("topology"), "topology/0/");
+    EXPECT_EQ((*a)->NextPrefix("topology"), "topology/1/");
+    EXPECT_EQ((*a)->NextPrefix("other"), "other/0/");
+    EXPECT_TRUE((*a)->Claim("session"));
+    EXPECT_FALSE((*a)->Claim("session"));
+    (*a)->Release("session");
+    EXPECT_TRUE((*a)->Claim("session"));
+  }
+  auto b = DistContext::Create(LaunchEnv{}, DistOptions{});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*b)->NextPrefix("topology"), "topology/0/");
+  EXPECT_TRUE((*b)->Claim("session"));
+}
+
 // Ranks whose rank 0 hosts the store on MASTER_PORT, in a network namespace
 // of their own (see NetNamespace); skipped where none can be made.
 class Rank0HostsTest : public ::testing::Test {

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -69,11 +68,10 @@ std::string Layout(const NodeLayout& nodes) {
 
 // The subgroups of the hierarchical sync: within this rank's node
 // (scatter, gather) and across nodes (the ranks of its place). Names unique
-// per process and call (every rank makes the same calls in the same order).
+// per context and call (every rank makes the same calls in the same order).
 absl::StatusOr<std::shared_ptr<TopologyGroups>> MakeGroups(DistContext& ctx,
                                                            const NodeLayout& nodes) {
-  static std::atomic<int> calls{0};
-  const std::string prefix = absl::StrCat("evenstep/sync_topology/", calls++, "/");
+  const std::string prefix = ctx.NextPrefix("evenstep/sync_topology");
   const int node = nodes.node_of[ctx.rank()];
   const std::vector<int>& mine = nodes.ranks[node];
   const int place = nodes.place_of(ctx.rank());

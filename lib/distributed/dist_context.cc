@@ -80,7 +80,11 @@ std::atomic<int> live_contexts{0};
 }  // namespace
 
 DistContext::DistContext(LaunchEnv env, DistOptions options)
-    : env_(std::move(env)), options_(options), groups_(std::make_unique<Groups>()) {
+    : env_(std::move(env)),
+      launch_rank_(env_.rank),
+      options_(options),
+      groups_(std::make_unique<Groups>()) {
+  for (int r = 0; r < env_.world_size; ++r) groups_->members.push_back(r);
   ++live_contexts;
 }
 
@@ -90,6 +94,8 @@ DistContext::~DistContext() {
   internal::ForgetGroup(groups_->control.get());
   internal::ForgetGroup(groups_->data.get());
   internal::ForgetGroup(groups_->sync_order.get());
+  for (const compat::ProcessGroupPtr& g : groups_->retired) internal::ForgetGroup(g.get());
+  groups_->StopHeartbeat();
 }
 
 namespace {
@@ -141,6 +147,7 @@ absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv
   EVENSTEP_RETURN_IF_ERROR(ctx->Connect());
   EVENSTEP_RETURN_IF_ERROR(ctx->Rendezvous());
   EVENSTEP_RETURN_IF_ERROR(ctx->CreateGroups());
+  EVENSTEP_RETURN_IF_ERROR(ctx->StartHeartbeat());
   // A rank that finished creating its groups may still have a peer in the
   // last handshake: one barrier, so that no rank goes on (and perhaps stops
   // at once, on a bad flag every rank will report) while a peer still needs

@@ -7,7 +7,10 @@
 
 #include <cstdint>
 #include <exception>
+#include <map>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -35,6 +38,22 @@ struct DistContext::Groups {
   int commit_stores = 0;
   // DistContext::Agree calls so far: each gets keys of its own.
   int agreements = 0;
+  // Regroup's: how many so far, the launch ranks of the current world
+  // (index = rank), and the groups of the worlds before (never destroyed:
+  // a Gloo thread may still wait in them for a lost peer until its timeout).
+  int generation = 0;
+  std::vector<int> members;
+  std::vector<compat::ProcessGroupPtr> retired;
+  // The heartbeat (DistOptions::on_rank_loss kContinue): a thread that adds
+  // 1 to "evenstep/alive/<launch rank>" through a store connection of its
+  // own, until StopHeartbeat.
+  std::thread heartbeat;
+  absl::Mutex beat_mu;
+  bool stop_beating ABSL_GUARDED_BY(beat_mu) = false;
+  void StopHeartbeat();
+  // NextPrefix's counts per family, and Claim's owners.
+  std::map<std::string, int> prefixes ABSL_GUARDED_BY(mu);
+  std::set<std::string> claimed ABSL_GUARDED_BY(mu);
   // The first collective that timed out or lost a peer: c10d cannot cancel
   // it, so a later collective on these groups would queue behind it or pair
   // with the wrong operation. Every later one fails at once with it.

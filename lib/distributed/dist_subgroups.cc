@@ -184,7 +184,7 @@ absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewSubgroup(const std::st
   auto impl = std::make_unique<Subgroup::Impl>();
   try {
     impl->group = compat::MakeGlooGroup(
-        compat::MakePrefixStore(absl::StrCat("evenstep/sub/", name), groups_->store), index,
+        compat::MakePrefixStore(Scoped(absl::StrCat("evenstep/sub/", name)), groups_->store), index,
         static_cast<int>(ranks.size()), internal::ToChronoMillis(options_.collective_timeout),
         gloo_device_);
   } catch (const std::exception& e) {
@@ -206,12 +206,12 @@ absl::StatusOr<std::unique_ptr<Subgroup>> DistContext::NewDataGroup() {
   const std::string backend = backend_name();
   try {
     if (!groups_->sync_order) {
-      groups_->sync_order =
-          compat::MakeGlooGroup(compat::MakePrefixStore("evenstep/sync_order", groups_->store),
-                                env_.rank, env_.world_size, timeout, gloo_device_);
+      groups_->sync_order = compat::MakeGlooGroup(
+          compat::MakePrefixStore(Scoped("evenstep/sync_order"), groups_->store), env_.rank,
+          env_.world_size, timeout, gloo_device_);
       internal::ShareSyncOrder(groups_->data.get(), groups_->sync_order.get(), 1);
     }
-    auto store = compat::MakePrefixStore(absl::StrCat("evenstep/", name), groups_->store);
+    auto store = compat::MakePrefixStore(Scoped(absl::StrCat("evenstep/", name)), groups_->store);
 #if EVENSTEP_HAVE_NCCL
     if (backend == "nccl") {
       impl->group = compat::MakeNcclGroup(store, env_.rank, env_.world_size, timeout);
@@ -256,5 +256,20 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(int port) {
 }
 
 }  // namespace internal
+
+std::string DistContext::NextPrefix(const std::string& family) {
+  absl::MutexLock lock(&groups_->mu);
+  return absl::StrCat(family, "/", groups_->prefixes[family]++, "/");
+}
+
+bool DistContext::Claim(const std::string& owner) {
+  absl::MutexLock lock(&groups_->mu);
+  return groups_->claimed.insert(owner).second;
+}
+
+void DistContext::Release(const std::string& owner) {
+  absl::MutexLock lock(&groups_->mu);
+  groups_->claimed.erase(owner);
+}
 
 }  // namespace evenstep

@@ -15,14 +15,12 @@
 #include <csignal>
 #include <cstring>
 #include <iostream>
-#include <set>
 #include <type_traits>
 #include <variant>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "absl/synchronization/mutex.h"
 #include "evenstep/internal/kept_values.h"
 #include "evenstep/internal/save_tracker.h"
 #include "evenstep/log.h"
@@ -76,22 +74,15 @@ absl::Status RunSessionPreflight(DistContext& ctx, PreflightMode mode, Preflight
   return absl::OkStatus();
 }
 
-// The DistContexts a Session runs on: a second Session on one would save
-// under the same checkpoint agreement and never commit.
-absl::Mutex sessions_mu;
-std::set<const DistContext*>& ContextsWithSession() {
-  static auto* contexts = new std::set<const DistContext*>();
-  return *contexts;
-}
+// What a Session claims its DistContext as: a second Session on one would
+// save under the same checkpoint agreement and never commit.
+constexpr char kSessionClaim[] = "evenstep::Session";
 
 }  // namespace
 
 Session::~Session() {
   if (run_dir_lock_ >= 0) close(run_dir_lock_);  // releases the flock
-  if (owns_context_) {
-    absl::MutexLock lock(&sessions_mu);
-    ContextsWithSession().erase(&ctx_);
-  }
+  if (owns_context_) ctx_.Release(kSessionClaim);
   for (const auto& [sig, old] : old_handlers_) sigaction(sig, &old, nullptr);
   // A Session that was never finished (an error path) starts no new save;
   // it waits for the saves in flight and reports how they ended.
@@ -243,17 +234,14 @@ absl::Status AgreeOnSetUp(DistContext& ctx, absl::Status mine) {
 
 absl::Status Session::ClaimRunDir(const SessionOptions& options) {
   EVENSTEP_RETURN_IF_ERROR(options.Validate());
-  {
-    absl::MutexLock lock(&sessions_mu);
-    if (!ContextsWithSession().insert(&ctx_).second) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", ctx_.rank(),
-          ": a Session already runs on this DistContext; one Session per DistContext (a second "
-          "one's checkpoints would never commit, and its steps would interleave with the first's "
-          "collectives): finish or destroy the first Session before creating another"));
-    }
-    owns_context_ = true;
+  if (!ctx_.Claim(kSessionClaim)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", ctx_.rank(),
+        ": a Session already runs on this DistContext; one Session per DistContext (a second "
+        "one's checkpoints would never commit, and its steps would interleave with the first's "
+        "collectives): finish or destroy the first Session before creating another"));
   }
+  owns_context_ = true;
   return LockRunDir(options.run_dir);
 }
 

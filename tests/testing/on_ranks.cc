@@ -68,6 +68,8 @@ void RunHereIfRank(const RankBody& body, const OnRanksOptions& options) {
   DistOptions dist;
   dist.backend = options.backend;
   dist.collective_timeout = options.collective_timeout;
+  dist.on_rank_loss = options.on_rank_loss;
+  dist.lost_after = options.lost_after;
   dist.rendezvous_timeout = absl::Seconds(60);
   bool ok = true;
   {

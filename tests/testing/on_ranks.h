@@ -54,6 +54,9 @@ struct OnRanksOptions {
   // The rank's DistContext.
   CommBackend backend = CommBackend::kGloo;
   absl::Duration collective_timeout = absl::Seconds(60);
+  // DistOptions' rank-loss settings (Regroup's tests).
+  DistOptions::OnRankLoss on_rank_loss = DistOptions::OnRankLoss::kStop;
+  absl::Duration lost_after = absl::Seconds(10);
   absl::Duration timeout = HangBound(2);
   // Ranks that end on purpose with another exit code than 0 (a rank that
   // dies mid-step): rank -> the code it must end with.

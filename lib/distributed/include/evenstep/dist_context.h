@@ -54,6 +54,21 @@ struct DistOptions {
   absl::Duration collective_timeout = absl::Minutes(10);
   // Longest the rendezvous (store connect + all ranks joining) may take.
   absl::Duration rendezvous_timeout = absl::Minutes(5);
+  // kContinue: every rank beats a heartbeat in the store, so that Regroup
+  // can tell a lost rank from a slow one. kStop: a lost rank ends the job.
+  enum class OnRankLoss { kStop, kContinue } on_rank_loss = OnRankLoss::kStop;
+  // With kContinue: a rank whose heartbeat has not moved for this long is
+  // lost (it beats five times as often).
+  absl::Duration lost_after = absl::Seconds(10);
+};
+
+// Who is left after a regroup (DistContext::Regroup).
+struct Regrouped {
+  int generation = 0;          // 1 for the first regroup of a context
+  std::vector<int> survivors;  // their ranks before it, ascending: new rank = index
+  std::vector<int> lost;       // the ranks before it that are gone
+  // "rank(s) 1, 3 lost; 2 survivors, regroup 1", for messages.
+  std::string Describe() const;
 };
 
 enum class ReduceOp { kSum, kProduct, kMin, kMax };
@@ -171,6 +186,34 @@ class DistContext {
   // is used once per job. InvalidArgument for bad ranks.
   absl::StatusOr<std::unique_ptr<Subgroup>> NewSubgroup(const std::string& name,
                                                         std::vector<int> ranks);
+  // After a collective failed because a peer is gone (needs
+  // DistOptions::on_rank_loss = kContinue and a store that outlives the
+  // lost rank: the launcher's agent store, or rank 0's while rank 0 lives).
+  // Every rank still running calls it. They check in through the store;
+  // a rank that has neither checked in nor beaten its heartbeat for
+  // `lost_after` is lost. The first rank to see every rank checked in or
+  // lost writes the view, and every survivor goes on with it: rank() is its
+  // place among the survivors, world_size() their number, and the control
+  // and data groups are new ones among them. Subgroups, data groups and
+  // commit stores made before are of the old world: make them again.
+  // FailedPrecondition on a rank left out of the view (it checked in after
+  // the view was written: it was frozen longer than `lost_after`).
+  // Collective over the survivors; not thread-safe with any other call.
+  absl::StatusOr<Regrouped> Regroup();
+  // The rank this process had when the context was created (its identity
+  // across regroups).
+  int launch_rank() const { return launch_rank_; }
+
+  // "<family>/<n>/": a key prefix of its own for the n-th family of
+  // objects (subgroups made together, say) that every rank of this context
+  // makes in the same order. Counted per context, so two contexts in one
+  // process (ranks as threads) hand out the same prefixes in the same order.
+  std::string NextPrefix(const std::string& family);
+  // Marks this context as carrying one `owner` kind (a Session, say); false
+  // when one already does. Release(owner) ends the claim.
+  bool Claim(const std::string& owner);
+  void Release(const std::string& owner);
+
   // A group of every rank with data_group()'s backend (NCCL or Gloo), on
   // connections of its own: for a second gradient sync (GradSync::Attach
   // refuses a group that another GradSync already synchronises over, since
@@ -232,7 +275,19 @@ class DistContext {
   // OK, or the failure that made the groups unusable, for `what`.
   absl::Status Broken(const std::string& what);
 
-  const LaunchEnv env_;
+  // The survivors' view `view` (launch ranks) of regroup `generation`:
+  // env_ renumbered, new groups among them (dist_regroup.cc).
+  absl::Status AdoptView(int generation, const std::vector<int>& view,
+                         const std::vector<std::string>& hosts);
+  // `key` in this world's keys: unchanged before any regroup, under
+  // "evenstep/g<generation>/" after one (a name used again after a regroup
+  // must not meet the old world's keys).
+  std::string Scoped(const std::string& key) const;
+  // The heartbeat thread (DistOptions::on_rank_loss kContinue).
+  absl::Status StartHeartbeat();
+
+  LaunchEnv env_;  // renumbered by Regroup
+  const int launch_rank_;
   const DistOptions options_;
   std::unique_ptr<Groups> groups_;
   int64_t op_seq_ = 0;

@@ -1,0 +1,248 @@
+// DistContext::Regroup: the ranks still running after a peer was lost agree
+// on who is left, through the store, and go on among themselves.
+//
+// The store (the launcher's agent store, or rank 0's) outlives the lost
+// rank. Under "evenstep/regroup/<generation>/" each survivor writes
+// "in/<launch rank>" (its host name). A rank that is not in is lost once its
+// heartbeat ("evenstep/alive/<launch rank>", beaten by a thread of its own
+// through a store connection of its own) has not moved for lost_after. The
+// first survivor that sees every member in or lost writes "view" by
+// compareSet; the others adopt the view that is there. A rank checking in
+// after the view was written is not in it and is told so: it was frozen
+// longer than lost_after, and the others went on without it.
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "dist_context_internal.h"
+#include "evenstep/internal/c10d_compat.h"
+#include "evenstep/internal/collective.h"
+#include "evenstep/internal/error_text.h"
+#include "evenstep/internal/group_registry.h"
+#include "evenstep/status_macros.h"
+
+namespace evenstep {
+
+using internal::Bytes;
+using internal::Text;
+
+std::string Regrouped::Describe() const {
+  const std::string who =
+      lost.empty() ? "no rank lost" : absl::StrCat("rank(s) ", absl::StrJoin(lost, ", "), " lost");
+  return absl::StrCat(who, "; ", survivors.size(), " survivor(s) go on (regroup ", generation,
+                      ")");
+}
+
+void DistContext::Groups::StopHeartbeat() {
+  {
+    absl::MutexLock lock(&beat_mu);
+    stop_beating = true;
+  }
+  if (heartbeat.joinable()) heartbeat.join();
+}
+
+absl::Status DistContext::StartHeartbeat() {
+  if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue || env_.world_size == 1) {
+    return absl::OkStatus();
+  }
+  compat::StorePtr store;
+  try {
+    store = compat::MakeTcpStore(env_.master_addr, env_.master_port, /*is_server=*/false,
+                                 internal::ToChronoMillis(options_.rendezvous_timeout));
+    store->setTimeout(internal::ToChronoMillis(options_.lost_after));
+    if (!groups_->launch_prefix.empty()) {
+      store = compat::MakePrefixStore(groups_->launch_prefix, std::move(store));
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", env_.rank, ": store connection for the heartbeat: ", internal::ErrorText(e)));
+  }
+  const std::string key = absl::StrCat("evenstep/alive/", launch_rank_);
+  const absl::Duration period = options_.lost_after / 5;
+  Groups* groups = groups_.get();
+  groups_->heartbeat = std::thread([groups, store, key, period] {
+    absl::MutexLock lock(&groups->beat_mu);
+    while (!groups->stop_beating) {
+      try {
+        store->add(key, 1);
+      } catch (const std::exception&) {
+        // The store is gone: Regroup names it; nothing to beat into.
+      }
+      groups->beat_mu.AwaitWithTimeout(absl::Condition(&groups->stop_beating), period);
+    }
+  });
+  return absl::OkStatus();
+}
+
+std::string DistContext::Scoped(const std::string& key) const {
+  return groups_->generation == 0 ? key : absl::StrCat("evenstep/g", groups_->generation, "/", key);
+}
+
+namespace {
+
+std::string Joined(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+
+std::vector<int> Parsed(const std::string& text) {
+  std::vector<int> ranks;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int r = 0;
+    if (absl::SimpleAtoi(part, &r)) ranks.push_back(r);
+  }
+  return ranks;
+}
+
+// What one survivor sees while it waits for the view: who is in, and how
+// long each other member's heartbeat has stood still.
+struct Watch {
+  std::map<int, int64_t> beats;       // launch rank -> last heartbeat count seen
+  std::map<int, absl::Time> changed;  // ... and when it last changed
+};
+
+// The members in, or "" while some member is neither in nor lost yet.
+std::string ViewIfDecided(c10d::Store& store, const std::string& prefix,
+                          const std::vector<int>& members, absl::Duration lost_after,
+                          Watch* watch) {
+  std::vector<int> in;
+  const absl::Time now = absl::Now();
+  for (int m : members) {
+    if (store.check({absl::StrCat(prefix, "in/", m)})) {
+      in.push_back(m);
+      continue;
+    }
+    const int64_t beat = store.add(absl::StrCat("evenstep/alive/", m), 0);
+    auto seen = watch->beats.find(m);
+    if (seen == watch->beats.end() || seen->second != beat) {
+      watch->beats[m] = beat;
+      watch->changed[m] = now;
+    }
+    if (now - watch->changed[m] < lost_after) return "";  // still beating: wait for it
+  }
+  return Joined(in);
+}
+
+}  // namespace
+
+absl::StatusOr<Regrouped> DistContext::Regroup() {
+  if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", env_.rank,
+        ": Regroup needs DistOptions::on_rank_loss = kContinue (--evenstep_on_rank_loss=continue): "
+        "without the heartbeat it starts, a lost rank cannot be told from a slow one"));
+  }
+  const int generation = groups_->generation + 1;
+  const std::string prefix = absl::StrCat("evenstep/regroup/", generation, "/");
+  c10d::Store& store = *groups_->store;
+  std::string view;
+  std::vector<std::string> hosts;
+  try {
+    store.set(absl::StrCat(prefix, "in/", launch_rank_), Bytes(internal::HostName()));
+    Watch watch;
+    const absl::Time deadline = absl::Now() + options_.rendezvous_timeout;
+    while (!store.check({prefix + "view"})) {
+      const std::string decided =
+          ViewIfDecided(store, prefix, groups_->members, options_.lost_after, &watch);
+      if (!decided.empty()) {
+        store.compareSet(prefix + "view", {}, Bytes(decided));
+        break;
+      }
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("rank ", env_.rank, ": regroup ", generation, ": no view within ",
+                         absl::FormatDuration(options_.rendezvous_timeout),
+                         " (a rank neither checked in nor stopped beating its heartbeat)"));
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    view = Text(store.get(prefix + "view"));
+    for (int m : Parsed(view)) hosts.push_back(Text(store.get(absl::StrCat(prefix, "in/", m))));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat(internal::StoreLost(env_, absl::StrCat("regroup ", generation), e),
+                     ": the survivors cannot agree without the store"));
+  }
+  const std::vector<int> survivors = Parsed(view);
+  if (std::find(survivors.begin(), survivors.end(), launch_rank_) == survivors.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", env_.rank, " (launch rank ", launch_rank_, "): left out of regroup ",
+                     generation, ": the survivors (launch ranks ", view,
+                     ") went on without it, since it checked in after "
+                     "its heartbeat had stood still for ",
+                     absl::FormatDuration(options_.lost_after), " (frozen, or its host stalled)"));
+  }
+  Regrouped result;
+  result.generation = generation;
+  for (size_t old_rank = 0; old_rank < groups_->members.size(); ++old_rank) {
+    const int m = groups_->members[old_rank];
+    const bool kept = std::find(survivors.begin(), survivors.end(), m) != survivors.end();
+    (kept ? result.survivors : result.lost).push_back(static_cast<int>(old_rank));
+  }
+  EVENSTEP_RETURN_IF_ERROR(AdoptView(generation, survivors, hosts));
+  return result;
+}
+
+absl::Status DistContext::AdoptView(int generation, const std::vector<int>& view,
+                                    const std::vector<std::string>& hosts) {
+  const std::string prefix = absl::StrCat("evenstep/regroup/", generation, "/");
+  const int rank =
+      static_cast<int>(std::find(view.begin(), view.end(), launch_rank_) - view.begin());
+  LaunchEnv env = env_;
+  env.rank = rank;
+  env.world_size = static_cast<int>(view.size());
+  env.local_world_size = 0;
+  env.local_rank = 0;
+  for (int i = 0; i < env.world_size; ++i) {
+    if (hosts[i] != hosts[rank]) continue;
+    if (i < rank) ++env.local_rank;
+    ++env.local_world_size;
+  }
+  compat::ProcessGroupPtr control;
+  compat::ProcessGroupPtr data;
+  const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
+  try {
+    control = compat::MakeGlooGroup(compat::MakePrefixStore(prefix + "gloo", groups_->store), rank,
+                                    env.world_size, timeout, gloo_device_);
+    data = control;
+#if EVENSTEP_HAVE_NCCL
+    if (groups_->data != groups_->control) {
+      data = compat::MakeNcclGroup(compat::MakePrefixStore(prefix + "nccl", groups_->store), rank,
+                                   env.world_size, timeout);
+    }
+#endif
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", rank, " (launch rank ", launch_rank_, "): regroup ", generation,
+                     ": creating the survivors' process groups: ", internal::ErrorText(e)));
+  }
+  for (compat::ProcessGroupPtr* g : {&groups_->control, &groups_->data, &groups_->sync_order}) {
+    if (*g &&
+        std::find(groups_->retired.begin(), groups_->retired.end(), *g) == groups_->retired.end()) {
+      groups_->retired.push_back(*g);
+    }
+  }
+  groups_->control = control;
+  groups_->data = data;
+  groups_->sync_order = compat::ProcessGroupPtr();
+  groups_->ctx_store =
+      compat::MakePrefixStore(absl::StrCat("evenstep/ctx/g", generation), groups_->store);
+  groups_->generation = generation;
+  groups_->members = view;
+  {
+    absl::MutexLock lock(&groups_->mu);
+    groups_->broken = absl::OkStatus();
+  }
+  env_ = env;
+  op_seq_ = 0;
+  nodes_.reset();
+  return Barrier();
+}
+
+}  // namespace evenstep

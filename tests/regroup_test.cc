@@ -1,0 +1,151 @@
+// DistContext::Regroup: after ranks are lost, the survivors agree on who is
+// left and go on among themselves with exact collectives; a rank frozen
+// past lost_after is left out and told so.
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "evenstep/dist_context.h"
+#include "tests/testing/on_ranks.h"
+
+namespace evenstep {
+namespace {
+
+using ::evenstep::testing::OnRanksOptions;
+using ::evenstep::testing::ReadRanksFile;
+using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::WriteRanksFile;
+using ::testing::HasSubstr;
+
+constexpr int kLostExit = 7;    // a lost rank's exit (as after kill -9, its sockets close)
+constexpr int kFencedExit = 9;  // the frozen rank's, once told it was left out
+
+struct LossCase {
+  int world;
+  std::vector<int> lost;  // launch ranks that exit after the first collective
+  bool frozen = false;    // the first lost rank freezes (SIGSTOP) instead, and is woken later
+};
+
+std::string Name(const ::testing::TestParamInfo<LossCase>& info) {
+  std::string name =
+      absl::StrCat("world", info.param.world, info.param.frozen ? "_frozen" : "_lost");
+  for (int r : info.param.lost) absl::StrAppend(&name, "_", r);
+  return name;
+}
+
+class RegroupTest : public ::testing::TestWithParam<LossCase> {};
+
+// The survivors' checks: every collective after the regroup gives the exact
+// result over the survivors, in their launch order.
+void ExpectSurvivorsGoOn(DistContext& ctx, const LossCase& c) {
+  const int me = ctx.launch_rank();
+  at::Tensor failed = at::ones({4});
+  const absl::Status interrupted = ctx.AllReduce(failed);
+  ASSERT_FALSE(interrupted.ok()) << "rank " << me << ": the all-reduce without the lost ranks";
+
+  absl::StatusOr<Regrouped> regrouped = ctx.Regroup();
+  ASSERT_TRUE(regrouped.ok()) << "rank " << me << ": " << regrouped.status();
+  std::vector<int> survivors;
+  for (int r = 0; r < c.world; ++r) {
+    if (std::find(c.lost.begin(), c.lost.end(), r) == c.lost.end()) survivors.push_back(r);
+  }
+  EXPECT_EQ(regrouped->survivors, survivors) << "rank " << me;
+  EXPECT_EQ(regrouped->lost, c.lost) << "rank " << me;
+  EXPECT_EQ(regrouped->generation, 1);
+  EXPECT_THAT(regrouped->Describe(), HasSubstr("lost"));
+  const int place =
+      static_cast<int>(std::find(survivors.begin(), survivors.end(), me) - survivors.begin());
+  EXPECT_EQ(ctx.rank(), place) << "launch rank " << me;
+  EXPECT_EQ(ctx.world_size(), static_cast<int>(survivors.size()));
+  EXPECT_EQ(ctx.launch_rank(), me);
+
+  double expected = 0;
+  for (int r : survivors) expected += r + 1;
+  at::Tensor sum = at::full({4}, me + 1.0);
+  ASSERT_TRUE(ctx.AllReduce(sum).ok()) << "rank " << me;
+  EXPECT_TRUE(at::equal(sum, at::full({4}, expected))) << "rank " << me << ": " << sum;
+
+  std::vector<at::Tensor> gathered;
+  ASSERT_TRUE(ctx.AllGather(at::full({1}, static_cast<double>(me)), &gathered).ok());
+  ASSERT_EQ(gathered.size(), survivors.size());
+  for (size_t i = 0; i < survivors.size(); ++i) {
+    EXPECT_EQ(gathered[i].item<double>(), survivors[i]) << "place " << i;
+  }
+  at::Tensor root = at::full({2}, ctx.rank() == 0 ? 42.0 : -1.0);
+  ASSERT_TRUE(ctx.Broadcast(root, 0).ok());
+  EXPECT_TRUE(at::equal(root, at::full({2}, 42.0)));
+  EXPECT_TRUE(ctx.Agree("after the regroup", absl::OkStatus()).ok());
+
+  // A data group made after the regroup is of the survivors' world.
+  auto data = ctx.NewDataGroup();
+  ASSERT_TRUE(data.ok()) << data.status();
+  at::Tensor on_data = at::ones({3});
+  ASSERT_TRUE((*data)->AllReduce(on_data).ok());
+  EXPECT_TRUE(at::equal(on_data, at::full({3}, static_cast<double>(survivors.size()))));
+}
+
+TEST_P(RegroupTest, SurvivorsAgreeOnWhoIsLeftAndGoOnExactly) {
+  const LossCase c = GetParam();
+  OnRanksOptions options;
+  options.collective_timeout = absl::Seconds(6);
+  options.on_rank_loss = DistOptions::OnRankLoss::kContinue;
+  options.lost_after = absl::Seconds(2);
+  for (size_t i = 0; i < c.lost.size(); ++i) {
+    options.exit_codes[c.lost[i]] = c.frozen && i == 0 ? kFencedExit : kLostExit;
+  }
+  RunOnRanks(
+      c.world,
+      [c](DistContext& ctx) {
+        at::Tensor t = at::ones({4});
+        ASSERT_TRUE(ctx.AllReduce(t).ok());
+        EXPECT_TRUE(at::equal(t, at::full({4}, static_cast<double>(c.world))));
+        const int me = ctx.launch_rank();
+        const auto lost = std::find(c.lost.begin(), c.lost.end(), me);
+        if (lost == c.lost.begin() && c.frozen) {
+          WriteRanksFile("frozen.pid", std::to_string(getpid()));
+          raise(SIGSTOP);  // the survivors wake it after they went on
+          at::Tensor late = at::ones({4});
+          EXPECT_FALSE(ctx.AllReduce(late).ok());
+          absl::StatusOr<Regrouped> left_out = ctx.Regroup();
+          ASSERT_FALSE(left_out.ok());
+          EXPECT_THAT(std::string(left_out.status().message()),
+                      HasSubstr(absl::StrCat("(launch rank ", me, "): left out of regroup 1")));
+          std::_Exit(::testing::Test::HasFailure() ? 1 : kFencedExit);
+        }
+        if (lost != c.lost.end()) std::_Exit(kLostExit);
+        ExpectSurvivorsGoOn(ctx, c);
+        if (c.frozen && ctx.rank() == 0) {
+          int pid = 0;
+          ASSERT_TRUE(absl::SimpleAtoi(ReadRanksFile("frozen.pid"), &pid));
+          kill(pid, SIGCONT);
+        }
+      },
+      options);
+}
+
+INSTANTIATE_TEST_SUITE_P(Losses, RegroupTest,
+                         ::testing::Values(LossCase{3, {1}}, LossCase{4, {1, 2}}, LossCase{3, {0}},
+                                           LossCase{4, {3}, true}),
+                         Name);
+
+// Without kContinue there is no heartbeat to tell a lost rank from a slow
+// one: Regroup refuses, naming the option.
+TEST(RegroupTest, NeedsTheContinueOption) {
+  auto ctx = DistContext::Create(LaunchEnv{}, DistOptions{});
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  absl::StatusOr<Regrouped> r = (*ctx)->Regroup();
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("--evenstep_on_rank_loss=continue"));
+}
+
+}  // namespace
+}  // namespace evenstep
