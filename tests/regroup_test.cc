@@ -9,20 +9,25 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <ostream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "evenstep/dist_context.h"
+#include "tests/testing/balance_trainer.h"
 #include "tests/testing/on_ranks.h"
 
 namespace evenstep {
 namespace {
 
+using ::evenstep::testing::BalanceRun;
+using ::evenstep::testing::BalanceScenario;
 using ::evenstep::testing::OnRanksOptions;
 using ::evenstep::testing::ReadRanksFile;
 using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::TrainBalanced;
 using ::evenstep::testing::WriteRanksFile;
 using ::testing::HasSubstr;
 
@@ -35,6 +40,11 @@ struct LossCase {
   bool frozen = false;    // the first lost rank freezes (SIGSTOP) instead, and is woken later
 };
 
+void PrintTo(const LossCase& c, std::ostream* os) {
+  *os << "world " << c.world << (c.frozen ? " frozen" : " lost");
+  for (int r : c.lost) *os << " " << r;
+}
+
 std::string Name(const ::testing::TestParamInfo<LossCase>& info) {
   std::string name =
       absl::StrCat("world", info.param.world, info.param.frozen ? "_frozen" : "_lost");
@@ -43,6 +53,17 @@ std::string Name(const ::testing::TestParamInfo<LossCase>& info) {
 }
 
 class RegroupTest : public ::testing::TestWithParam<LossCase> {};
+
+// Ranks that go on after a loss: a lost rank is known after 2 s of silence
+// (at once when its process is gone); a frozen one after the collective
+// timeout.
+OnRanksOptions Continuing() {
+  OnRanksOptions options;
+  options.collective_timeout = absl::Seconds(8);
+  options.on_rank_loss = DistOptions::OnRankLoss::kContinue;
+  options.lost_after = absl::Seconds(2);
+  return options;
+}
 
 // The survivors' checks: every collective after the regroup gives the exact
 // result over the survivors, in their launch order.
@@ -95,10 +116,7 @@ void ExpectSurvivorsGoOn(DistContext& ctx, const LossCase& c) {
 
 TEST_P(RegroupTest, SurvivorsAgreeOnWhoIsLeftAndGoOnExactly) {
   const LossCase c = GetParam();
-  OnRanksOptions options;
-  options.collective_timeout = absl::Seconds(6);
-  options.on_rank_loss = DistOptions::OnRankLoss::kContinue;
-  options.lost_after = absl::Seconds(2);
+  OnRanksOptions options = Continuing();
   for (size_t i = 0; i < c.lost.size(); ++i) {
     options.exit_codes[c.lost[i]] = c.frozen && i == 0 ? kFencedExit : kLostExit;
   }
@@ -136,6 +154,78 @@ INSTANTIATE_TEST_SUITE_P(Losses, RegroupTest,
                          ::testing::Values(LossCase{3, {1}}, LossCase{4, {1, 2}}, LossCase{3, {0}},
                                            LossCase{4, {3}, true}),
                          Name);
+
+struct StepLossCase {
+  int world;
+  int lost;          // the launch rank that dies in the loss callback
+  int step;          // ... of this step
+  int micro = 1;     // ... from this micro-batch on
+  std::string mode;  // --evenstep_balance
+};
+
+void PrintTo(const StepLossCase& c, std::ostream* os) {
+  *os << "world " << c.world << " rank " << c.lost << " lost in step " << c.step << " micro-batch "
+      << c.micro << " " << c.mode;
+}
+
+std::string StepName(const ::testing::TestParamInfo<StepLossCase>& info) {
+  const StepLossCase& c = info.param;
+  return absl::StrCat("world", c.world, "_rank", c.lost, "_step", c.step, "_micro", c.micro, "_",
+                      c.mode);
+}
+
+class StepRegroupTest : public ::testing::TestWithParam<StepLossCase> {};
+
+// A rank dies in the middle of a step. The survivors' step fails naming it;
+// they regroup and run that step again with the same global batch, and
+// every step's applied gradient equals one process's over its whole global
+// batch (the trainer EXPECTs it after every synchronisation): the run is
+// the uninterrupted run's, step for step.
+TEST_P(StepRegroupTest, SurvivorsRedoTheFailedStepExactly) {
+  const StepLossCase c = GetParam();
+  OnRanksOptions options = Continuing();
+  options.exit_codes = {{c.lost, 5}};
+  RunOnRanks(
+      c.world,
+      [c](DistContext& ctx) {
+        BalanceScenario s;
+        s.flags = {"--evenstep_micro_batch_samples=4", "--evenstep_global_batch=29",
+                   absl::StrCat("--evenstep_balance=", c.mode)};
+        s.steps = 4;
+        s.fail_at = {{c.lost, c.step}};
+        s.fail_micro_batch = c.micro;
+        s.fail_by_exit = true;
+        s.regroup_on_loss = true;
+        const BalanceRun run = TrainBalanced(ctx, s);
+        ASSERT_NE(ctx.launch_rank(), c.lost) << "the lost rank exits in its step";
+        EXPECT_TRUE(run.status.ok()) << "launch rank " << ctx.launch_rank() << ": " << run.status;
+        ASSERT_EQ(run.regroups.size(), 1u);
+        EXPECT_EQ(run.regroups[0].lost, std::vector<int>{c.lost});
+        EXPECT_EQ(ctx.world_size(), c.world - 1);
+        // Steps 1..4 each applied once: the failed attempt, then the redo.
+        std::vector<int> applied;
+        for (const auto& record : run.steps) {
+          if (record.status.ok()) applied.push_back(record.step);
+        }
+        EXPECT_EQ(applied, (std::vector<int>{1, 2, 3, 4}));
+        ASSERT_FALSE(run.steps.empty());
+        EXPECT_EQ(run.steps.back().state.steps, 4);
+        for (const auto& record : run.steps) {
+          if (record.step == c.step && !record.status.ok()) {
+            EXPECT_THAT(std::string(record.status.message()),
+                        ::testing::ContainsRegex(absl::StrCat("rank\\(s\\) ", c.lost, " ")))
+                << "the failure names the lost rank";
+          }
+        }
+      },
+      options);
+}
+
+INSTANTIATE_TEST_SUITE_P(Losses, StepRegroupTest,
+                         ::testing::Values(StepLossCase{3, 1, 2, 1, "static"},
+                                           StepLossCase{3, 0, 3, 2, "work"},
+                                           StepLossCase{4, 2, 2, 1, "dynamic"}),
+                         StepName);
 
 // Without kContinue there is no heartbeat to tell a lost rank from a slow
 // one: Regroup refuses, naming the option.

@@ -346,6 +346,7 @@ absl::Status BalancedStep::BeginStep() {
     // the step on every rank.
     return Annotate(split_log_->error, absl::StrCat("BalancedStep: rank ", ctx_.rank()));
   }
+  run_.before = state();
   run_.batch = std::move(planned_->batch);
   run_.micro = std::move(planned_->micro);
   const std::vector<double> shares = std::move(planned_->shares);

@@ -187,37 +187,15 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
                                                              config.cost, std::move(counts)));
   EVENSTEP_RETURN_IF_ERROR(
       CheckMicroBatchBound(sampler.options(), config.planner.max_micro_batches, ctx.world_size()));
-  EVENSTEP_ASSIGN_OR_RETURN(const TopologyChoice topology,
-                            ApplySyncTopology(ctx, config.sync_topology, &config.grad_sync));
-  if (topology.say && ctx.rank() == 0) Log(LogLevel::kInfo, topology.line);
-  // A failed gradient bucket names the ranks that never reached the sync.
-  config.grad_sync.diagnosis.arrive = [&ctx] { return ctx.MarkArrival(); };
-  config.grad_sync.diagnosis.diagnose = [&ctx](int64_t seq, const std::string& what,
-                                               absl::Duration elapsed, const std::string& error) {
-    return ctx.Diagnose(seq, what, elapsed, error);
-  };
   // The arrival at the sync splits the last micro-step's compute from its
   // sync wait on the same clock.
   const c10::Device device = ModelDevice(*model_parts[0].module);
   auto clock = std::make_unique<internal::MicroStepClock>(device, config.now);
-  config.grad_sync.on_arrival = [c = clock.get()] { c->Arrive(); };
   std::vector<Part> parts;
-  for (ModelPart& spec : model_parts) {
-    const std::string what =
-        model_parts.size() > 1 ? absl::StrCat("model part '", spec.name, "'") : std::string();
-    EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<Subgroup> group, ctx.NewDataGroup(), what);
-    EVENSTEP_ASSIGN_OR_RETURN(
-        std::unique_ptr<GradSync> sync,
-        GradSync::Attach(*spec.module, group->process_group(), config.grad_sync), what);
-    // Outside its part of a step the hooks only mark gradients as used: a
-    // backward through this model outside it (a GAN generator's loss through
-    // the discriminator) accumulates locally, as in one process, and starts
-    // no collective that the other ranks would not join.
-    sync->set_sync_enabled(false);
-    parts.push_back({std::move(spec), std::move(group), std::move(sync)});
-  }
+  for (ModelPart& spec : model_parts) parts.push_back({std::move(spec), nullptr, nullptr});
   std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, std::move(parts), std::move(sampler),
                                                       std::move(config), std::move(clock)));
+  EVENSTEP_RETURN_IF_ERROR(step->AttachSyncs());
   if (!step->config_.initial_shares.empty()) {
     EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
   }
@@ -225,6 +203,36 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   // Asked-for workers start now; the default ones with the first Loader.
   if (step->config_.data_workers > 0) step->StartWorkers();
   return step;
+}
+
+absl::Status BalancedStep::AttachSyncs() {
+  GradSyncOptions options = config_.grad_sync;
+  EVENSTEP_ASSIGN_OR_RETURN(const TopologyChoice topology,
+                            ApplySyncTopology(ctx_, config_.sync_topology, &options));
+  if (topology.say && ctx_.rank() == 0) Log(LogLevel::kInfo, topology.line);
+  // A failed gradient bucket names the ranks that never reached the sync.
+  DistContext* ctx = &ctx_;
+  options.diagnosis.arrive = [ctx] { return ctx->MarkArrival(); };
+  options.diagnosis.diagnose = [ctx](int64_t seq, const std::string& what, absl::Duration elapsed,
+                                     const std::string& error) {
+    return ctx->Diagnose(seq, what, elapsed, error);
+  };
+  options.on_arrival = [c = clock_.get()] { c->Arrive(); };
+  for (Part& part : parts_) {
+    const std::string what =
+        parts_.size() > 1 ? absl::StrCat("model part '", part.spec.name, "'") : std::string();
+    part.sync.reset();  // releases its group's claim before the group goes
+    part.group.reset();
+    EVENSTEP_ASSIGN_OR_RETURN(part.group, ctx_.NewDataGroup(), what);
+    EVENSTEP_ASSIGN_OR_RETURN(
+        part.sync, GradSync::Attach(*part.spec.module, part.group->process_group(), options), what);
+    // Outside its part of a step the hooks only mark gradients as used: a
+    // backward through this model outside it (a GAN generator's loss through
+    // the discriminator) accumulates locally, as in one process, and starts
+    // no collective that the other ranks would not join.
+    part.sync->set_sync_enabled(false);
+  }
+  return absl::OkStatus();
 }
 
 void BalancedStep::StartWorkers() {

@@ -195,7 +195,7 @@ class Trainer {
   Trainer(DistContext& ctx, const BalanceScenario& s)
       : ctx_(ctx),
         s_(s),
-        rank_(ctx.rank()),
+        rank_(ctx.launch_rank()),  // the scenario's ranks: those of the launch
         data_(MakeData(s.samples, torch::Device(s.device))),
         model_(MakeModel(s)),
         reference_(MakeModel(s)),
@@ -227,6 +227,8 @@ class Trainer {
   int64_t cached_tokens_ = 0;  // Oom::cached_tokens: held by the simulated allocator
   void Sleep(int s);
   bool RunStep(int s);
+  bool RegroupAndRedo(int s);
+  std::vector<int64_t> redo_batch_;  // the failed step's global batch, until it runs again
   absl::Status AfterStep(int s, const StepReport& report);
   void CheckOutsideBackward();
   absl::Status LogMetrics(int s, const StepReport& report);
@@ -453,6 +455,11 @@ bool Trainer::RunStep(int s) {
   if (!report.ok()) {
     record.status = report.status();
     std::cout << "step " << s << " failed: " << report.status() << std::endl;
+    if (s_.regroup_on_loss &&
+        (absl::IsUnavailable(report.status()) || absl::IsDeadlineExceeded(report.status()))) {
+      run_.steps.push_back(std::move(record));
+      return RegroupAndRedo(s);
+    }
     if (!s_.continue_after_failure) {
       run_.status = report.status();
       run_.steps.push_back(std::move(record));
@@ -467,6 +474,12 @@ bool Trainer::RunStep(int s) {
   }
   record.report = *report;
   record.max_grad_error = max_err_;
+  if (!redo_batch_.empty()) {
+    EXPECT_EQ(step_->global_batch().samples, redo_batch_)
+        << "rank " << rank_ << " step " << s << ": the step run again after the regroup drew "
+        << "another global batch than the failed one";
+    redo_batch_.clear();
+  }
   EXPECT_LE(max_err_, kGradTolerance)
       << "rank " << rank_ << " step " << s << ": the applied gradient is not one process's";
   record.state = step_->state();
@@ -475,6 +488,23 @@ bool Trainer::RunStep(int s) {
   run_.steps.push_back(std::move(record));
   run_.status = AfterStep(s, *report);
   return run_.status.ok();
+}
+
+// After a lost rank: the survivors regroup and run step `s` again, on the
+// global batch the failed step drew.
+bool Trainer::RegroupAndRedo(int s) {
+  const std::vector<int64_t> failed_batch = step_->global_batch().samples;
+  absl::StatusOr<Regrouped> regrouped = step_->Regroup();
+  if (!regrouped.ok()) {
+    std::cout << "regroup after step " << s << " failed: " << regrouped.status() << std::endl;
+    run_.status = regrouped.status();
+    return false;
+  }
+  std::cout << "step " << s << ": " << regrouped->Describe() << "; now rank " << ctx_.rank()
+            << " of " << ctx_.world_size() << std::endl;
+  run_.regroups.push_back(*regrouped);
+  redo_batch_ = failed_batch;
+  return RunStep(s);
 }
 
 // Rank 0 alone runs a backward outside the step: no collective may start

@@ -58,6 +58,11 @@ struct BalanceScenario {
   std::vector<std::pair<int, int>> fail_at;
   int fail_micro_batch = 1;
   bool fail_by_exit = false;  // the failing rank dies (_exit 5) instead
+  // A step that fails because a rank was lost (Unavailable or
+  // DeadlineExceeded) is followed by BalancedStep::Regroup, and the same
+  // step runs again among the survivors (EXPECTing the global batch the
+  // failed step drew). Needs DistOptions::on_rank_loss kContinue.
+  bool regroup_on_loss = false;
   // A failed step ends the run (BalanceRun::status) unless this is set: then
   // the record says whether the gradients were cleared and the loop goes on.
   bool continue_after_failure = false;
@@ -132,6 +137,7 @@ struct BalanceRun {
   int64_t resumed_step = 0;  // Duty::kCheckpoint with resume
   std::vector<int64_t> resumed_memory_caps;
   std::vector<int> injected_oom_steps;           // this rank's injected errors
+  std::vector<Regrouped> regroups;               // regroup_on_loss: each regroup
   int cache_releases = 0;                        // calls of the scripted release_cache
   bool reduction_in_flight_after_step4 = false;  // rank 0 with metrics_dir
   double eval_loss_sum = 0, eval_tokens = 0;

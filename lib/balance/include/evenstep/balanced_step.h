@@ -536,6 +536,20 @@ class BalancedStep {
   // The error Restore(state) would return, without changing anything.
   absl::Status CheckRestore(const BalanceState& state) const;
 
+  // After a step failed because a rank was lost (its error Unavailable or
+  // DeadlineExceeded, naming the rank), with DistOptions::on_rank_loss
+  // kContinue: the ranks still running call it. They regroup
+  // (DistContext::Regroup), and this step goes on among them: new
+  // gradient-sync groups, the shares and memory caps of the survivors, the
+  // failed step's gradients cleared, and the sampler back where the failed
+  // step began. The next Step draws the same global batch and splits it over
+  // the survivors, so the gradient it applies is the uninterrupted run's.
+  // FailedPrecondition, on every survivor alike, where that cannot be exact:
+  // the survivors disagree on whether the failed step was applied (the lost
+  // rank died inside the last synchronisation), several model parts, or a
+  // split record. Collective over the survivors.
+  absl::StatusOr<Regrouped> Regroup();
+
   // Values every rank contributes to the next step's exchange: after it,
   // StepReport::agreed holds each slot's maximum over the ranks. A decision
   // taken from them (stop after failed saves, ...) is the same on every rank
@@ -558,6 +572,9 @@ class BalancedStep {
   // Starts the data workers (BalanceConfig::data_workers) unless running
   // or none are wanted.
   void StartWorkers();
+  // Each part's data group and GradSync on the context's current world
+  // (the sync topology chosen for it), replacing those it had.
+  absl::Status AttachSyncs();
   // InvalidArgument unless `losses` is the number of parts.
   absl::Status PartCount(size_t losses) const;
   // A step whose micro-batches are loaded by `load` (see Step): `first(i,
@@ -861,6 +878,8 @@ class BalancedStep {
     std::vector<double> part_loss_sums;
     bool data_marked = false;
     int64_t syncs_at_begin = 0;  // GradSync::syncs_completed() when the step began
+    // The state before this step (what Regroup goes back to).
+    BalanceState before;
     // This step's exception that came after its synchronisation completed
     // on every rank (the gradient is whole): the step is applied on every
     // rank and, once the exchange has told every rank, fails on every rank.
