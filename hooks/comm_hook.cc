@@ -40,6 +40,15 @@ at::Tensor BucketFuture::Wait(std::chrono::milliseconds timeout) {
   return finish_();
 }
 
+at::Tensor BucketFuture::Wait(std::chrono::milliseconds timeout,
+                              const std::function<bool()>& abandon) {
+  if (!abandon) return Wait(timeout);
+  const internal::CollectiveWait outcome = internal::WaitCollective(
+      work_.get(), absl::Milliseconds(timeout.count()), absl::Now(), abandon);
+  if (outcome.failed) throw std::runtime_error(outcome.error);
+  return finish_();
+}
+
 namespace {
 
 // Starts an in-place SUM all_reduce of `t`; `finish` maps the result.

@@ -284,7 +284,8 @@ void GradSyncState::WaitFailed(const std::string& what, const CollectiveWait& ou
 }
 
 bool GradSyncState::WaitFor(c10d::Work* work, const std::string& what, absl::Time since) {
-  const CollectiveWait outcome = WaitCollective(work, options.timeout, since);
+  const CollectiveWait outcome =
+      WaitCollective(work, options.timeout, since, options.diagnosis.abandon);
   if (outcome.failed) WaitFailed(what, outcome);
   return !outcome.failed;
 }
@@ -452,7 +453,8 @@ absl::Status GradSyncState::CheckOrder() {
         "rank ", rank, ": starting the gradient sync's order exchange failed: ", ErrorText(e)));
   }
   ++collectives;
-  const CollectiveWait outcome = WaitCollective(work.get(), options.timeout, start);
+  const CollectiveWait outcome =
+      WaitCollective(work.get(), options.timeout, start, options.diagnosis.abandon);
   if (outcome.failed) {
     WaitFailed("the gradient sync's order exchange", outcome);  // names who never arrived
     absl::Status why = fatal;
@@ -889,9 +891,10 @@ void GradSyncState::WaitForAll() {
   for (int b = 0; b < static_cast<int>(buckets.size()) && fatal.ok(); ++b) {
     Bucket& bucket = buckets[b];
     try {
-      at::Tensor reduced = bucket.result.valid()
-                               ? bucket.result.Wait(ToChronoMillis(options.timeout))
-                               : bucket.buffer;
+      at::Tensor reduced =
+          bucket.result.valid()
+              ? bucket.result.Wait(ToChronoMillis(options.timeout), options.diagnosis.abandon)
+              : bucket.buffer;
       at::Tensor target =
           control_in_bucket() ? bucket.buffer : bucket.buffer.narrow(0, 0, bucket.grad_numel);
       if (!reduced.is_same(target)) target.copy_(reduced);

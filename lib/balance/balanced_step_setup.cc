@@ -218,11 +218,18 @@ absl::Status BalancedStep::AttachSyncs() {
     return ctx->Diagnose(seq, what, elapsed, error);
   };
   options.on_arrival = [c = clock_.get()] { c->Arrive(); };
+  // Going on after a lost rank: a bucket's wait ends once another rank
+  // began regrouping (it stopped waiting for a peer that is gone).
+  if (ctx_.options().on_rank_loss == DistOptions::OnRankLoss::kContinue) {
+    options.diagnosis.abandon = [ctx] { return ctx->RegroupBegun(); };
+  }
   for (Part& part : parts_) {
     const std::string what =
         parts_.size() > 1 ? absl::StrCat("model part '", part.spec.name, "'") : std::string();
     part.sync.reset();  // releases its group's claim before the group goes
-    part.group.reset();
+    // A group of the world before a regroup may still hold a collective
+    // that waits for the lost rank: kept, not destroyed (that would wait).
+    ctx_.Retire(std::move(part.group));
     EVENSTEP_ASSIGN_OR_RETURN(part.group, ctx_.NewDataGroup(), what);
     EVENSTEP_ASSIGN_OR_RETURN(
         part.sync, GradSync::Attach(*part.spec.module, part.group->process_group(), options), what);

@@ -453,7 +453,7 @@ absl::Status DistContext::Broken(const std::string& what) {
 absl::Status DistContext::Wait(c10d::Work& work, int64_t seq, const std::string& what) {
   EVENSTEP_RETURN_IF_ERROR(Broken(what));
   const internal::CollectiveWait outcome =
-      internal::WaitCollective(&work, options_.collective_timeout);
+      internal::WaitCollective(&work, options_.collective_timeout, absl::Now(), Abandon());
   return outcome.failed ? Diagnose(seq, what, outcome.elapsed, outcome.error) : absl::OkStatus();
 }
 
@@ -486,7 +486,8 @@ absl::Status DistContext::Diagnose(int64_t seq, const std::string& what, absl::D
   absl::Status status = absl::InternalError(message);
   if (internal::TimedOut(elapsed, options_.collective_timeout, error)) {
     status = absl::DeadlineExceededError(message);
-  } else if (!missing.empty() || !store_note.empty() || absl::StrContains(error, "onnection")) {
+  } else if (!missing.empty() || !store_note.empty() || absl::StrContains(error, "onnection") ||
+             absl::StrContains(error, internal::kAbandonedWait)) {
     status = absl::UnavailableError(message);
   }
   if (absl::IsDeadlineExceeded(status) || absl::IsUnavailable(status)) {
@@ -501,7 +502,7 @@ absl::Status DistContext::Run(const std::string& what, Launch&& launch) {
   EVENSTEP_RETURN_IF_ERROR(Broken(what));
   const int64_t seq = MarkArrival();
   const internal::CollectiveWait outcome =
-      internal::RunCollective(std::forward<Launch>(launch), options_.collective_timeout);
+      internal::RunCollective(std::forward<Launch>(launch), options_.collective_timeout, Abandon());
   return outcome.failed ? Diagnose(seq, what, outcome.elapsed, outcome.error) : absl::OkStatus();
 }
 

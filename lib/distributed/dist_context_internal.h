@@ -5,9 +5,11 @@
 #include <ATen/ATen.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <thread>
@@ -48,9 +50,21 @@ struct DistContext::Groups {
   // 1 to "evenstep/alive/<launch rank>" through a store connection of its
   // own, until StopHeartbeat.
   std::thread heartbeat;
+  // A listening socket that never accepts, at "evenstep/alive_at/<launch
+  // rank>": a connection to it is refused once this process is gone, so a
+  // killed rank is known lost at once (a frozen one still accepts).
+  int liveness_fd = -1;
+  // The heartbeat thread's finding: another rank set "evenstep/regroup/
+  // <generation + 1>/begun" (RegroupBegun).
+  std::atomic<int> watched_generation{0};
+  std::atomic<bool> regroup_begun{false};
+  std::vector<std::unique_ptr<Subgroup>> retired_subgroups;  // Retire's
   absl::Mutex beat_mu;
   bool stop_beating ABSL_GUARDED_BY(beat_mu) = false;
   void StopHeartbeat();
+  // The heartbeat thread's loop: a beat into `key` every `period`, a look
+  // for the next regroup's "begun" every 200 ms, until StopHeartbeat.
+  void Beat(compat::StorePtr beat_store, std::string key, absl::Duration period);
   // NextPrefix's counts per family, and Claim's owners.
   std::map<std::string, int> prefixes ABSL_GUARDED_BY(mu);
   std::set<std::string> claimed ABSL_GUARDED_BY(mu);

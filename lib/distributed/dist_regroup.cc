@@ -5,15 +5,25 @@
 // rank. Under "evenstep/regroup/<generation>/" each survivor writes
 // "in/<launch rank>" (its host name). A rank that is not in is lost once its
 // heartbeat ("evenstep/alive/<launch rank>", beaten by a thread of its own
-// through a store connection of its own) has not moved for lost_after. The
+// through a store connection of its own) has not moved for lost_after, or
+// at once when its liveness socket ("evenstep/alive_at/<launch rank>")
+// refuses a connection: the process is gone (a frozen one still accepts). The
 // first survivor that sees every member in or lost writes "view" by
 // compareSet; the others adopt the view that is there. A rank checking in
 // after the view was written is not in it and is told so: it was frozen
 // longer than lost_after, and the others went on without it.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +37,7 @@
 #include "evenstep/internal/c10d_compat.h"
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
+#include "evenstep/internal/gloo_address.h"
 #include "evenstep/internal/group_registry.h"
 #include "evenstep/status_macros.h"
 
@@ -38,8 +49,7 @@ using internal::Text;
 std::string Regrouped::Describe() const {
   const std::string who =
       lost.empty() ? "no rank lost" : absl::StrCat("rank(s) ", absl::StrJoin(lost, ", "), " lost");
-  return absl::StrCat(who, "; ", survivors.size(), " survivor(s) go on (regroup ", generation,
-                      ")");
+  return absl::StrCat(who, "; ", survivors.size(), " survivor(s) go on (regroup ", generation, ")");
 }
 
 void DistContext::Groups::StopHeartbeat() {
@@ -48,7 +58,60 @@ void DistContext::Groups::StopHeartbeat() {
     stop_beating = true;
   }
   if (heartbeat.joinable()) heartbeat.join();
+  if (liveness_fd >= 0) close(liveness_fd);
+  liveness_fd = -1;
 }
+
+namespace {
+
+// A socket listening on every address, on a port of the OS's choosing, that
+// never accepts: -1 and its port 0 where none can be made.
+std::pair<int, int> LivenessSocket() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return {-1, 0};
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t length = sizeof(address);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      listen(fd, 64) != 0 || getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    close(fd);
+    return {-1, 0};
+  }
+  return {fd, ntohs(address.sin_port)};
+}
+
+// True when a connection to "ip:port" is refused: the process that listened
+// there is gone. False when it connects, times out (a lost host) or cannot
+// be tried.
+bool Refused(const std::string& at) {
+  const size_t colon = at.rfind(':');
+  int port = 0;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  if (colon == std::string::npos || !absl::SimpleAtoi(at.substr(colon + 1), &port) ||
+      inet_pton(AF_INET, at.substr(0, colon).c_str(), &address.sin_addr) != 1) {
+    return false;
+  }
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return false;
+  int error = 0;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    error = errno;
+    if (error == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      socklen_t length = sizeof(error);
+      error = poll(&p, 1, 500) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0
+                  ? error
+                  : 0;
+    }
+  }
+  close(fd);
+  return error == ECONNREFUSED;
+}
+
+}  // namespace
 
 absl::Status DistContext::StartHeartbeat() {
   if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue || env_.world_size == 1) {
@@ -66,21 +129,59 @@ absl::Status DistContext::StartHeartbeat() {
     return absl::UnavailableError(absl::StrCat(
         "rank ", env_.rank, ": store connection for the heartbeat: ", internal::ErrorText(e)));
   }
-  const std::string key = absl::StrCat("evenstep/alive/", launch_rank_);
-  const absl::Duration period = options_.lost_after / 5;
-  Groups* groups = groups_.get();
-  groups_->heartbeat = std::thread([groups, store, key, period] {
-    absl::MutexLock lock(&groups->beat_mu);
-    while (!groups->stop_beating) {
-      try {
-        store->add(key, 1);
-      } catch (const std::exception&) {
-        // The store is gone: Regroup names it; nothing to beat into.
-      }
-      groups->beat_mu.AwaitWithTimeout(absl::Condition(&groups->stop_beating), period);
+  // Where a connection is refused once this process is gone (IPv4 only;
+  // elsewhere the heartbeat alone tells).
+  const auto [fd, port] = LivenessSocket();
+  absl::StatusOr<std::string> here =
+      internal::LocalAddressTowards(env_.master_addr, env_.master_port);
+  if (fd >= 0 && here.ok() && here->find(':') == std::string::npos) {
+    groups_->liveness_fd = fd;
+    try {
+      store->set(absl::StrCat("evenstep/alive_at/", launch_rank_),
+                 internal::Bytes(absl::StrCat(*here, ":", port)));
+    } catch (const std::exception&) {
+      // Regroup finds the store gone too, and names it.
     }
-  });
+  } else if (fd >= 0) {
+    close(fd);
+  }
+  groups_->heartbeat =
+      std::thread(&Groups::Beat, groups_.get(), store,
+                  absl::StrCat("evenstep/alive/", launch_rank_), options_.lost_after / 5);
   return absl::OkStatus();
+}
+
+void DistContext::Groups::Beat(compat::StorePtr beat_store, std::string key,
+                               absl::Duration period) {
+  constexpr absl::Duration kLook = absl::Milliseconds(200);
+  absl::Time next_beat = absl::InfinitePast();
+  absl::MutexLock lock(&beat_mu);
+  while (!stop_beating) {
+    try {
+      if (absl::Now() >= next_beat) {
+        beat_store->add(key, 1);
+        next_beat = absl::Now() + period;
+      }
+      const std::string begun =
+          absl::StrCat("evenstep/regroup/", watched_generation.load() + 1, "/begun");
+      if (!regroup_begun.load() && beat_store->check({begun})) regroup_begun.store(true);
+    } catch (const std::exception&) {
+      // The store is gone: Regroup names it; nothing to beat into.
+    }
+    beat_mu.AwaitWithTimeout(absl::Condition(&stop_beating), std::min(kLook, period));
+  }
+}
+
+bool DistContext::RegroupBegun() const { return groups_->regroup_begun.load(); }
+
+std::function<bool()> DistContext::Abandon() const {
+  if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue) return nullptr;
+  const Groups* groups = groups_.get();
+  return [groups] { return groups->regroup_begun.load(); };
+}
+
+void DistContext::Retire(std::unique_ptr<Subgroup> group) {
+  if (group != nullptr) groups_->retired_subgroups.push_back(std::move(group));
 }
 
 std::string DistContext::Scoped(const std::string& key) const {
@@ -105,6 +206,7 @@ std::vector<int> Parsed(const std::string& text) {
 struct Watch {
   std::map<int, int64_t> beats;       // launch rank -> last heartbeat count seen
   std::map<int, absl::Time> changed;  // ... and when it last changed
+  std::set<int> gone;                 // ... whose liveness socket refused
 };
 
 // The members in, or "" while some member is neither in nor lost yet.
@@ -120,10 +222,16 @@ std::string ViewIfDecided(c10d::Store& store, const std::string& prefix,
     }
     const int64_t beat = store.add(absl::StrCat("evenstep/alive/", m), 0);
     auto seen = watch->beats.find(m);
+    if (seen == watch->beats.end()) {
+      // Seen for the first time: a process that is gone refuses at once.
+      const std::string at_key = absl::StrCat("evenstep/alive_at/", m);
+      if (store.check({at_key}) && Refused(Text(store.get(at_key)))) watch->gone.insert(m);
+    }
     if (seen == watch->beats.end() || seen->second != beat) {
       watch->beats[m] = beat;
       watch->changed[m] = now;
     }
+    if (watch->gone.count(m) > 0) continue;
     if (now - watch->changed[m] < lost_after) return "";  // still beating: wait for it
   }
   return Joined(in);
@@ -144,6 +252,8 @@ absl::StatusOr<Regrouped> DistContext::Regroup() {
   std::string view;
   std::vector<std::string> hosts;
   try {
+    // The ranks still waiting on a collective stop waiting (RegroupBegun).
+    store.set(prefix + "begun", Bytes("1"));
     store.set(absl::StrCat(prefix, "in/", launch_rank_), Bytes(internal::HostName()));
     Watch watch;
     const absl::Time deadline = absl::Now() + options_.rendezvous_timeout;
@@ -234,6 +344,8 @@ absl::Status DistContext::AdoptView(int generation, const std::vector<int>& view
   groups_->ctx_store =
       compat::MakePrefixStore(absl::StrCat("evenstep/ctx/g", generation), groups_->store);
   groups_->generation = generation;
+  groups_->watched_generation.store(generation);
+  groups_->regroup_begun.store(false);
   groups_->members = view;
   {
     absl::MutexLock lock(&groups_->mu);

@@ -49,6 +49,9 @@ class BucketFuture {
   // Blocks until the reduction is done and returns it. Throws what c10d
   // throws when the collective fails or `timeout` passes.
   at::Tensor Wait(std::chrono::milliseconds timeout);
+  // The same, polling: `abandon()` (asked every 100 ms) ends the wait by
+  // throwing (internal::WaitCollective's abandon).
+  at::Tensor Wait(std::chrono::milliseconds timeout, const std::function<bool()>& abandon);
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;

@@ -134,12 +134,15 @@ struct GradSyncState;
 // failed bucket names the ranks that never reached this synchronisation).
 // `arrive` is called once per synchronisation on every rank, before its
 // first bucket is launched; `diagnose(seq, what, elapsed, error)` builds the
-// status of a bucket that failed. Either may be empty.
+// status of a bucket that failed. `abandon`, where set, is asked every
+// 100 ms while a wait lasts; true ends the wait as failed (a peer began
+// regrouping after a lost rank: DistContext::Regroup). Any may be empty.
 struct SyncDiagnosis {
   std::function<int64_t()> arrive;
   std::function<absl::Status(int64_t seq, const std::string& what, absl::Duration elapsed,
                              const std::string& error)>
       diagnose;
+  std::function<bool()> abandon;
 };
 
 struct GradSyncOptions {

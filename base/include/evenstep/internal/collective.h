@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -33,17 +34,29 @@ struct CollectiveWait {
 };
 
 // Waits up to `timeout` for `work` (nothing to wait for when null).
+//
+// With `abandon` (a rank that may go on after a lost peer), the wait polls
+// the work instead of blocking in it, and asks abandon() every 100 ms: when
+// it says true (a peer began regrouping, DistContext::Regroup), the wait
+// ends as failed with kAbandonedWait in its error, leaving the collective to
+// c10d (its group is not used again). Polling adds up to 2 ms to a wait.
 CollectiveWait WaitCollective(c10d::Work* work, absl::Duration timeout,
-                              absl::Time since = absl::Now());
+                              absl::Time since = absl::Now(),
+                              const std::function<bool()>& abandon = nullptr);
+
+// In a wait's error: it was abandoned (see WaitCollective).
+inline constexpr char kAbandonedWait[] =
+    "abandoned: another rank began regrouping after a lost rank";
 
 // Starts a collective with launch() (returns its c10::intrusive_ptr<Work>;
 // may throw) and waits up to `timeout` for it.
 template <typename Launch>
-CollectiveWait RunCollective(Launch&& launch, absl::Duration timeout) {
+CollectiveWait RunCollective(Launch&& launch, absl::Duration timeout,
+                             const std::function<bool()>& abandon = nullptr) {
   const absl::Time start = absl::Now();
   try {
     auto work = launch();
-    return WaitCollective(work.get(), timeout, start);
+    return WaitCollective(work.get(), timeout, start, abandon);
   } catch (const std::exception& e) {
     return {true, ErrorText(e), absl::Now() - start};
   }

@@ -203,6 +203,13 @@ class DistContext {
   // The rank this process had when the context was created (its identity
   // across regroups).
   int launch_rank() const { return launch_rank_; }
+  // True once another rank began the next regroup (kContinue only; seen by
+  // the heartbeat thread within 200 ms). Waits for collectives ask it, so a
+  // rank blocked on a live peer that stopped waiting stops too. Thread-safe.
+  bool RegroupBegun() const;
+  // Keeps `group` (of the world before a regroup) until this context goes:
+  // destroying it now would wait for a collective a lost peer never joins.
+  void Retire(std::unique_ptr<Subgroup> group);
 
   // "<family>/<n>/": a key prefix of its own for the n-th family of
   // objects (subgroups made together, say) that every rank of this context
@@ -283,6 +290,9 @@ class DistContext {
   // "evenstep/g<generation>/" after one (a name used again after a regroup
   // must not meet the old world's keys).
   std::string Scoped(const std::string& key) const;
+  // What a wait asks to end early: RegroupBegun under kContinue, else
+  // nothing (a blocking wait).
+  std::function<bool()> Abandon() const;
   // The heartbeat thread (DistOptions::on_rank_loss kContinue).
   absl::Status StartHeartbeat();
 

@@ -1,0 +1,352 @@
+// Rank-loss benchmark: what a killed rank costs.
+//
+// 4 real ranks (Gloo, a store this program hosts, as a launcher's agent
+// would) train a small MLP with BalancedStep on synthetic regression data.
+// At a fixed step one rank kills itself (SIGKILL, inside its first
+// micro-batch's loss). Rows, side by side from the same initial model:
+//   reference  no rank lost: the final parameters' digest
+//   restart    what torchrun does: the survivors fail and exit, the group is
+//              launched again and resumes from the newest checkpoint (saved
+//              every --ckpt_every steps): the steps lost (done again), the
+//              seconds from the kill until a step completes again
+//   continue   evenstep (DistOptions::on_rank_loss kContinue,
+//              BalancedStep::Regroup): the survivors regroup and redo the
+//              interrupted step over 3 ranks: steps lost (0), samples lost
+//              (0), the seconds from the kill until the redone step
+//              completes, split into detection (the failed step returns)
+//              and the regroup; the final digest against the reference's
+// A replacement rank joining from a live peer is not built yet: no row.
+// Last line: SUMMARY {json}.
+//
+//   evenstep_bench_rank_loss [--quick] [--steps N] [--kill_step K]
+#include <signal.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "bench/relaunch.h"
+#include "evenstep/balanced_step.h"
+#include "evenstep/dist_context.h"
+#include "evenstep/internal/store_server.h"
+#include "evenstep/train_checkpointer.h"
+
+ABSL_FLAG(bool, quick, false, "Few steps (the smoke test).");
+ABSL_FLAG(int, steps, 0, "Optimizer steps per row (default 40, quick 8).");
+ABSL_FLAG(int, kill_step, 0, "The step the lost rank dies in (default 3/4 of the steps).");
+ABSL_FLAG(int, ckpt_every, 0, "restart: checkpoint every N steps (default 10, quick 4).");
+ABSL_FLAG(int, world, 4, "Ranks.");
+ABSL_FLAG(bool, verbose, false, "Print every line of every rank.");
+ABSL_FLAG(double, lost_after_s, 2, "continue: DistOptions::lost_after.");
+ABSL_FLAG(double, timeout_s, 10, "The collective timeout.");
+// Set by the driver for the ranks it starts.
+ABSL_FLAG(std::string, role, "driver", "driver, or rank (started by the driver).");
+ABSL_FLAG(std::string, row, "", "rank: reference, restart or continue.");
+ABSL_FLAG(std::string, dir, "", "rank: the checkpoint directory (restart).");
+ABSL_FLAG(int, victim, -1, "rank: the launch rank that dies at --kill_step (-1: none).");
+
+namespace {
+
+int64_t NowUs() { return absl::ToUnixMicros(absl::Now()); }
+
+struct Settings {
+  int steps, kill_step, ckpt_every, world;
+};
+
+Settings Resolve() {
+  Settings s;
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  s.steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : quick ? 8 : 40;
+  s.kill_step = absl::GetFlag(FLAGS_kill_step) > 0 ? absl::GetFlag(FLAGS_kill_step)
+                                                   : std::max(2, s.steps * 3 / 4);
+  s.ckpt_every = absl::GetFlag(FLAGS_ckpt_every) > 0 ? absl::GetFlag(FLAGS_ckpt_every)
+                 : quick                             ? 4
+                                                     : 10;
+  s.world = absl::GetFlag(FLAGS_world);
+  return s;
+}
+
+// ---- a rank --------------------------------------------------------------
+
+constexpr int kSamples = 4096, kIn = 256, kHidden = 512;
+
+struct Data {
+  torch::Tensor x, y;
+};
+
+Data MakeData() {
+  torch::manual_seed(7);
+  Data d{torch::randn({kSamples, kIn}), torch::Tensor()};
+  d.y = torch::sin(d.x.sum(1, /*keepdim=*/true));
+  return d;
+}
+
+torch::nn::Sequential MakeModel() {
+  torch::manual_seed(11);
+  return torch::nn::Sequential(torch::nn::Linear(kIn, kHidden), torch::nn::ReLU(),
+                               torch::nn::Linear(kHidden, kHidden), torch::nn::ReLU(),
+                               torch::nn::Linear(kHidden, 1));
+}
+
+double Digest(torch::nn::Sequential& model) {
+  double digest = 0;
+  int i = 1;
+  for (const auto& p : model->parameters()) {
+    digest += i++ * p.to(torch::kDouble).abs().sum().item<double>();
+  }
+  return digest;
+}
+
+int RunRank() {
+  const Settings set = Resolve();
+  const std::string row = absl::GetFlag(FLAGS_row);
+  evenstep::DistOptions options;
+  options.backend = evenstep::CommBackend::kGloo;
+  options.collective_timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  options.lost_after = absl::Seconds(absl::GetFlag(FLAGS_lost_after_s));
+  if (row == "continue") options.on_rank_loss = evenstep::DistOptions::OnRankLoss::kContinue;
+  auto ctx = evenstep::DistContext::Create(options);
+  if (!ctx.ok()) {
+    std::cout << "rank setup failed: " << ctx.status() << std::endl;
+    return 1;
+  }
+  evenstep::DistContext& dist = **ctx;
+  const int me = dist.launch_rank();
+  const Data data = MakeData();
+  torch::nn::Sequential model = MakeModel();
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  evenstep::BalanceConfig config;
+  config.sampler.global_batch = 256;
+  config.sampler.micro_batch_samples = 32;
+  config.sampler.seed = 5;
+  config.data_workers = 0;
+  auto step = evenstep::BalancedStep::Create(dist, *model, optimizer,
+                                             std::vector<int64_t>(kSamples, 1), config);
+  if (!step.ok()) {
+    std::cout << "rank " << me << ": " << step.status() << std::endl;
+    return 1;
+  }
+  std::unique_ptr<evenstep::TrainCheckpointer> ckpt;
+  int start = 0;
+  if (row == "restart") {
+    evenstep::CheckpointOptions ckpt_options;
+    ckpt_options.dir = absl::GetFlag(FLAGS_dir);
+    auto made = evenstep::TrainCheckpointer::Create(dist, ckpt_options);
+    if (!made.ok()) return 1;
+    ckpt = std::move(*made);
+    auto loaded = ckpt->Load({model.ptr().get(), &optimizer, step->get(), "{}"});
+    if (loaded.ok()) {
+      start = static_cast<int>(loaded->step);
+      std::cout << "RESUMED step=" << start << " at_us=" << NowUs() << std::endl;
+    }
+  }
+  const int victim = absl::GetFlag(FLAGS_victim);
+  auto load = [&](const evenstep::MicroBatch& mb) {
+    return torch::tensor(mb.samples, torch::kLong);
+  };
+  int64_t failed_at = 0;
+  for (int s = start + 1; s <= set.steps;) {
+    auto loss = [&](const torch::Tensor& idx) {
+      if (me == victim && s == set.kill_step) {
+        std::cout << "KILL at_us=" << NowUs() << std::endl;
+        raise(SIGKILL);
+      }
+      return torch::mse_loss(model->forward(data.x.index_select(0, idx)),
+                             data.y.index_select(0, idx), torch::Reduction::Sum);
+    };
+    const int64_t begin = NowUs();
+    auto report = (*step)->Step(load, loss);
+    if (!report.ok()) {
+      failed_at = NowUs();
+      std::cout << "FAILED step=" << s << " at_us=" << failed_at << std::endl;
+      if (row != "continue") return 3;
+      auto regrouped = (*step)->Regroup();
+      if (!regrouped.ok()) {
+        std::cout << "regroup failed: " << regrouped.status() << std::endl;
+        return 4;
+      }
+      std::cout << "REGROUPED at_us=" << NowUs() << " world=" << dist.world_size() << std::endl;
+      continue;
+    }
+    std::cout << "STEP step=" << s << " us=" << NowUs() - begin << " at_us=" << NowUs()
+              << (failed_at > 0 ? " redone=1" : "") << std::endl;
+    failed_at = 0;
+    if (ckpt && s % set.ckpt_every == 0) {
+      auto saved = ckpt->Save(s, {model.ptr().get(), &optimizer, step->get(), "{}"});
+      if (!saved.ok() || !saved->done.get().ok()) return 5;
+    }
+    ++s;
+  }
+  if (ckpt && !ckpt->WaitAll().ok()) return 5;
+  if (dist.rank() == 0) {
+    std::cout << absl::StrFormat("RESULT digest=%.17g world=%d", Digest(model), dist.world_size())
+              << std::endl;
+  }
+  return 0;
+}
+
+// ---- the driver ----------------------------------------------------------
+
+struct Launch {
+  std::vector<std::map<std::string, double>> lines;  // tagged lines, with "tag"
+  int failures = 0;                                  // ranks that did not exit 0
+};
+
+// Starts `world` ranks of this program against a store of its own; waits.
+Launch RunRanks(const Settings& set, const std::string& row, const std::string& dir, int victim) {
+  Launch out;
+  auto server = evenstep::internal::StoreServer::Start(0);
+  if (!server.ok()) {
+    std::cerr << server.status() << "\n";
+    out.failures = set.world;
+    return out;
+  }
+  std::string command = "(";
+  for (int r = 0; r < set.world; ++r) {
+    absl::StrAppend(
+        &command, "RANK=", r, " WORLD_SIZE=", set.world, " LOCAL_RANK=", r,
+        " LOCAL_WORLD_SIZE=", set.world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", (*server)->port(),
+        " TORCHELASTIC_USE_AGENT_STORE=True OMP_NUM_THREADS=1 ", evenstep::bench::SelfExecutable(),
+        " --role=rank --row=", row, " --dir=", dir, " --victim=", victim, " --steps=", set.steps,
+        " --kill_step=", set.kill_step, " --ckpt_every=", set.ckpt_every,
+        " --lost_after_s=", absl::GetFlag(FLAGS_lost_after_s),
+        " --timeout_s=", absl::GetFlag(FLAGS_timeout_s), " 2>&1 | sed 's/^/[", r, "] /' & ");
+  }
+  absl::StrAppend(&command, "wait)");
+  evenstep::bench::RunLines(command, [&](const std::string& line) {
+    for (const char* tag : {"KILL ", "FAILED ", "REGROUPED ", "STEP ", "RESULT ", "RESUMED "}) {
+      auto fields = evenstep::bench::TaggedFields(line, tag);
+      if (!fields) continue;
+      auto numbers = evenstep::bench::NumericFields(*fields);
+      numbers["tag_" + std::string(tag, std::strlen(tag) - 1)] = 1;
+      numbers["rank"] = line.size() > 1 ? line[1] - '0' : -1;
+      out.lines.push_back(numbers);
+    }
+    if (absl::GetFlag(FLAGS_verbose) || line.find("failed") != std::string::npos ||
+        line.find("error") != std::string::npos) {
+      std::cout << "  " << line << "\n";
+    }
+  });
+  return out;
+}
+
+std::vector<std::map<std::string, double>> Tagged(const Launch& l, const std::string& tag) {
+  std::vector<std::map<std::string, double>> v;
+  for (const auto& f : l.lines) {
+    if (f.count("tag_" + tag) > 0) v.push_back(f);
+  }
+  return v;
+}
+
+double Get(const std::vector<std::map<std::string, double>>& v, const std::string& key,
+           bool last = false) {
+  if (v.empty() || v.front().count(key) == 0) return 0;
+  return last ? v.back().at(key) : v.front().at(key);
+}
+
+std::string TempDir() {
+  char pattern[] = "/tmp/evenstep_rank_loss_XXXXXX";
+  const char* made = mkdtemp(pattern);
+  return made == nullptr ? std::string() : std::string(made);
+}
+
+int RunDriver() {
+  const Settings set = Resolve();
+  const int victim = set.world - 1;
+  std::cout << absl::StrFormat(
+                   "rank loss: %d ranks, %d steps, rank %d killed in step %d; restart "
+                   "checkpoints every %d steps; continue: lost_after %.1f s, timeout %.0f s",
+                   set.world, set.steps, victim, set.kill_step, set.ckpt_every,
+                   absl::GetFlag(FLAGS_lost_after_s), absl::GetFlag(FLAGS_timeout_s))
+            << std::endl;
+  const Launch reference = RunRanks(set, "reference", "", -1);
+  const double reference_digest = Get(Tagged(reference, "RESULT"), "digest");
+  double step_us = 0;
+  for (const auto& f : Tagged(reference, "STEP")) step_us += f.at("us");
+  step_us /= std::max<size_t>(1, Tagged(reference, "STEP").size());
+
+  // restart: the whole group fails, then launches again from the checkpoint.
+  const std::string dir = TempDir();
+  const Launch first = RunRanks(set, "restart", dir, victim);
+  const double killed_restart = Get(Tagged(first, "KILL"), "at_us");
+  const Launch second = RunRanks(set, "restart", dir, -1);
+  const auto resumed = Tagged(second, "RESUMED");
+  const double resumed_step = Get(resumed, "step");
+  double first_step_after = 0;
+  for (const auto& f : Tagged(second, "STEP")) {
+    if (first_step_after == 0 || f.at("at_us") < first_step_after) first_step_after = f.at("at_us");
+  }
+  const double restart_s = (first_step_after - killed_restart) / 1e6;
+  const double restart_lost = set.kill_step - 1 - resumed_step;
+  const double restart_digest = Get(Tagged(second, "RESULT"), "digest");
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+
+  // continue: the survivors regroup and redo the step.
+  const Launch cont = RunRanks(set, "continue", "", victim);
+  const double killed = Get(Tagged(cont, "KILL"), "at_us");
+  double detected = 0, regrouped = 0, redone = 0;
+  for (const auto& f : Tagged(cont, "FAILED")) detected = std::max(detected, f.at("at_us"));
+  for (const auto& f : Tagged(cont, "REGROUPED")) regrouped = std::max(regrouped, f.at("at_us"));
+  for (const auto& f : Tagged(cont, "STEP")) {
+    if (f.count("redone") > 0) redone = std::max(redone, f.at("at_us"));
+  }
+  const double continue_digest = Get(Tagged(cont, "RESULT"), "digest");
+  const double detect_s = (detected - killed) / 1e6, regroup_s = (regrouped - detected) / 1e6;
+  const double continue_s = (redone - killed) / 1e6;
+  // The survivors sum the gradient over 3 ranks instead of 4: the same
+  // within float rounding, not bit for bit.
+  auto rel = [&](double d) { return std::abs(d - reference_digest) / std::abs(reference_digest); };
+  const double continue_rel = rel(continue_digest), restart_rel = rel(restart_digest);
+  const bool ok = killed > 0 && redone > 0 && killed_restart > 0 && first_step_after > 0 &&
+                  continue_rel < 1e-5 && restart_rel < 1e-5;
+
+  std::cout << absl::StrFormat("%-10s %12s %12s %14s %s\n", "row", "steps lost", "samples lost",
+                               "s to training", "final parameters' digest, relative to reference");
+  std::cout << absl::StrFormat("%-10s %12s %12s %14s %.17g\n", "reference", "-", "-", "-",
+                               reference_digest);
+  std::cout << absl::StrFormat("%-10s %12.0f %12s %14.2f %.2g\n", "restart", restart_lost, "0",
+                               restart_s, restart_rel);
+  std::cout << absl::StrFormat(
+      "%-10s %12d %12d %14.2f %.2g (detection %.2f s, regroup %.2f s, one step %.3f s)\n",
+      "continue", 0, 0, continue_s, continue_rel, detect_s, regroup_s, step_us / 1e6);
+  double last_step = 0;
+  for (const auto& f : Tagged(cont, "STEP")) last_step = std::max(last_step, f.at("step"));
+  std::cout << absl::StrFormat(
+                   "continue reaches training again in %.2fx the restart's time; the survivors "
+                   "reached step %.0f of %d",
+                   restart_s > 0 ? continue_s / restart_s : 0, last_step, set.steps)
+            << std::endl;
+  std::cout
+      << absl::StrFormat(
+             "SUMMARY {\"bench\": \"rank_loss\", \"world\": %d, \"steps\": %d, \"kill_step\": %d,"
+             "\"restart_steps_lost\": %.0f, \"restart_s\": %.3f, \"continue_steps_lost\": 0,"
+             "\"continue_samples_lost\": 0, \"continue_s\": %.3f, \"detection_s\": %.3f,"
+             "\"regroup_s\": %.3f, \"step_s\": %.4f, \"continue_over_restart\": %.3f,"
+             "\"continue_digest_rel\": %.3g, \"restart_digest_rel\": %.3g, \"ok\": %s,"
+             "\"rejoin\": \"not built\"}",
+             set.world, set.steps, set.kill_step, restart_lost, restart_s, continue_s, detect_s,
+             regroup_s, step_us / 1e6, restart_s > 0 ? continue_s / restart_s : 0, continue_rel,
+             restart_rel, ok ? "true" : "false")
+      << std::endl;
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return absl::GetFlag(FLAGS_role) == "rank" ? RunRank() : RunDriver();
+}
