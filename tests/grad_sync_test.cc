@@ -476,6 +476,40 @@ TEST(CollectiveFailedTest, EveryWordingOfATimeoutIsDeadlineExceeded) {
   EXPECT_EQ(lost.code(), absl::StatusCode::kUnavailable) << lost;
 }
 
+// A c10d work that completes when told to (finish is c10d's own).
+class TestWork : public c10d::Work {
+ public:
+  void Complete() { finish(); }
+};
+
+// A wait with `abandon` (a rank that may go on after a lost peer) polls the
+// work: it ends as UNAVAILABLE once abandon() says so, as DEADLINE_EXCEEDED
+// at its own deadline, and returns what the work did once it completes.
+TEST(CollectiveWaitTest, AWaitThatMayBeAbandonedEndsByNameOrWithTheWork) {
+  auto never = c10::make_intrusive<TestWork>();
+  const internal::CollectiveWait abandoned =
+      internal::WaitCollective(never.get(), absl::Seconds(60), absl::Now(), [] { return true; });
+  ASSERT_TRUE(abandoned.failed);
+  EXPECT_EQ(abandoned.error, internal::kAbandonedWait);
+  EXPECT_EQ(internal::CollectiveFailed(0, "all_reduce", abandoned, absl::Seconds(60)).code(),
+            absl::StatusCode::kUnavailable);
+
+  const internal::CollectiveWait late = internal::WaitCollective(
+      never.get(), absl::Milliseconds(30), absl::Now(), [] { return false; });
+  ASSERT_TRUE(late.failed);
+  EXPECT_EQ(internal::CollectiveFailed(0, "all_reduce", late, absl::Milliseconds(30)).code(),
+            absl::StatusCode::kDeadlineExceeded)
+      << late.error;
+
+  auto done = c10::make_intrusive<TestWork>();
+  std::thread completer([&] { done->Complete(); });
+  int asked = 0;
+  const internal::CollectiveWait finished = internal::WaitCollective(
+      done.get(), absl::Seconds(60), absl::Now(), [&] { return ++asked > 1000000; });
+  completer.join();
+  EXPECT_FALSE(finished.failed) << finished.error;
+}
+
 // The hierarchical sync (reduce-scatter within each node, all-reduce across,
 // all-gather within) against one process's gradient, on nodes simulated on
 // this host (GROUP_RANK): the same scenarios as the flat sync, every
