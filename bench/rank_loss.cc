@@ -179,6 +179,7 @@ int RunRank() {
         return 4;
       }
       std::cout << "REGROUPED at_us=" << NowUs() << " world=" << dist.world_size() << std::endl;
+      s = static_cast<int>((*step)->state().steps) + 1;  // the failed step, unless applied
       continue;
     }
     std::cout << "STEP step=" << s << " us=" << NowUs() - begin << " at_us=" << NowUs()
