@@ -234,7 +234,8 @@ TEST(RegroupTest, NeedsTheContinueOption) {
   ASSERT_TRUE(ctx.ok()) << ctx.status();
   absl::StatusOr<Regrouped> r = (*ctx)->Regroup();
   ASSERT_FALSE(r.ok());
-  EXPECT_THAT(std::string(r.status().message()), HasSubstr("--evenstep_on_rank_loss=continue"));
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("Regroup needs DistOptions::on_rank_loss = kContinue"));
 }
 
 }  // namespace

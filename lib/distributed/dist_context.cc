@@ -396,18 +396,33 @@ class C10dCommitStore : public CommitStore {
 
 }  // namespace
 
+namespace internal {
+
+absl::StatusOr<compat::StorePtr> OwnStoreConnection(const LaunchEnv& env,
+                                                    absl::Duration rendezvous_timeout,
+                                                    const std::string& launch_prefix,
+                                                    absl::Duration timeout,
+                                                    const std::string& what) {
+  try {
+    compat::StorePtr store =
+        compat::MakeTcpStore(env.master_addr, env.master_port,
+                             /*is_server=*/false, ToChronoMillis(rendezvous_timeout));
+    store->setTimeout(ToChronoMillis(timeout));
+    return Namespaced(launch_prefix, std::move(store));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", env.rank, ": second store connection for ",
+                                               what, ": ", ErrorText(e)));
+  }
+}
+
+}  // namespace internal
+
 absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
   compat::StorePtr base = groups_->store;  // a HashStore (world 1) is thread-safe
   if (env_.world_size > 1) {
-    try {
-      base = compat::MakeTcpStore(env_.master_addr, env_.master_port, /*is_server=*/false,
-                                  internal::ToChronoMillis(options_.rendezvous_timeout));
-      base->setTimeout(internal::ToChronoMillis(options_.collective_timeout));
-      base = Namespaced(groups_->launch_prefix, std::move(base));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat(
-          "rank ", env_.rank, ": second store connection for I/O: ", internal::ErrorText(e)));
-    }
+    EVENSTEP_ASSIGN_OR_RETURN(base, internal::OwnStoreConnection(
+                                        env_, options_.rendezvous_timeout, groups_->launch_prefix,
+                                        options_.collective_timeout, "I/O"));
   }
   // Each writer numbers its saves from 0 in its keys: a second one (the
   // next Session's) in the same keys would read the first one's outcomes

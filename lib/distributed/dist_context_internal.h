@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -97,6 +98,30 @@ absl::Status PublishFailure(c10d::Store& store, const LaunchEnv& env, const Stag
 // rank's failure (FailedPrecondition quoting it).
 absl::Status AwaitStage(c10d::Store& store, const LaunchEnv& env, absl::Duration timeout,
                         const Stage& stage, const std::string& step, const std::string& passed);
+// A store connection of the caller's own (a TCPStore client serves one
+// thread at a time) to the job's store, in this launch's namespace
+// (`launch_prefix`), its operations bounded by `timeout`. Unavailable naming
+// `what` when it cannot be made.
+absl::StatusOr<compat::StorePtr> OwnStoreConnection(const LaunchEnv& env,
+                                                    absl::Duration rendezvous_timeout,
+                                                    const std::string& launch_prefix,
+                                                    absl::Duration timeout,
+                                                    const std::string& what);
+
+// The keys of regroup `generation` ("evenstep/regroup/<generation>/<what>":
+// begun, in/<launch rank>, view, gloo, nccl) and of each rank's heartbeat
+// ("evenstep/alive/<launch rank>") and liveness socket
+// ("evenstep/alive_at/<launch rank>"), in one place (dist_regroup.cc).
+inline std::string RegroupKey(int generation, absl::string_view what) {
+  return absl::StrCat("evenstep/regroup/", generation, "/", what);
+}
+inline std::string AliveKey(int launch_rank) {
+  return absl::StrCat("evenstep/alive/", launch_rank);
+}
+inline std::string AliveAtKey(int launch_rank) {
+  return absl::StrCat("evenstep/alive_at/", launch_rank);
+}
+
 // A store operation of `what` that threw: the message, naming rank 0 as the
 // store's host where it is.
 std::string StoreLost(const LaunchEnv& env, const std::string& what, const std::exception& e);

@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <map>
 #include <set>
 #include <string>
@@ -38,7 +37,6 @@
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/gloo_address.h"
-#include "evenstep/internal/group_registry.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -117,18 +115,10 @@ absl::Status DistContext::StartHeartbeat() {
   if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue || env_.world_size == 1) {
     return absl::OkStatus();
   }
-  compat::StorePtr store;
-  try {
-    store = compat::MakeTcpStore(env_.master_addr, env_.master_port, /*is_server=*/false,
-                                 internal::ToChronoMillis(options_.rendezvous_timeout));
-    store->setTimeout(internal::ToChronoMillis(options_.lost_after));
-    if (!groups_->launch_prefix.empty()) {
-      store = compat::MakePrefixStore(groups_->launch_prefix, std::move(store));
-    }
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat(
-        "rank ", env_.rank, ": store connection for the heartbeat: ", internal::ErrorText(e)));
-  }
+  EVENSTEP_ASSIGN_OR_RETURN(
+      compat::StorePtr store,
+      internal::OwnStoreConnection(env_, options_.rendezvous_timeout, groups_->launch_prefix,
+                                   options_.lost_after, "the heartbeat"));
   // Where a connection is refused once this process is gone (IPv4 only;
   // elsewhere the heartbeat alone tells).
   const auto [fd, port] = LivenessSocket();
@@ -137,7 +127,7 @@ absl::Status DistContext::StartHeartbeat() {
   if (fd >= 0 && here.ok() && here->find(':') == std::string::npos) {
     groups_->liveness_fd = fd;
     try {
-      store->set(absl::StrCat("evenstep/alive_at/", launch_rank_),
+      store->set(internal::AliveAtKey(launch_rank_),
                  internal::Bytes(absl::StrCat(*here, ":", port)));
     } catch (const std::exception&) {
       // Regroup finds the store gone too, and names it.
@@ -145,9 +135,8 @@ absl::Status DistContext::StartHeartbeat() {
   } else if (fd >= 0) {
     close(fd);
   }
-  groups_->heartbeat =
-      std::thread(&Groups::Beat, groups_.get(), store,
-                  absl::StrCat("evenstep/alive/", launch_rank_), options_.lost_after / 5);
+  groups_->heartbeat = std::thread(&Groups::Beat, groups_.get(), store,
+                                   internal::AliveKey(launch_rank_), options_.lost_after / 5);
   return absl::OkStatus();
 }
 
@@ -162,8 +151,7 @@ void DistContext::Groups::Beat(compat::StorePtr beat_store, std::string key,
         beat_store->add(key, 1);
         next_beat = absl::Now() + period;
       }
-      const std::string begun =
-          absl::StrCat("evenstep/regroup/", watched_generation.load() + 1, "/begun");
+      const std::string begun = internal::RegroupKey(watched_generation.load() + 1, "begun");
       if (!regroup_begun.load() && beat_store->check({begun})) regroup_begun.store(true);
     } catch (const std::exception&) {
       // The store is gone: Regroup names it; nothing to beat into.
@@ -210,21 +198,20 @@ struct Watch {
 };
 
 // The members in, or "" while some member is neither in nor lost yet.
-std::string ViewIfDecided(c10d::Store& store, const std::string& prefix,
-                          const std::vector<int>& members, absl::Duration lost_after,
-                          Watch* watch) {
+std::string ViewIfDecided(c10d::Store& store, int generation, const std::vector<int>& members,
+                          absl::Duration lost_after, Watch* watch) {
   std::vector<int> in;
   const absl::Time now = absl::Now();
   for (int m : members) {
-    if (store.check({absl::StrCat(prefix, "in/", m)})) {
+    if (store.check({internal::RegroupKey(generation, absl::StrCat("in/", m))})) {
       in.push_back(m);
       continue;
     }
-    const int64_t beat = store.add(absl::StrCat("evenstep/alive/", m), 0);
+    const int64_t beat = store.add(internal::AliveKey(m), 0);
     auto seen = watch->beats.find(m);
     if (seen == watch->beats.end()) {
       // Seen for the first time: a process that is gone refuses at once.
-      const std::string at_key = absl::StrCat("evenstep/alive_at/", m);
+      const std::string at_key = internal::AliveAtKey(m);
       if (store.check({at_key}) && Refused(Text(store.get(at_key)))) watch->gone.insert(m);
     }
     if (seen == watch->beats.end() || seen->second != beat) {
@@ -243,25 +230,28 @@ absl::StatusOr<Regrouped> DistContext::Regroup() {
   if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", env_.rank,
-        ": Regroup needs DistOptions::on_rank_loss = kContinue (--evenstep_on_rank_loss=continue): "
+        ": Regroup needs DistOptions::on_rank_loss = kContinue: "
         "without the heartbeat it starts, a lost rank cannot be told from a slow one"));
   }
   const int generation = groups_->generation + 1;
-  const std::string prefix = absl::StrCat("evenstep/regroup/", generation, "/");
+  const std::string view_key = internal::RegroupKey(generation, "view");
+  auto in_key = [generation](int m) {
+    return internal::RegroupKey(generation, absl::StrCat("in/", m));
+  };
   c10d::Store& store = *groups_->store;
   std::string view;
   std::vector<std::string> hosts;
   try {
     // The ranks still waiting on a collective stop waiting (RegroupBegun).
-    store.set(prefix + "begun", Bytes("1"));
-    store.set(absl::StrCat(prefix, "in/", launch_rank_), Bytes(internal::HostName()));
+    store.set(internal::RegroupKey(generation, "begun"), Bytes("1"));
+    store.set(in_key(launch_rank_), Bytes(internal::HostName()));
     Watch watch;
     const absl::Time deadline = absl::Now() + options_.rendezvous_timeout;
-    while (!store.check({prefix + "view"})) {
+    while (!store.check({view_key})) {
       const std::string decided =
-          ViewIfDecided(store, prefix, groups_->members, options_.lost_after, &watch);
+          ViewIfDecided(store, generation, groups_->members, options_.lost_after, &watch);
       if (!decided.empty()) {
-        store.compareSet(prefix + "view", {}, Bytes(decided));
+        store.compareSet(view_key, {}, Bytes(decided));
         break;
       }
       if (absl::Now() > deadline) {
@@ -272,8 +262,8 @@ absl::StatusOr<Regrouped> DistContext::Regroup() {
       }
       absl::SleepFor(absl::Milliseconds(20));
     }
-    view = Text(store.get(prefix + "view"));
-    for (int m : Parsed(view)) hosts.push_back(Text(store.get(absl::StrCat(prefix, "in/", m))));
+    view = Text(store.get(view_key));
+    for (int m : Parsed(view)) hosts.push_back(Text(store.get(in_key(m))));
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat(internal::StoreLost(env_, absl::StrCat("regroup ", generation), e),
@@ -301,7 +291,6 @@ absl::StatusOr<Regrouped> DistContext::Regroup() {
 
 absl::Status DistContext::AdoptView(int generation, const std::vector<int>& view,
                                     const std::vector<std::string>& hosts) {
-  const std::string prefix = absl::StrCat("evenstep/regroup/", generation, "/");
   const int rank =
       static_cast<int>(std::find(view.begin(), view.end(), launch_rank_) - view.begin());
   LaunchEnv env = env_;
@@ -318,13 +307,15 @@ absl::Status DistContext::AdoptView(int generation, const std::vector<int>& view
   compat::ProcessGroupPtr data;
   const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
   try {
-    control = compat::MakeGlooGroup(compat::MakePrefixStore(prefix + "gloo", groups_->store), rank,
-                                    env.world_size, timeout, gloo_device_);
+    control = compat::MakeGlooGroup(
+        compat::MakePrefixStore(internal::RegroupKey(generation, "gloo"), groups_->store), rank,
+        env.world_size, timeout, gloo_device_);
     data = control;
 #if EVENSTEP_HAVE_NCCL
     if (groups_->data != groups_->control) {
-      data = compat::MakeNcclGroup(compat::MakePrefixStore(prefix + "nccl", groups_->store), rank,
-                                   env.world_size, timeout);
+      data = compat::MakeNcclGroup(
+          compat::MakePrefixStore(internal::RegroupKey(generation, "nccl"), groups_->store), rank,
+          env.world_size, timeout);
     }
 #endif
   } catch (const std::exception& e) {
