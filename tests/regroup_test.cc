@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "tests/testing/balance_trainer.h"
 #include "tests/testing/on_ranks.h"
@@ -226,6 +228,34 @@ INSTANTIATE_TEST_SUITE_P(Losses, StepRegroupTest,
                                            StepLossCase{3, 0, 3, 2, "work"},
                                            StepLossCase{4, 2, 2, 1, "dynamic"}),
                          StepName);
+
+// Where going on cannot be exact, Regroup refuses by name before any
+// collective: two model parts (the first part's optimizer step of the
+// failed step cannot be undone), and a step still open.
+TEST(StepRegroupTest, RefusesByNameWhereItCannotBeExact) {
+  DistOptions options;
+  options.on_rank_loss = DistOptions::OnRankLoss::kContinue;
+  auto ctx = DistContext::Create(LaunchEnv{}, options);
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  torch::nn::Linear d(3, 1), g(3, 3);
+  torch::optim::SGD d_opt(d->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD g_opt(g->parameters(), torch::optim::SGDOptions(0.1));
+  {
+    auto parts = BalancedStep::Create(**ctx, {{"D", *d, d_opt}, {"G", *g, g_opt}},
+                                      std::vector<int64_t>(64, 1), BalanceConfig());
+    ASSERT_TRUE(parts.ok()) << parts.status();
+    absl::StatusOr<Regrouped> r = (*parts)->Regroup();
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(r.status().message()),
+                HasSubstr("with 2 model parts is not supported"));
+  }
+  auto one = BalancedStep::Create(**ctx, *d, d_opt, std::vector<int64_t>(64, 1), BalanceConfig());
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_TRUE((*one)->BeginStep().ok());
+  absl::StatusOr<Regrouped> open = (*one)->Regroup();
+  EXPECT_EQ(open.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(open.status().message()), HasSubstr("Regroup while step 1 is open"));
+}
 
 // Without kContinue there is no heartbeat to tell a lost rank from a slow
 // one: Regroup refuses, naming the option.
