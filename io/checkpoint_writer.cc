@@ -104,7 +104,11 @@ struct CheckpointWriter::Impl {
   std::mutex mu;  // guards staging[].busy
   std::condition_variable freed;
   std::vector<Staging> staging;
-  std::deque<std::shared_future<absl::Status>> in_flight;
+  struct InFlight {
+    int64_t seq;  // the commit key
+    std::shared_future<absl::Status> done;
+  };
+  std::deque<InFlight> in_flight;
   int64_t saves = 0;         // sequence number of Save calls: the commit key
   absl::Status first_error;  // of the saves that left in_flight since the last WaitAll
 
@@ -346,12 +350,12 @@ absl::StatusOr<SaveTicket> CheckpointWriter::Save(const CheckpointContents& stat
                       return s;
                     })
                     .share();
-  m.in_flight.push_back(ticket.done);
+  m.in_flight.push_back({seq, ticket.done});
   // Finished saves leave the list, but a failure is kept for WaitAll: no
   // outcome is dropped unread.
   while (!m.in_flight.empty() &&
-         m.in_flight.front().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-    absl::Status s = m.in_flight.front().get();
+         m.in_flight.front().done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+    absl::Status s = m.in_flight.front().done.get();
     if (m.first_error.ok() && !s.ok()) m.first_error = s;
     m.in_flight.pop_front();
   }
@@ -362,11 +366,52 @@ absl::Status CheckpointWriter::WaitAll() {
   absl::Status first = impl_->first_error;
   impl_->first_error = absl::OkStatus();
   for (auto& f : impl_->in_flight) {
-    absl::Status s = f.get();
+    absl::Status s = f.done.get();
     if (first.ok() && !s.ok()) first = s;
   }
   impl_->in_flight.clear();
   return first;
+}
+
+absl::StatusOr<int> CheckpointWriter::Abandon(const absl::Status& why) {
+  // Far above any world size: once added, no report makes the count equal
+  // the world, so no rank becomes the committer.
+  constexpr int64_t kPoison = int64_t{1} << 40;
+  // Every survivor holds the same saves in flight (none that the lost rank
+  // never reported on can have ended). The first to poison a save decides
+  // whether it is ended (not every rank had reported then) and says so under
+  // "ended"; the others read that, so every survivor counts the same saves.
+  int ended = 0;
+  if (impl_->in_flight.empty()) return ended;
+  // The saves' own threads may be waiting in Get on the writer's store.
+  absl::StatusOr<std::unique_ptr<CommitStore>> own = impl_->store->Reconnect();
+  if (!own.ok()) return Annotate(own.status(), "abandoning checkpoint saves");
+  CommitStore& store = *own != nullptr ? **own : *impl_->store;
+  for (const Impl::InFlight& f : impl_->in_flight) {
+    const std::string key = absl::StrCat("evenstep/ckpt/", f.seq, "/");
+    auto context = [&](const absl::Status& s) {
+      return Annotate(s, absl::StrCat("abandoning checkpoint save #", f.seq));
+    };
+    absl::StatusOr<int64_t> now = store.Add(key + "arrived", kPoison);
+    if (!now.ok()) return context(now.status());
+    if (*now / kPoison == 1) {
+      const bool end = *now % kPoison < impl_->world;
+      if (end) {
+        if (absl::Status s = store.Set(key + "outcome", EncodeStatus(why)); !s.ok()) {
+          return context(s);
+        }
+      }
+      if (absl::Status s = store.Set(key + "ended", end ? "1" : "0"); !s.ok()) {
+        return context(s);
+      }
+      ended += end ? 1 : 0;
+    } else {
+      absl::StatusOr<std::string> decided = store.Get(key + "ended");
+      if (!decided.ok()) return context(decided.status());
+      ended += *decided == "1" ? 1 : 0;
+    }
+  }
+  return ended;
 }
 
 absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step, std::string* report) {
@@ -407,6 +452,7 @@ absl::Status CheckpointWriter::Impl::WriteShard(Staging& stage, int64_t step, st
                                /*remove_if_unsynced=*/true);
   }));
   *report = nlohmann::json({{"file", ShardFileName(rank, world)},
+                            {"step", step},
                             {"bytes", static_cast<int64_t>(stage.size())},
                             {"datasets", std::move(datasets)}})
                 .dump();
@@ -513,6 +559,15 @@ absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
     const nlohmann::json shard = nlohmann::json::parse(reports[r], nullptr, false);
     if (shard.is_discarded()) {
       return abandon(absl::DataLossError(absl::StrCat("shard report of rank ", r)));
+    }
+    // Every rank's save number k must be the same step: a rank that saved
+    // once more or less than the others would otherwise commit a manifest
+    // naming its peers' shards of another step.
+    if (shard.value("step", step) != step) {
+      return abandon(absl::InternalError(
+          absl::StrCat("rank ", r, "'s save #", seq, " is of step ", shard.value("step", step),
+                       ", this rank's of step ", step,
+                       ": the ranks did not call Save alike (the same steps in the same order)")));
     }
     manifest.shards.push_back(shard.at("file").get<std::string>());
     manifest.shard_bytes.push_back(shard.at("bytes").get<int64_t>());

@@ -125,6 +125,8 @@ const std::vector<BadValues>& FlagTable() {
       {"evenstep_backend", {"foo", ""}},
       {"evenstep_timeout", {"0s", "-1s", "inf", "ten", "1ns", "999ms"}},
       {"evenstep_rendezvous_timeout", {"0s", "-5m", "inf", "10ms"}},
+      {"evenstep_on_rank_loss", {"maybe", "", "Continue"}},
+      {"evenstep_lost_after", {"0s", "-1s", "inf", "500ms"}},
       {"evenstep_comm_hook", {"foo", ""}},
       {"evenstep_sync_topology", {"tree", "", "Flat"}},
       {"evenstep_oom", {"skip", "", "Split"}},

@@ -88,6 +88,35 @@ TEST(LauncherTest, FailingRankStopsTheOthersAndSetsTheExitCode) {
   }
 }
 
+// Under --evenstep_on_rank_loss=continue (the program's flag) a failed rank
+// is lost to the others, not the end of them: they get no SIGTERM, and the
+// launcher exits 0 when they finish. --on-rank-loss stop overrides it.
+TEST(LauncherTest, UnderContinueAFailedRankLeavesTheOthersRunning) {
+  const std::vector<std::string> program = {
+      "/bin/sh", "-c",
+      "trap 'echo got TERM; exit 9' TERM; if [ $RANK = 1 ]; then exit 5; fi; sleep 2; echo done",
+      "sh", "--evenstep_on_rank_loss=continue"};
+  Subprocess run(ProcessSpec{Launch(3, program), {}});
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output,
+              HasSubstr("evenstep-run: rank 1 exited with status 5; the other 2 rank(s) go on "
+                        "without it (--on-rank-loss continue)"));
+  EXPECT_THAT(result.output, HasSubstr("[0] done"));
+  EXPECT_THAT(result.output, HasSubstr("[2] done"));
+  EXPECT_THAT(result.output, HasSubstr("1 rank(s) lost; the others finished"));
+  EXPECT_THAT(result.output, Not(HasSubstr("got TERM")));
+
+  std::vector<std::string> stop = {EVENSTEP_RUN, "-n", "3", "--on-rank-loss", "stop", "--"};
+  stop.insert(stop.end(), program.begin(), program.end());
+  Subprocess stopped(ProcessSpec{stop, {}});
+  result = stopped.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 5) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("rank 1 exited with status 5; stopping the other"));
+}
+
 TEST(LauncherTest, KilledRankMakesTheLauncherFailWithNoOrphans) {
   PidDir pids;
   Subprocess run(ProcessSpec{Launch(3, {EVENSTEP_RANK_HELPER, "hang"}),
@@ -237,11 +266,12 @@ TEST(LauncherTest, MissingProgramFailsWith127) {
 }
 
 TEST(LauncherTest, UsageErrors) {
-  for (const auto& argv :
-       std::vector<std::vector<std::string>>{{EVENSTEP_RUN, "--", "true"},
-                                             {EVENSTEP_RUN, "-n", "0", "--", "true"},
-                                             {EVENSTEP_RUN, "-n", "2"},
-                                             {EVENSTEP_RUN, "-n", "2", "--bogus", "--", "true"}}) {
+  for (const auto& argv : std::vector<std::vector<std::string>>{
+           {EVENSTEP_RUN, "--", "true"},
+           {EVENSTEP_RUN, "-n", "0", "--", "true"},
+           {EVENSTEP_RUN, "-n", "2"},
+           {EVENSTEP_RUN, "-n", "2", "--bogus", "--", "true"},
+           {EVENSTEP_RUN, "-n", "2", "--on-rank-loss", "maybe", "--", "true"}}) {
     Subprocess run(ProcessSpec{argv, {}});
     ProcessResult result = run.Wait(kHangBound);
     EXPECT_EQ(result.exit_code, 2) << result.output;

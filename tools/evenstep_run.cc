@@ -17,11 +17,13 @@
 //   When every rank exits with 83, so does the launcher.
 // - When a rank fails (another non-zero exit or a signal), sends SIGTERM to
 //   the others, SIGKILL after --stop-grace (3 s), and exits with the failed
-//   rank's status (128 + signal number for a signal). Each rank runs in its own process
-//   group (killed as a group) and dies with the launcher (PR_SET_PDEATHSIG);
-//   a watchdog in that group kills the whole group, the rank's own children
-//   included, once the launcher is gone, even after a SIGKILL (it reads EOF
-//   on a pipe only the launcher holds).
+//   rank's status (128 + signal number for a signal). With --on-rank-loss
+//   continue (the default when the program is given
+//   --evenstep_on_rank_loss=continue) the others go on without it (a Session
+//   regroups them); the launcher exits 0 when one of them finished with 0. Each rank runs in its
+//   own process group (killed as a group) and dies with the launcher (PR_SET_PDEATHSIG); a watchdog
+//   in that group kills the whole group, the rank's own children included, once the launcher is
+//   gone, even after a SIGKILL (it reads EOF on a pipe only the launcher holds).
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -58,6 +60,9 @@ struct Options {
   int nodes = 1;  // simulated nodes: the ranks split into this many groups
   absl::Duration grace = absl::Seconds(120);     // after a forwarded signal or a preemption
   absl::Duration stop_grace = absl::Seconds(3);  // survivors of a failed rank
+  // A failed rank leaves the others running (--on-rank-loss continue).
+  bool continue_on_loss = false;
+  bool on_rank_loss_given = false;
   std::vector<std::string> command;
 };
 
@@ -77,7 +82,11 @@ int Usage(const std::string& error) {
          "                          notice, e.g. sbatch --signal=TERM@180). A second signal\n"
          "                          kills at once\n"
          "  --stop-grace DURATION   after a rank fails: SIGTERM-to-SIGKILL time for the others "
-         "(3s)\n";
+         "(3s)\n"
+         "  --on-rank-loss stop|continue\n"
+         "                          what a failed rank does to the others: stop them (default)\n"
+         "                          or leave them running, to regroup and go on (the default\n"
+         "                          when PROGRAM is given --evenstep_on_rank_loss=continue)\n";
   return 2;
 }
 
@@ -130,6 +139,13 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
       if (!duration("--grace", &options->grace)) return false;
     } else if (take("--stop-grace") || take("--stop_grace")) {
       if (!duration("--stop-grace", &options->stop_grace)) return false;
+    } else if (take("--on-rank-loss") || take("--on_rank_loss")) {
+      if (value != "stop" && value != "continue") {
+        *error = "--on-rank-loss " + value + ": expected stop or continue";
+        return false;
+      }
+      options->continue_on_loss = value == "continue";
+      options->on_rank_loss_given = true;
     } else if (!error->empty()) {
       return false;
     } else {
@@ -138,6 +154,15 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
     }
   }
   for (; i < argc; ++i) options->command.push_back(argv[i]);
+  // The program's own choice, unless the launcher was told otherwise.
+  for (size_t k = 0; k < options->command.size() && !options->on_rank_loss_given; ++k) {
+    const std::string& a = options->command[k];
+    if (a == "--evenstep_on_rank_loss=continue" ||
+        (a == "--evenstep_on_rank_loss" && k + 1 < options->command.size() &&
+         options->command[k + 1] == "continue")) {
+      options->continue_on_loss = true;
+    }
+  }
   if (options->nproc < 1) {
     *error = "-n N is required";
     return false;
@@ -353,6 +378,8 @@ class Supervisor {
   int running_;
   int failed_rank_ = -1;
   int failed_status_ = 0;
+  int lost_ = 0;  // ranks that failed while the others went on (--on-rank-loss continue)
+  int lost_status_ = 0;
   int forwarded_signal_ = 0;
   bool shutting_down_ = false;
   bool killed_ = false;
@@ -366,6 +393,14 @@ int Supervisor::Run() {
     Reap();
   }
   if (failed_rank_ >= 0) return ExitCodeOf(failed_status_);
+  if (lost_ > 0) {
+    const bool finished = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) {
+      return WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0;
+    });
+    fprintf(stderr, "evenstep-run: %d rank(s) lost; %s\n", lost_,
+            finished ? "the others finished" : "no rank finished");
+    if (!finished) return ExitCodeOf(lost_status_);
+  }
   // Every rank saved and stopped for preemption: say so to the scheduler
   // (e.g. to requeue), whether the signal came through here or not.
   const bool all_preempted = std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) {
@@ -466,6 +501,15 @@ void Supervisor::Reap() {
                 r, evenstep::kPreemptedExitCode, running_,
                 absl::FormatDuration(options_.grace).c_str());
         BeginShutdown(0, options_.grace);
+      }
+      if (failed && options_.continue_on_loss && running_ > 0 && !shutting_down_ &&
+          forwarded_signal_ == 0) {
+        if (lost_++ == 0) lost_status_ = status;
+        fprintf(stderr,
+                "evenstep-run: rank %d %s; the other %d rank(s) go on without it "
+                "(--on-rank-loss continue)\n",
+                r, DescribeStatus(status).c_str(), running_);
+        continue;
       }
       if (failed && failed_rank_ < 0 && forwarded_signal_ == 0) {
         failed_rank_ = r;

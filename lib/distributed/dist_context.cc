@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -364,7 +365,16 @@ namespace {
 
 class C10dCommitStore : public CommitStore {
  public:
-  explicit C10dCommitStore(compat::StorePtr store) : store_(std::move(store)) {}
+  using Connect = std::function<absl::StatusOr<compat::StorePtr>()>;
+  // `connect`: a new connection to the same keys (null: `store` is safe to
+  // share between threads).
+  C10dCommitStore(compat::StorePtr store, Connect connect)
+      : store_(std::move(store)), connect_(std::move(connect)) {}
+  absl::StatusOr<std::unique_ptr<CommitStore>> Reconnect() override {
+    if (!connect_) return std::unique_ptr<CommitStore>();
+    EVENSTEP_ASSIGN_OR_RETURN(compat::StorePtr store, connect_());
+    return std::unique_ptr<CommitStore>(new C10dCommitStore(std::move(store), connect_));
+  }
   absl::Status Set(const std::string& key, const std::string& value) override {
     try {
       store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -392,6 +402,7 @@ class C10dCommitStore : public CommitStore {
 
  private:
   compat::StorePtr store_;
+  Connect connect_;
 };
 
 }  // namespace
@@ -418,18 +429,27 @@ absl::StatusOr<compat::StorePtr> OwnStoreConnection(const LaunchEnv& env,
 }  // namespace internal
 
 absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
-  compat::StorePtr base = groups_->store;  // a HashStore (world 1) is thread-safe
-  if (env_.world_size > 1) {
-    EVENSTEP_ASSIGN_OR_RETURN(base, internal::OwnStoreConnection(
-                                        env_, options_.rendezvous_timeout, groups_->launch_prefix,
-                                        options_.collective_timeout, "I/O"));
-  }
   // Each writer numbers its saves from 0 in its keys: a second one (the
   // next Session's) in the same keys would read the first one's outcomes
   // and never commit. Every rank makes them in the same order.
-  const int n = groups_->commit_stores++;
-  return std::unique_ptr<CommitStore>(new C10dCommitStore(
-      compat::MakePrefixStore(absl::StrCat("evenstep/io/", n), std::move(base))));
+  const std::string prefix = absl::StrCat("evenstep/io/", groups_->commit_stores++);
+  if (env_.world_size == 1 && groups_->generation == 0) {
+    // A HashStore is thread-safe: one connection serves every thread. (A
+    // world left with one rank by a regroup still talks to a TCPStore.)
+    return std::unique_ptr<CommitStore>(
+        new C10dCommitStore(compat::MakePrefixStore(prefix, groups_->store), nullptr));
+  }
+  // A TCPStore client is one socket: a thread blocked in a get on it holds
+  // it, so another thread needs a connection of its own (Reconnect).
+  C10dCommitStore::Connect connect =
+      [env = env_, rendezvous = options_.rendezvous_timeout, launch = groups_->launch_prefix,
+       timeout = options_.collective_timeout, prefix]() -> absl::StatusOr<compat::StorePtr> {
+    EVENSTEP_ASSIGN_OR_RETURN(compat::StorePtr base, internal::OwnStoreConnection(
+                                                         env, rendezvous, launch, timeout, "I/O"));
+    return compat::MakePrefixStore(prefix, std::move(base));
+  };
+  EVENSTEP_ASSIGN_OR_RETURN(compat::StorePtr store, connect());
+  return std::unique_ptr<CommitStore>(new C10dCommitStore(std::move(store), std::move(connect)));
 }
 c10d::ProcessGroup& DistContext::control_group() { return *groups_->control; }
 c10d::ProcessGroup& DistContext::data_group() { return *groups_->data; }

@@ -29,6 +29,7 @@ struct MetricsLogger::Interval {
   at::Tensor values;  // [sum_0, count_0, ..., sum_63, count_63, hash of the names]
   c10::intrusive_ptr<c10d::Work> work;
   int64_t seq = 0;
+  int world = 0;  // the ranks the all-reduce summed over
 };
 
 absl::StatusOr<std::unique_ptr<MetricsLogger>> MetricsLogger::Create(DistContext& ctx,
@@ -85,7 +86,7 @@ absl::Status MetricsLogger::Consume() {
   const size_t n = done->names.size();
   // The last slot sums every rank's hash of its names: all ranks logged the
   // same names iff it is world * this rank's hash.
-  const double world = ctx_.world_size();
+  const double world = done->world;
   const double own_hash = static_cast<double>(
       XXH64(absl::StrJoin(done->names, "\n").data(), absl::StrJoin(done->names, "\n").size(), 0) %
       (1ULL << 40));
@@ -111,6 +112,27 @@ absl::Status MetricsLogger::Consume() {
     }
   }
   return absl::OkStatus();
+}
+
+void MetricsLogger::AfterRegroup() {
+  if (!in_flight_) return;
+  bool done = false;
+  try {
+    done = in_flight_->work->isCompleted() && !in_flight_->work->exception();
+  } catch (const std::exception&) {
+    done = false;
+  }
+  const int64_t step = in_flight_->step;
+  // Written by the survivor its index names in the new world: one line.
+  if (done && Consume().ok()) return;
+  if (ctx_.rank() == 0) {
+    ::evenstep::Log(
+        LogLevel::kWarning,
+        absl::StrCat("metrics: the cross-rank means of the interval ending at step ", step,
+                     " are lost with the lost rank (each rank's own "
+                     "metrics file still has its values)"));
+  }
+  in_flight_.reset();
 }
 
 absl::Status MetricsLogger::EndStep(int64_t step) {
@@ -144,6 +166,7 @@ absl::Status MetricsLogger::EndStep(int64_t step) {
   v[2 * kMaxMetrics] = static_cast<double>(XXH64(joined.data(), joined.size(), 0) % (1ULL << 40));
   current_.clear();
   next->seq = ctx_.MarkArrival();
+  next->world = ctx_.world_size();
   std::vector<at::Tensor> tensors{next->values};
   try {
     next->work = ctx_.control_group().allreduce(tensors);

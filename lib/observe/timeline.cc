@@ -47,7 +47,12 @@ absl::StatusOr<std::unique_ptr<Timeline>> Timeline::Open(const std::string& dir,
 }
 
 Timeline::Timeline(int rank, std::unique_ptr<AsyncAppender> out)
-    : rank_(rank), out_(std::move(out)) {}
+    : rank_(rank), index_(rank), out_(std::move(out)) {}
+
+void Timeline::Renumber(int rank, absl::Time at, int64_t step) {
+  index_ = rank;
+  Instant("regroup", at, step);
+}
 
 Timeline::~Timeline() { Close().IgnoreError(); }
 
@@ -89,8 +94,8 @@ void Timeline::AddStep(const StepReport& r) {
   Span("optimizer", r.optimizer_begin, r.optimizer_begin + r.optimizer, r.step);
   Span("exchange", r.optimizer_begin + r.optimizer, r.end, r.step);
   // This rank's online health (its micro-step speed against its own best).
-  if (static_cast<size_t>(rank_) < r.rank_health.size()) {
-    Append(Counter("health", rank_, r.end, {{"health", r.rank_health[rank_]}, {"step", r.step}})
+  if (static_cast<size_t>(index_) < r.rank_health.size()) {
+    Append(Counter("health", rank_, r.end, {{"health", r.rank_health[index_]}, {"step", r.step}})
                .dump());
   }
   // The step's peak memory (a Chrome counter track; its other figures are

@@ -36,6 +36,15 @@ ABSL_FLAG(absl::Duration, evenstep_timeout, absl::Minutes(10),
 ABSL_FLAG(absl::Duration, evenstep_rendezvous_timeout, absl::Minutes(5),
           "Longest the start-up rendezvous may take: connecting to MASTER_ADDR:MASTER_PORT and "
           "waiting for every rank to join (at least 1s).");
+ABSL_FLAG(std::string, evenstep_on_rank_loss, "stop",
+          "What a lost rank (killed, its host gone, frozen past --evenstep_lost_after) does to "
+          "the run: stop (every rank stops, naming it; the launcher restarts the job from the "
+          "newest checkpoint) or continue (the survivors regroup, redo the interrupted step with "
+          "its global batch over themselves, and go on; a Session's checkpoints, logs and "
+          "evaluation follow the new world).");
+ABSL_FLAG(absl::Duration, evenstep_lost_after, absl::Seconds(10),
+          "With --evenstep_on_rank_loss=continue: a rank whose heartbeat has not moved for this "
+          "long is lost (a killed rank is known at once). At least 1s.");
 ABSL_FLAG(
     std::string, evenstep_comm_hook, "sum",
     "How gradient buckets are reduced: sum (exact; weighting comes from loss scaling), avg, "
@@ -242,9 +251,12 @@ absl::Status CheckTimeout(absl::string_view flag, absl::Duration value) {
   if (value >= absl::Seconds(1) && value != absl::InfiniteDuration()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       flag, "=", absl::FormatDuration(value),
-      ": must be finite and at least 1s (it bounds every collective or the rendezvous; the "
-      "default is ",
-      flag == "--evenstep_timeout" ? "10m" : "5m", ")"));
+      ": must be finite and at least 1s (it bounds every collective or the rendezvous, or "
+      "tells a lost rank from a slow one; the default is ",
+      flag == "--evenstep_timeout"      ? "10m"
+      : flag == "--evenstep_lost_after" ? "10s"
+                                        : "5m",
+      ")"));
 }
 
 }  // namespace
@@ -259,12 +271,20 @@ absl::StatusOr<DistOptions> DistOptionsFromFlags() {
                                      {"nccl", CommBackend::kNccl}}));
   options.collective_timeout = absl::GetFlag(FLAGS_evenstep_timeout);
   options.rendezvous_timeout = absl::GetFlag(FLAGS_evenstep_rendezvous_timeout);
+  EVENSTEP_ASSIGN_OR_RETURN(
+      options.on_rank_loss,
+      internal::Choose<DistOptions::OnRankLoss>(
+          "--evenstep_on_rank_loss", absl::GetFlag(FLAGS_evenstep_on_rank_loss),
+          {{"stop", DistOptions::OnRankLoss::kStop},
+           {"continue", DistOptions::OnRankLoss::kContinue}}));
+  options.lost_after = absl::GetFlag(FLAGS_evenstep_lost_after);
   EVENSTEP_RETURN_IF_ERROR(internal::CheckDistOptions(options));
   return options;
 }
 
 absl::Status internal::CheckDistOptions(const DistOptions& options) {
   EVENSTEP_RETURN_IF_ERROR(CheckTimeout("--evenstep_timeout", options.collective_timeout));
+  EVENSTEP_RETURN_IF_ERROR(CheckTimeout("--evenstep_lost_after", options.lost_after));
   return CheckTimeout("--evenstep_rendezvous_timeout", options.rendezvous_timeout);
 }
 

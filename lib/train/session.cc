@@ -200,12 +200,17 @@ absl::Status Session::AfterStep(StepReport* report) {
   StepSchedulers(*report);
   if (ctx_.world_size() > 1) {
     // Every rank's additions: the same value on every rank.
+    // A step whose figures were lost with a rank adds nothing it knows of.
     for (const SumBinding& k : loop_vars_.sums) {
-      if (k.bound) Write(k.value, k.start + report->sum(k.sum));
+      if (k.bound && !report->figures_lost) Write(k.value, k.start + report->sum(k.sum));
     }
   }
   if (loop_vars_.update) loop_vars_.update(*report);
-  if (timeline_) timeline_->AddStep(*report);
+  if (timeline_ && !report->figures_lost) timeline_->AddStep(*report);
+  if (!report->lost_ranks.empty()) {
+    metrics_->Log(report->step, "regroup_seconds", report->regroup_seconds);
+    metrics_->Log(report->step, "ranks_lost", static_cast<double>(report->lost_ranks.size()));
+  }
   if (ctx_.rank() == 0) {
     for (const std::string& alert : report->health_alerts) {
       Log(LogLevel::kWarning, "health: " + alert);

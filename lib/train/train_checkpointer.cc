@@ -210,4 +210,17 @@ absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainStat
 
 absl::Status TrainCheckpointer::WaitAll() { return writer_->WaitAll(); }
 
+absl::StatusOr<int> TrainCheckpointer::Regroup(const absl::Status& why) {
+  EVENSTEP_ASSIGN_OR_RETURN(const int ended, writer_->Abandon(why), "checkpointer, rank ",
+                            ctx_.rank(), ", after a lost rank");
+  // The ended saves' outcomes are `why`, read through their tickets.
+  writer_->WaitAll().IgnoreError();
+  writer_.reset();
+  EVENSTEP_ASSIGN_OR_RETURN(store_, ctx_.NewCommitStore(), "checkpointer, rank ", ctx_.rank(),
+                            ": the commit store after a lost rank");
+  EVENSTEP_ASSIGN_OR_RETURN(
+      writer_, CheckpointWriter::Create(options_, store_.get(), ctx_.rank(), ctx_.world_size()));
+  return ended;
+}
+
 }  // namespace evenstep

@@ -42,6 +42,12 @@ class CommitStore {
   // Waits until `key` is set (bounded by the store's timeout).
   virtual absl::StatusOr<std::string> Get(const std::string& key) = 0;
   virtual absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) = 0;
+  // Another connection to the same keys, for a thread other than those
+  // that may be waiting in Get on this one; null when this one is safe to
+  // share between threads.
+  virtual absl::StatusOr<std::unique_ptr<CommitStore>> Reconnect() {
+    return std::unique_ptr<CommitStore>();
+  }
 };
 
 enum class WhenBusy { kWait, kSkip };
@@ -87,6 +93,15 @@ class CheckpointWriter {
   // Waits for every save in flight; the first error of any save since the
   // last WaitAll (none is dropped unread), OK otherwise.
   absl::Status WaitAll();
+  // After a rank was lost (DistContext::Regroup): every save in flight that
+  // not every rank has reported on can never commit. Each is ended now with
+  // `why` as its outcome, on every rank that waits for it, instead of at the
+  // store's timeout; a rank that reports on it later reads that outcome, so
+  // none commits it (a fenced rank that wakes up included). Saves that every
+  // rank reported on keep their outcome (one rank is committing them). Call
+  // it on every survivor: the outcome is set once, and each returns the same
+  // number of saves ended; wait for them with WaitAll.
+  absl::StatusOr<int> Abandon(const absl::Status& why);
 
  private:
   struct Impl;

@@ -355,6 +355,15 @@ struct StepReport {
   // ("rank 3's micro-steps take 1.39x its own best (0.72x speed) at step
   // 120: ..."); a rank is named again only after it recovered.
   std::vector<std::string> health_alerts;
+  // Session with DistOptions::on_rank_loss kContinue: the ranks (numbered as
+  // in the world before) lost during this step, the seconds the survivors
+  // took to regroup, and whether the step had been applied on every
+  // survivor before the loss was known (the rank was lost in the step's
+  // exchange): its loss and sums were still to be gathered, so loss,
+  // part_losses and balance_efficiency are NaN and sums is empty.
+  std::vector<int> lost_ranks;
+  double regroup_seconds = 0;
+  bool figures_lost = false;
   // Session: saves whose failure this rank has seen (each reported in one
   // line as it was seen).
   int64_t checkpoint_failures = 0;

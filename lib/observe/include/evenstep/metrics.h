@@ -61,6 +61,11 @@ class MetricsLogger {
   // never inside Log.
   void Log(int64_t step, const std::string& name, const at::Tensor& value);
   absl::Status EndStep(int64_t step);
+  // After DistContext::Regroup: the last interval's cross-rank means are
+  // written if their all-reduce completed before the rank was lost, else
+  // dropped (the old world's collective never completes); later intervals
+  // are reduced over the survivors. Per-rank lines are kept as logged.
+  void AfterRegroup();
   // Waits for the last reduction, writes it, closes the files.
   absl::Status Close();
   // True while the last interval's all-reduce has not completed (tests use

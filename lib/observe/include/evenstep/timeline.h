@@ -39,6 +39,10 @@ class Timeline {
   void Instant(const std::string& name, absl::Time at, int64_t step);
   // Every phase of a BalancedStep step.
   void AddStep(const StepReport& report);
+  // After DistContext::Regroup: this process is now `rank` of the new world
+  // (its per-rank figures are read there); its track keeps its first rank,
+  // with a "regroup" marker at `at`.
+  void Renumber(int rank, absl::Time at, int64_t step);
   // Writes what is buffered and waits for it; the first write error, if any.
   absl::Status Flush();
   absl::Status Close();
@@ -47,7 +51,8 @@ class Timeline {
   Timeline(int rank, std::unique_ptr<AsyncAppender> out);
   void Append(const std::string& event);
 
-  int rank_;
+  int rank_;   // the track
+  int index_;  // the rank in the current world (per-rank figures)
   std::unique_ptr<AsyncAppender> out_;
   bool first_ = true;
   bool closed_ = false;

@@ -341,8 +341,8 @@ class Session {
   // period, or skip long work (an evaluation) while preemption_pending().
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
-    return Around(
-        [&] { return step_->Step(std::forward<Load>(load), std::forward<LossSum>(loss_sum)); });
+    // Not forwarded: a step redone after a lost rank calls them again.
+    return Around([&] { return step_->Step(load, loss_sum); });
   }
   // The same with the loop's own loss: `loss_sum(samples)` gets a
   // micro-batch's dataset indices (const std::vector<int64_t>&), loads them
@@ -473,14 +473,38 @@ class Session {
   // scheduled learning rates.
   absl::Status BeforeStep();
   // BeforeStep, `run()` (a BalancedStep::Step), then AfterStep on its report.
+  // With DistOptions::on_rank_loss kContinue, a step that failed because a
+  // rank was lost is redone by the survivors (GoOnAfterLoss), as often as
+  // ranks are lost in it.
   template <typename Run>
   absl::StatusOr<StepReport> Around(Run&& run) {
     EVENSTEP_RETURN_IF_ERROR(BeforeStep());
+    const int64_t epoch = step_->epoch();
     absl::StatusOr<StepReport> report = run();
+    StepReport losses;  // lost_ranks and regroup_seconds, as they come
+    while (!report.ok() && RankLost(report.status())) {
+      EVENSTEP_ASSIGN_OR_RETURN(std::optional<StepReport> applied,
+                                GoOnAfterLoss(report.status(), epoch, &losses));
+      report = applied ? *std::move(applied) : run();
+    }
     if (!report.ok()) return report;
+    report->lost_ranks = losses.lost_ranks;
+    report->regroup_seconds = losses.regroup_seconds;
     EVENSTEP_RETURN_IF_ERROR(AfterStep(&*report));
     return report;
   }
+  // A step's failure is a lost rank that the survivors go on after
+  // (DistOptions::on_rank_loss kContinue).
+  bool RankLost(const absl::Status& failure) const;
+  // After a rank was lost in step last_step_ + 1 (of epoch `epoch`): the
+  // survivors regroup (BalancedStep::Regroup); the checkpointer, metrics
+  // and timeline follow the new world; saves in flight that can never
+  // commit are abandoned and the last step saved again; the loss is said
+  // once (the new rank 0) and added to `losses`. The step is to be redone
+  // (nullopt), or was applied before the loss was known (its report, whose
+  // loss and sums are lost with the rank: StepReport::figures_lost).
+  absl::StatusOr<std::optional<StepReport>> GoOnAfterLoss(const absl::Status& failure,
+                                                          int64_t epoch, StepReport* losses);
   absl::Status StopForPreemption(int signal, int64_t step);
   template <typename T>
   void KeepValue(const std::string& name, T* value);

@@ -102,6 +102,13 @@ class TrainCheckpointer {
   // does not fit the live state.
   absl::StatusOr<LoadResult> Load(const TrainState& state, const LoadOptions& options = {});
   absl::Status WaitAll();
+  // After DistContext::Regroup, on every survivor: the saves in flight that
+  // the lost ranks never reported on are ended with `why` as their outcome
+  // (CheckpointWriter::Abandon; their tickets then hold it), the others
+  // waited for, and later saves are written by the new world's ranks
+  // through a new commit store. The number of saves ended. Collective over
+  // the survivors (each makes one commit store).
+  absl::StatusOr<int> Regroup(const absl::Status& why);
   const CheckpointOptions& options() const { return options_; }
 
  private:
