@@ -332,3 +332,48 @@ INSTANTIATE_TEST_SUITE_P(Losses, SessionRegroupTest,
 
 }  // namespace
 }  // namespace evenstep
+
+namespace evenstep {
+namespace {
+
+// Stream mode pins each rank's streams and the loop's rows of them: going
+// on would move them to other ranks. Every survivor's Step refuses by name,
+// before any collective of the regroup.
+TEST(SessionRegroupRefusalTest, StreamModeIsRefusedByName) {
+  OnRanksOptions options = Named("streams", "streams", true);
+  options.exit_codes = {{1, kLostExit}};
+  RunOnRanks(
+      3,
+      [](DistContext& dist) {
+        absl::SetFlag(&FLAGS_evenstep_streams, 6);
+        absl::SetFlag(&FLAGS_evenstep_global_batch, 6);
+        absl::SetFlag(&FLAGS_evenstep_micro_batch_samples, 0);
+        absl::SetFlag(&FLAGS_evenstep_ckpt_every, 100);
+        absl::SetFlag(&FLAGS_evenstep_resume, "off");
+        torch::nn::Linear model(3, 1);
+        torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05));
+        auto es =
+            Session::Create(dist, *model, optimizer, UniformLengths(24), RanksDir() + "/streams");
+        ASSERT_TRUE(es.ok()) << es.status();
+        for (int64_t step = 1; step <= 3; ++step) {
+          absl::StatusOr<StepReport> report = (*es)->Step([&](const std::vector<int64_t>& samples) {
+            if (dist.launch_rank() == 1 && step == 2) std::_Exit(kLostExit);
+            return LossSum(model, samples);
+          });
+          if (step < 2) {
+            ASSERT_TRUE(report.ok()) << report.status();
+            continue;
+          }
+          ASSERT_FALSE(report.ok());
+          EXPECT_TRUE(absl::IsFailedPrecondition(report.status())) << report.status();
+          EXPECT_THAT(std::string(report.status().message()),
+                      ::testing::HasSubstr("step 2: going on after a lost rank in stream mode "
+                                           "(--evenstep_streams) is not supported"));
+          break;
+        }
+      },
+      options);
+}
+
+}  // namespace
+}  // namespace evenstep
