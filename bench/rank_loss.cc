@@ -15,6 +15,11 @@
 //              (0), the seconds from the kill until the redone step
 //              completes, split into detection (the failed step returns)
 //              and the regroup; the final digest against the reference's
+//   session    the same inside a Session (--evenstep_on_rank_loss=continue):
+//              Step regroups and redoes the step itself, and the Session's
+//              checkpoints (every --ckpt_every steps), metrics and timeline
+//              follow the new world; the seconds from the kill until the
+//              redone step's report returns, and the report's regroup_seconds
 // A replacement rank joining from a live peer is not built yet: no row.
 // Last line: SUMMARY {json}.
 //
@@ -42,6 +47,7 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
 #include "evenstep/internal/store_server.h"
+#include "evenstep/session.h"
 #include "evenstep/train_checkpointer.h"
 
 ABSL_FLAG(bool, quick, false, "Few steps (the smoke test).");
@@ -54,8 +60,8 @@ ABSL_FLAG(double, lost_after_s, 2, "continue: DistOptions::lost_after.");
 ABSL_FLAG(double, timeout_s, 10, "The collective timeout.");
 // Set by the driver for the ranks it starts.
 ABSL_FLAG(std::string, role, "driver", "driver, or rank (started by the driver).");
-ABSL_FLAG(std::string, row, "", "rank: reference, restart or continue.");
-ABSL_FLAG(std::string, dir, "", "rank: the checkpoint directory (restart).");
+ABSL_FLAG(std::string, row, "", "rank: reference, restart, continue or session.");
+ABSL_FLAG(std::string, dir, "", "rank: the checkpoint directory (restart; session: the run's).");
 ABSL_FLAG(int, victim, -1, "rank: the launch rank that dies at --kill_step (-1: none).");
 
 namespace {
@@ -110,6 +116,62 @@ double Digest(torch::nn::Sequential& model) {
   return digest;
 }
 
+evenstep::BalanceConfig BenchConfig() {
+  evenstep::BalanceConfig config;
+  config.sampler.global_batch = 256;
+  config.sampler.micro_batch_samples = 32;
+  config.sampler.seed = 5;
+  config.data_workers = 0;
+  return config;
+}
+
+// The session row: the same loop through a Session, which goes on by itself.
+int RunSessionRank(evenstep::DistContext& dist, const Settings& set) {
+  const int me = dist.launch_rank();
+  const Data data = MakeData();
+  torch::nn::Sequential model = MakeModel();
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  evenstep::SessionOptions options;
+  options.balance = BenchConfig();
+  options.run_dir = absl::GetFlag(FLAGS_dir);
+  options.ckpt_every = set.ckpt_every;
+  options.resume = evenstep::ResumeMode::kOff;
+  auto es = evenstep::Session::Create(dist, *model, optimizer, std::vector<int64_t>(kSamples, 1),
+                                      options);
+  if (!es.ok()) {
+    std::cout << "rank " << me << ": " << es.status() << std::endl;
+    return 1;
+  }
+  const int victim = absl::GetFlag(FLAGS_victim);
+  for (int s = 1; s <= set.steps; ++s) {
+    const int64_t begin = NowUs();
+    auto report = (*es)->Step([&](const std::vector<int64_t>& samples) {
+      if (me == victim && s == set.kill_step) {
+        std::cout << "KILL at_us=" << NowUs() << std::endl;
+        raise(SIGKILL);
+      }
+      const torch::Tensor idx = torch::tensor(samples, torch::kLong);
+      return torch::mse_loss(model->forward(data.x.index_select(0, idx)),
+                             data.y.index_select(0, idx), torch::Reduction::Sum);
+    });
+    if (!report.ok()) {
+      std::cout << "step " << s << " failed: " << report.status() << std::endl;
+      return 3;
+    }
+    std::cout << "STEP step=" << s << " us=" << NowUs() - begin << " at_us=" << NowUs()
+              << (report->lost_ranks.empty()
+                      ? std::string()
+                      : absl::StrCat(" redone=1 regroup_s=", report->regroup_seconds))
+              << std::endl;
+  }
+  if (!(*es)->Finish().ok()) return 5;
+  if (dist.rank() == 0) {
+    std::cout << absl::StrFormat("RESULT digest=%.17g world=%d", Digest(model), dist.world_size())
+              << std::endl;
+  }
+  return 0;
+}
+
 int RunRank() {
   const Settings set = Resolve();
   const std::string row = absl::GetFlag(FLAGS_row);
@@ -117,24 +179,22 @@ int RunRank() {
   options.backend = evenstep::CommBackend::kGloo;
   options.collective_timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
   options.lost_after = absl::Seconds(absl::GetFlag(FLAGS_lost_after_s));
-  if (row == "continue") options.on_rank_loss = evenstep::DistOptions::OnRankLoss::kContinue;
+  if (row == "continue" || row == "session") {
+    options.on_rank_loss = evenstep::DistOptions::OnRankLoss::kContinue;
+  }
   auto ctx = evenstep::DistContext::Create(options);
   if (!ctx.ok()) {
     std::cout << "rank setup failed: " << ctx.status() << std::endl;
     return 1;
   }
   evenstep::DistContext& dist = **ctx;
+  if (row == "session") return RunSessionRank(dist, set);
   const int me = dist.launch_rank();
   const Data data = MakeData();
   torch::nn::Sequential model = MakeModel();
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  evenstep::BalanceConfig config;
-  config.sampler.global_batch = 256;
-  config.sampler.micro_batch_samples = 32;
-  config.sampler.seed = 5;
-  config.data_workers = 0;
   auto step = evenstep::BalancedStep::Create(dist, *model, optimizer,
-                                             std::vector<int64_t>(kSamples, 1), config);
+                                             std::vector<int64_t>(kSamples, 1), BenchConfig());
   if (!step.ok()) {
     std::cout << "rank " << me << ": " << step.status() << std::endl;
     return 1;
@@ -311,8 +371,23 @@ int RunDriver() {
   // within float rounding, not bit for bit.
   auto rel = [&](double d) { return std::abs(d - reference_digest) / std::abs(reference_digest); };
   const double continue_rel = rel(continue_digest), restart_rel = rel(restart_digest);
+
+  // session: the same, the Session regrouping inside Step.
+  const std::string session_dir = TempDir();
+  const Launch session = RunRanks(set, "session", session_dir, victim);
+  std::system(absl::StrCat("rm -rf ", session_dir).c_str());
+  const double session_killed = Get(Tagged(session, "KILL"), "at_us");
+  double session_redone = 0, session_regroup_s = 0;
+  for (const auto& f : Tagged(session, "STEP")) {
+    if (f.count("redone") == 0) continue;
+    session_redone = std::max(session_redone, f.at("at_us"));
+    session_regroup_s = std::max(session_regroup_s, f.at("regroup_s"));
+  }
+  const double session_s = (session_redone - session_killed) / 1e6;
+  const double session_rel = rel(Get(Tagged(session, "RESULT"), "digest"));
   const bool ok = killed > 0 && redone > 0 && killed_restart > 0 && first_step_after > 0 &&
-                  continue_rel < 1e-5 && restart_rel < 1e-5;
+                  session_killed > 0 && session_redone > 0 && continue_rel < 1e-5 &&
+                  restart_rel < 1e-5 && session_rel < 1e-5;
 
   std::cout << absl::StrFormat("%-10s %12s %12s %14s %s\n", "row", "steps lost", "samples lost",
                                "s to training", "final parameters' digest, relative to reference");
@@ -323,6 +398,9 @@ int RunDriver() {
   std::cout << absl::StrFormat(
       "%-10s %12d %12d %14.2f %.2g (detection %.2f s, regroup %.2f s, one step %.3f s)\n",
       "continue", 0, 0, continue_s, continue_rel, detect_s, regroup_s, step_us / 1e6);
+  std::cout << absl::StrFormat(
+      "%-10s %12d %12d %14.2f %.2g (regroup with the Session's files %.2f s)\n", "session", 0, 0,
+      session_s, session_rel, session_regroup_s);
   double last_step = 0;
   for (const auto& f : Tagged(cont, "STEP")) last_step = std::max(last_step, f.at("step"));
   std::cout << absl::StrFormat(
@@ -336,11 +414,12 @@ int RunDriver() {
              "\"restart_steps_lost\": %.0f, \"restart_s\": %.3f, \"continue_steps_lost\": 0,"
              "\"continue_samples_lost\": 0, \"continue_s\": %.3f, \"detection_s\": %.3f,"
              "\"regroup_s\": %.3f, \"step_s\": %.4f, \"continue_over_restart\": %.3f,"
-             "\"continue_digest_rel\": %.3g, \"restart_digest_rel\": %.3g, \"ok\": %s,"
-             "\"rejoin\": \"not built\"}",
+             "\"continue_digest_rel\": %.3g, \"restart_digest_rel\": %.3g,"
+             "\"session_s\": %.3f, \"session_regroup_s\": %.3f, \"session_digest_rel\": %.3g,"
+             "\"ok\": %s, \"rejoin\": \"not built\"}",
              set.world, set.steps, set.kill_step, restart_lost, restart_s, continue_s, detect_s,
              regroup_s, step_us / 1e6, restart_s > 0 ? continue_s / restart_s : 0, continue_rel,
-             restart_rel, ok ? "true" : "false")
+             restart_rel, session_s, session_regroup_s, session_rel, ok ? "true" : "false")
       << std::endl;
   return ok ? 0 : 1;
 }

@@ -60,11 +60,14 @@ struct Case {
   int step;  // ... in this step
   Where where;
   Form form;
+  // dynamic: the splits follow measured speeds, and the Session's split
+  // record (on by default) ends at the loss.
+  std::string balance = "static";
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "world " << c.world << ", rank " << c.lost << " lost in step " << c.step << " ("
-      << kWhere[static_cast<int>(c.where)] << ")"
+      << kWhere[static_cast<int>(c.where)] << "), " << c.balance
       << (c.form == Form::kLoop ? ", loop-shaped" : ", callback");
 }
 
@@ -114,7 +117,7 @@ class DyingEnv : public EnvWrapper {
 void Train(DistContext& dist, const Case& c) {
   const std::string name = std::getenv("RUN");
   const bool inject = std::string(std::getenv("LOSE")) == "1";
-  absl::SetFlag(&FLAGS_evenstep_balance, "static");
+  absl::SetFlag(&FLAGS_evenstep_balance, c.balance);
   absl::SetFlag(&FLAGS_evenstep_global_batch, 10);
   absl::SetFlag(&FLAGS_evenstep_micro_batch_samples, 2);
   absl::SetFlag(&FLAGS_evenstep_ckpt_every, 2);
@@ -319,7 +322,7 @@ TEST_P(SessionRegroupTest, TheLoopGoesOnAsTheUninterruptedRun) {
 
 INSTANTIATE_TEST_SUITE_P(Losses, SessionRegroupTest,
                          ::testing::Values(Case{3, 1, 3, Where::kLoss, Form::kCallback},
-                                           Case{4, 0, 4, Where::kLoss, Form::kLoop},
+                                           Case{4, 0, 4, Where::kLoss, Form::kLoop, "dynamic"},
                                            Case{3, 2, 6, Where::kBackward, Form::kCallback},
                                            Case{3, 2, 5, Where::kExchange, Form::kCallback},
                                            Case{3, 1, 5, Where::kCheckpoint, Form::kCallback}),
@@ -327,7 +330,8 @@ INSTANTIATE_TEST_SUITE_P(Losses, SessionRegroupTest,
                            const Case& c = info.param;
                            return absl::StrCat("world", c.world, "_rank", c.lost, "_step", c.step,
                                                "_", kWhere[static_cast<int>(c.where)],
-                                               c.form == Form::kLoop ? "_loop" : "_callback");
+                                               c.form == Form::kLoop ? "_loop" : "_callback", "_",
+                                               c.balance);
                          });
 
 }  // namespace

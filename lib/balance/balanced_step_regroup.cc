@@ -15,6 +15,7 @@
 #include "evenstep/balanced_step.h"
 #include "evenstep/internal/memory_caps.h"
 #include "evenstep/internal/rank_health.h"
+#include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -47,11 +48,11 @@ absl::StatusOr<Regrouped> BalancedStep::Regroup() {
         " model parts is not supported (an earlier part's optimizer step of the failed step "
         "cannot be undone): restart from the last checkpoint"));
   }
-  if (split_log_ != nullptr) {
+  if (split_log_ != nullptr && !split_log_->replay_file.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("BalancedStep: rank ", ctx_.rank(),
-                     ": going on after a lost rank with a split record (--evenstep_split_record or "
-                     "--evenstep_replay) is not supported: the record is of the old world"));
+                     ": going on after a lost rank while replaying a split record "
+                     "(--evenstep_replay) is not supported: the record is of the old world"));
   }
   if (run_.in_step) {
     return absl::FailedPreconditionError(absl::StrCat("BalancedStep: rank ", ctx_.rank(),
@@ -93,6 +94,16 @@ absl::StatusOr<Regrouped> BalancedStep::Regroup() {
     // The failed step's gradients (partly reduced, perhaps) never reach a
     // step.
     for (at::Tensor& p : part.spec.module->parameters()) p.mutable_grad() = at::Tensor();
+  }
+  if (split_log_ != nullptr) {
+    // The record holds the old world's splits: it ends with the last step
+    // before the loss (a replay of this run stops there, naming the step).
+    if (ctx_.rank() == 0) {
+      Log(LogLevel::kInfo,
+          absl::StrCat("the split record (--evenstep_split_record) ends at step ", from.steps,
+                       ": the world changed to ", ctx_.world_size(), " ranks"));
+    }
+    split_log_.reset();
   }
   EVENSTEP_RETURN_IF_ERROR(AttachSyncs(), where);
   EVENSTEP_RETURN_IF_ERROR(Restore(from), where);
