@@ -556,7 +556,9 @@ class BalancedStep {
   // FailedPrecondition, on every survivor alike, where that cannot be exact:
   // the survivors disagree on whether the failed step was applied (the lost
   // rank died inside the last synchronisation), several model parts, or a
-  // split record. Collective over the survivors.
+  // split record being replayed. A split record being written ends with the
+  // step before the loss (it holds the old world's splits). Collective over
+  // the survivors.
   absl::StatusOr<Regrouped> Regroup();
 
   // Values every rank contributes to the next step's exchange: after it,

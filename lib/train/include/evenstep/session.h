@@ -339,6 +339,14 @@ class Session {
   // run resumes at the following step. The loop's code between the two
   // calls runs before the save: keep it shorter than the launcher's grace
   // period, or skip long work (an evaluation) while preemption_pending().
+  //
+  // A lost rank (--evenstep_on_rank_loss=continue, DistOptions::on_rank_loss
+  // kContinue): the survivors regroup inside Step and run the step again
+  // over themselves with its global batch, so the loss functions are called
+  // again for it (KeepSum variables are rewound first); the report names the
+  // lost ranks (StepReport::lost_ranks). Checkpoints, metrics, the timeline
+  // and Evaluate follow the new world. Refused by name (the step's error):
+  // several model parts, a replay, stream mode (docs/balancing.md).
   template <typename Load, typename LossSum>
   absl::StatusOr<StepReport> Step(Load&& load, LossSum&& loss_sum) {
     // Not forwarded: a step redone after a lost rank calls them again.
