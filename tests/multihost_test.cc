@@ -251,6 +251,36 @@ TEST(MultiHostTest, ARankLostOnTheOtherHostIsNamedWithinTheTimeout) {
   }
 }
 
+// A whole host lost (both its ranks gone) under
+// --evenstep_on_rank_loss=continue: the other host's ranks regroup through
+// the store on their host and all_reduce exactly among themselves; a
+// killed rank on the other host is known lost through its liveness socket,
+// across the link between the hosts.
+TEST(MultiHostTest, AHostLostWholeLeavesTheOtherHostsRanksGoingOn) {
+  auto cluster = SimulatedCluster::Create(2);
+  if (!cluster.ok()) GTEST_SKIP() << "no simulated hosts here: " << cluster.status();
+  std::unique_ptr<internal::StoreServer> store = HostStoreIn(**cluster, 0);
+  ASSERT_NE(store, nullptr);
+  const auto results = evenstep::testing::RunAll(
+      JobOnHosts(
+          **cluster, 2, store->port(),
+          {EVENSTEP_RANK_HELPER, "--evenstep_rendezvous_timeout=30s", "--evenstep_timeout=20s",
+           "--evenstep_on_rank_loss=continue", "--evenstep_lost_after=3s", "lose_from", "2"}),
+      evenstep::testing::HangBound(2));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_FALSE(results[r].timed_out) << evenstep::testing::Describe(results);
+    EXPECT_EQ(results[r].exit_code, 0) << evenstep::testing::Describe(results);
+  }
+  for (int r = 0; r < 2; ++r) {
+    // Launch ranks 1 and 2 contribute 1 + 2.
+    EXPECT_THAT(results[r].output,
+                HasSubstr(absl::StrCat("regrouped: rank(s) 2, 3 lost; 2 survivor(s) go on (regroup "
+                                       "1); rank ",
+                                       r, " of 2, sum 3")))
+        << evenstep::testing::Describe(results);
+  }
+}
+
 // The preflight on shaped links (the shaper sets the rates: 40 Mbit/s
 // against an unshaped path tens of times faster on any load). One host's
 // link slow among three hosts of one rank: the link is named, with its

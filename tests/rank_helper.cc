@@ -7,6 +7,11 @@
 //   rank_helper die_after_init R                         rank R leaves after a barrier,
 //                                                        the others all_reduce
 //   rank_helper stall_rank R                             rank R sleeps, the others all_reduce
+//   rank_helper lose_from R                              ranks R and above leave after a
+//                                                        barrier; the others' all_reduce
+//                                                        fails, they regroup (run with
+//                                                        --evenstep_on_rank_loss=continue)
+//                                                        and all_reduce again, exactly
 //   rank_helper exit_code R C                            rank R exits with C, others sleep
 //   rank_helper hang                                     sleep (no rendezvous)
 //   rank_helper wait_for_sigterm                         exit 0 on SIGTERM
@@ -110,6 +115,32 @@ int ExpectFailureNaming(evenstep::DistContext& dist, int absent) {
   return 4;
 }
 
+// The ranks below `first_lost` go on without the others.
+int LoseFrom(evenstep::DistContext& dist, int first_lost) {
+  if (auto s = dist.Barrier(); !s.ok()) {
+    std::cout << s << std::endl;
+    return 1;
+  }
+  if (dist.rank() >= first_lost) _exit(0);
+  at::Tensor t = at::ones({8});
+  absl::Status failed = dist.AllReduce(t);
+  std::cout << "collective " << (failed.ok() ? "succeeded" : "failed") << ": " << failed
+            << std::endl;
+  absl::StatusOr<evenstep::Regrouped> regrouped = dist.Regroup();
+  if (!regrouped.ok()) {
+    std::cout << "regroup failed: " << regrouped.status() << std::endl;
+    return 1;
+  }
+  t = at::full({8}, static_cast<double>(dist.launch_rank() + 1));
+  if (absl::Status s = dist.AllReduce(t); !s.ok()) {
+    std::cout << "after the regroup: " << s << std::endl;
+    return 1;
+  }
+  std::cout << "regrouped: " << regrouped->Describe() << "; rank " << dist.rank() << " of "
+            << dist.world_size() << ", sum " << t[0].item<double>() << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -173,6 +204,7 @@ int main(int argc, char** argv) {
     return ExpectFailureNaming(dist, victim);
   }
   if (scenario == "write_to_closed_pipe") return WriteToClosedPipe(own_sigpipe);
+  if (scenario == "lose_from") return LoseFrom(dist, int_arg(2));
   if (scenario == "stall_rank") {
     const int victim = int_arg(2);
     if (dist.rank() == victim) {
