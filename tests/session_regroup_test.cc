@@ -132,6 +132,12 @@ void Train(DistContext& dist, const Case& c) {
   int64_t step = 0;  // the step running now
   const bool victim = inject && dist.launch_rank() == c.lost;
   auto die_in = [&](Where where) {
+    if (victim && step == c.step && where == Where::kLoss && c.where == Where::kCheckpoint) {
+      // The step's loss waits here until the save's own thread, writing
+      // the checkpoint of the step before, ends the process: the rank is
+      // lost in this step's loss whatever the load.
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+    }
     if (!victim || step != c.step || where != c.where) return;
     // In the exchange: every survivor has finished the synchronisation this
     // rank took part in before it goes.
@@ -161,18 +167,18 @@ void Train(DistContext& dist, const Case& c) {
                     absl::StrFormat("%.17g", running), " lost [", absl::StrJoin(r.lost_ranks, ","),
                     "] figures_lost ", r.figures_lost, " world ", dist.world_size(), "\n");
   };
+  // Every completed step, on every rank: also a step where dynamic balance
+  // left this rank idle (its loop's body did not run in it).
+  session.set_user_state([&](const StepReport& r) { after(r); }, [] { return std::string("{}"); });
   auto loader = LoaderOf(Points().map(torch::data::transforms::Stack<>()));
   for (int64_t epoch = session.first_epoch(); epoch < kSteps / 4; ++epoch) {
     if (c.form == Form::kLoop) {
-      step = session.last_report().step + 1;
       for (auto& batch : session.Batches(loader)) {
+        step = session.last_report().step + 1;  // the step whose micro-batch this is
         die_in(Where::kLoss);
         torch::Tensor loss = (model->forward(batch.data).view({-1}) - batch.target).pow(2).mean();
         running += loss.item<double>() * static_cast<double>(batch.target.size(0));
         session.Backward(loss);
-        if (!session.step_ended()) continue;
-        after(session.last_report());
-        step = session.last_report().step + 1;
       }
       ASSERT_FALSE(session.stopped()) << session.Finish();
       continue;
@@ -186,7 +192,6 @@ void Train(DistContext& dist, const Case& c) {
         return loss;
       });
       ASSERT_TRUE(report.ok()) << "launch rank " << dist.launch_rank() << ": " << report.status();
-      after(*report);
     }
   }
   const absl::Status finished = session.Finish();
