@@ -48,6 +48,10 @@ using internal::ShardFileName;
 using internal::StepDirName;
 
 // A status through the commit store: "<code>\n<message>".
+// The store keys of save number `seq` (its shards' reports, arrivals,
+// outcome), under this prefix.
+std::string CommitKey(int64_t seq) { return absl::StrCat("evenstep/ckpt/", seq, "/"); }
+
 std::string EncodeStatus(const absl::Status& s) {
   return absl::StrCat(static_cast<int>(s.code()), "\n", s.message());
 }
@@ -388,7 +392,7 @@ absl::StatusOr<int> CheckpointWriter::Abandon(const absl::Status& why) {
   if (!own.ok()) return Annotate(own.status(), "abandoning checkpoint saves");
   CommitStore& store = *own != nullptr ? **own : *impl_->store;
   for (const Impl::InFlight& f : impl_->in_flight) {
-    const std::string key = absl::StrCat("evenstep/ckpt/", f.seq, "/");
+    const std::string key = CommitKey(f.seq);
     auto context = [&](const absl::Status& s) {
       return Annotate(s, absl::StrCat("abandoning checkpoint save #", f.seq));
     };
@@ -469,7 +473,7 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
   absl::Status mine = WriteShard(stage, step, &report);
   // Every rank reports, failed or not, so that the last one to arrive knows
   // the outcome and every rank learns it: a save succeeds or fails as a whole.
-  const std::string key = absl::StrCat("evenstep/ckpt/", seq, "/");
+  const std::string key = CommitKey(seq);
   absl::Status s =
       store->Set(absl::StrCat(key, "shard/", rank),
                  mine.ok() ? "ok\n" + report : "error\n" + EncodeStatus(context(mine)));
@@ -521,7 +525,7 @@ absl::Status CheckpointWriter::Impl::WriteAndCommit(Staging& stage, int64_t seq,
 absl::Status CheckpointWriter::Impl::Commit(int64_t seq, int64_t step,
                                             const std::vector<TensorMeta>& metas,
                                             const std::string& extras) {
-  const std::string key = absl::StrCat("evenstep/ckpt/", seq, "/");
+  const std::string key = CommitKey(seq);
   Manifest manifest;
   manifest.step = step;
   manifest.world_size = world;

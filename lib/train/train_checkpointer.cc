@@ -146,16 +146,30 @@ TrainCheckpointer::TrainCheckpointer(DistContext& ctx, CheckpointOptions options
 
 TrainCheckpointer::~TrainCheckpointer() { writer_.reset(); }
 
+namespace {
+
+// The commit store and writer of `ctx`'s current world: each rank makes one
+// commit store, in the same order.
+absl::Status OpenWriter(DistContext& ctx, const CheckpointOptions& options,
+                        std::unique_ptr<CommitStore>* store,
+                        std::unique_ptr<CheckpointWriter>* writer) {
+  EVENSTEP_ASSIGN_OR_RETURN(*store, ctx.NewCommitStore(), "checkpointer, rank ", ctx.rank(),
+                            ": the commit store");
+  EVENSTEP_ASSIGN_OR_RETURN(
+      *writer, CheckpointWriter::Create(options, store->get(), ctx.rank(), ctx.world_size()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<TrainCheckpointer>> TrainCheckpointer::Create(
     DistContext& ctx, CheckpointOptions options) {
   if (options.dir.empty()) {
     return absl::InvalidArgumentError("checkpoint directory not set (--evenstep_ckpt_dir)");
   }
-  EVENSTEP_ASSIGN_OR_RETURN(std::unique_ptr<CommitStore> store, ctx.NewCommitStore(),
-                            "checkpointer, rank ", ctx.rank(), ": the commit store");
-  EVENSTEP_ASSIGN_OR_RETURN(
-      std::unique_ptr<CheckpointWriter> writer,
-      CheckpointWriter::Create(options, store.get(), ctx.rank(), ctx.world_size()));
+  std::unique_ptr<CommitStore> store;
+  std::unique_ptr<CheckpointWriter> writer;
+  EVENSTEP_RETURN_IF_ERROR(OpenWriter(ctx, options, &store, &writer));
   return std::unique_ptr<TrainCheckpointer>(
       new TrainCheckpointer(ctx, std::move(options), std::move(store), std::move(writer)));
 }
@@ -216,10 +230,7 @@ absl::StatusOr<int> TrainCheckpointer::Regroup(const absl::Status& why) {
   // The ended saves' outcomes are `why`, read through their tickets.
   writer_->WaitAll().IgnoreError();
   writer_.reset();
-  EVENSTEP_ASSIGN_OR_RETURN(store_, ctx_.NewCommitStore(), "checkpointer, rank ", ctx_.rank(),
-                            ": the commit store after a lost rank");
-  EVENSTEP_ASSIGN_OR_RETURN(
-      writer_, CheckpointWriter::Create(options_, store_.get(), ctx_.rank(), ctx_.world_size()));
+  EVENSTEP_RETURN_IF_ERROR(OpenWriter(ctx_, options_, &store_, &writer_), "after a lost rank");
   return ended;
 }
 
