@@ -20,7 +20,14 @@
 //              checkpoints (every --ckpt_every steps), metrics and timeline
 //              follow the new world; the seconds from the kill until the
 //              redone step's report returns, and the report's regroup_seconds
-// A replacement rank joining from a live peer is not built yet: no row.
+//   rejoin     continue, and then the new rank 0 starts a replacement for
+//              the lost rank (EVENSTEP_JOIN=1, as evenstep-run --respawn
+//              does); the survivors admit it at a step boundary
+//              (BalancedStep::Admit) and hand it the state over the network
+//              (evenstep::HandOver, a part from each survivor, no checkpoint
+//              read); the seconds from its start until its first step
+//              completes, the bytes it received and from how many ranks,
+//              the survivors' stall (admit + handover); the final digest
 // Last line: SUMMARY {json}.
 //
 //   evenstep_bench_rank_loss [--quick] [--steps N] [--kill_step K]
@@ -46,6 +53,7 @@
 #include "bench/relaunch.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/handover.h"
 #include "evenstep/internal/store_server.h"
 #include "evenstep/session.h"
 #include "evenstep/train_checkpointer.h"
@@ -60,7 +68,7 @@ ABSL_FLAG(double, lost_after_s, 2, "continue: DistOptions::lost_after.");
 ABSL_FLAG(double, timeout_s, 10, "The collective timeout.");
 // Set by the driver for the ranks it starts.
 ABSL_FLAG(std::string, role, "driver", "driver, or rank (started by the driver).");
-ABSL_FLAG(std::string, row, "", "rank: reference, restart, continue or session.");
+ABSL_FLAG(std::string, row, "", "rank: reference, restart, continue, session or rejoin.");
 ABSL_FLAG(std::string, dir, "", "rank: the checkpoint directory (restart; session: the run's).");
 ABSL_FLAG(int, victim, -1, "rank: the launch rank that dies at --kill_step (-1: none).");
 
@@ -172,6 +180,57 @@ int RunSessionRank(evenstep::DistContext& dist, const Settings& set) {
   return 0;
 }
 
+// The rejoin row's new rank 0: a replacement of `victim`, in the background
+// (its lines go where this rank's go).
+void StartReplacement(const Settings& set, int victim) {
+  const char* port = std::getenv("MASTER_PORT");
+  const std::string command = absl::StrCat(
+      "RANK=", victim, " WORLD_SIZE=", set.world, " LOCAL_RANK=", victim,
+      " LOCAL_WORLD_SIZE=", set.world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", port ? port : "",
+      " TORCHELASTIC_USE_AGENT_STORE=True OMP_NUM_THREADS=1 EVENSTEP_JOIN=1 ",
+      evenstep::bench::SelfExecutable(),
+      " --role=rank --row=rejoin --victim=-1 --steps=", set.steps, " --kill_step=", set.kill_step,
+      " --lost_after_s=", absl::GetFlag(FLAGS_lost_after_s),
+      " --timeout_s=", absl::GetFlag(FLAGS_timeout_s), " &");
+  std::cout << "SPAWNED at_us=" << NowUs() << std::endl;
+  if (std::system(command.c_str()) != 0)
+    std::cout << "starting the replacement failed" << std::endl;
+}
+
+// The rejoin row at a step boundary: the survivors wait (before the step
+// after the redone one, so that its exchange agrees on the request) until
+// the replacement asked, then admit it and hand
+// it the state; the replacement receives it first thing. The next step, or
+// -1 on failure.
+int Rejoin(evenstep::DistContext& dist, evenstep::BalancedStep& step,
+           const evenstep::TrainState& state, int s, const Settings& set) {
+  if (!dist.joined() && s == set.kill_step + 1) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (!dist.JoinPending() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  }
+  const bool joiner = dist.joined() && step.LacksState();
+  if (!joiner && !step.JoinWaiting()) return s;
+  const int64_t begin = NowUs();
+  if (!joiner) {
+    auto admitted = step.Admit();
+    if (!admitted.ok()) {
+      std::cout << "admit failed: " << admitted.status() << std::endl;
+      return -1;
+    }
+  }
+  const int64_t admitted_at = NowUs();
+  auto handed = evenstep::HandOver(dist, state);
+  if (!handed.ok()) {
+    std::cout << "handover failed: " << handed.status() << std::endl;
+    return -1;
+  }
+  std::cout << (joiner ? "JOINED" : "ADMITTED") << " at_us=" << NowUs()
+            << " admit_s=" << (admitted_at - begin) / 1e6 << " handover_s=" << handed->seconds
+            << " bytes=" << handed->bytes << " bytes_sent=" << handed->bytes_sent
+            << " senders=" << handed->senders.size() << std::endl;
+  return static_cast<int>(step.state().steps) + 1;
+}
+
 int RunRank() {
   const Settings set = Resolve();
   const std::string row = absl::GetFlag(FLAGS_row);
@@ -179,7 +238,8 @@ int RunRank() {
   options.backend = evenstep::CommBackend::kGloo;
   options.collective_timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
   options.lost_after = absl::Seconds(absl::GetFlag(FLAGS_lost_after_s));
-  if (row == "continue" || row == "session") {
+  options.rendezvous_timeout = absl::Seconds(60);
+  if (row == "continue" || row == "session" || row == "rejoin") {
     options.on_rank_loss = evenstep::DistOptions::OnRankLoss::kContinue;
   }
   auto ctx = evenstep::DistContext::Create(options);
@@ -218,7 +278,10 @@ int RunRank() {
     return torch::tensor(mb.samples, torch::kLong);
   };
   int64_t failed_at = 0;
+  const evenstep::TrainState state{model.ptr().get(), &optimizer, step->get(), "{}"};
   for (int s = start + 1; s <= set.steps;) {
+    if (row == "rejoin" && (s = Rejoin(dist, **step, state, s, set)) < 0) return 6;
+    if (s > set.steps) break;
     auto loss = [&](const torch::Tensor& idx) {
       if (me == victim && s == set.kill_step) {
         std::cout << "KILL at_us=" << NowUs() << std::endl;
@@ -232,18 +295,19 @@ int RunRank() {
     if (!report.ok()) {
       failed_at = NowUs();
       std::cout << "FAILED step=" << s << " at_us=" << failed_at << std::endl;
-      if (row != "continue") return 3;
+      if (row != "continue" && row != "rejoin") return 3;
       auto regrouped = (*step)->Regroup();
       if (!regrouped.ok()) {
         std::cout << "regroup failed: " << regrouped.status() << std::endl;
         return 4;
       }
       std::cout << "REGROUPED at_us=" << NowUs() << " world=" << dist.world_size() << std::endl;
+      if (row == "rejoin" && dist.rank() == 0) StartReplacement(set, victim);
       s = static_cast<int>((*step)->state().steps) + 1;  // the failed step, unless applied
       continue;
     }
-    std::cout << "STEP step=" << s << " us=" << NowUs() - begin << " at_us=" << NowUs()
-              << (failed_at > 0 ? " redone=1" : "") << std::endl;
+    std::cout << (dist.joined() ? "JSTEP" : "STEP") << " step=" << s << " us=" << NowUs() - begin
+              << " at_us=" << NowUs() << (failed_at > 0 ? " redone=1" : "") << std::endl;
     failed_at = 0;
     if (ckpt && s % set.ckpt_every == 0) {
       auto saved = ckpt->Save(s, {model.ptr().get(), &optimizer, step->get(), "{}"});
@@ -288,7 +352,8 @@ Launch RunRanks(const Settings& set, const std::string& row, const std::string& 
   }
   absl::StrAppend(&command, "wait)");
   evenstep::bench::RunLines(command, [&](const std::string& line) {
-    for (const char* tag : {"KILL ", "FAILED ", "REGROUPED ", "STEP ", "RESULT ", "RESUMED "}) {
+    for (const char* tag : {"KILL ", "FAILED ", "REGROUPED ", "STEP ", "RESULT ", "RESUMED ",
+                            "SPAWNED ", "ADMITTED ", "JOINED ", "JSTEP "}) {
       auto fields = evenstep::bench::TaggedFields(line, tag);
       if (!fields) continue;
       auto numbers = evenstep::bench::NumericFields(*fields);
@@ -322,6 +387,72 @@ std::string TempDir() {
   char pattern[] = "/tmp/evenstep_rank_loss_XXXXXX";
   const char* made = mkdtemp(pattern);
   return made == nullptr ? std::string() : std::string(made);
+}
+
+// The session row: the same, the Session regrouping inside Step.
+struct SessionRow {
+  double seconds = 0;    // from the kill to the redone step's report
+  double regroup_s = 0;  // the report's regroup_seconds
+  double rel = 0;        // the final digest against the reference
+  bool ok = false;
+};
+
+SessionRow RunSessionRow(const Settings& set, int victim, double reference_digest) {
+  SessionRow row;
+  const std::string dir = TempDir();
+  const Launch session = RunRanks(set, "session", dir, victim);
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+  const double killed = Get(Tagged(session, "KILL"), "at_us");
+  double redone = 0;
+  for (const auto& f : Tagged(session, "STEP")) {
+    if (f.count("redone") == 0) continue;
+    redone = std::max(redone, f.at("at_us"));
+    row.regroup_s = std::max(row.regroup_s, f.at("regroup_s"));
+  }
+  row.seconds = (redone - killed) / 1e6;
+  row.rel = std::abs(Get(Tagged(session, "RESULT"), "digest") - reference_digest) /
+            std::abs(reference_digest);
+  row.ok = killed > 0 && redone > 0 && row.rel < 1e-5;
+  return row;
+}
+
+// The rejoin row: continue, then a replacement joins from the survivors'
+// live state.
+struct RejoinRow {
+  double continue_s = 0;  // from the kill to the redone step
+  double seconds = 0;     // from the replacement's start to its first completed step
+  double joiner_steps = 0, bytes = 0, senders = 0;
+  double stall_s = 0;  // the survivors' admit + handover
+  double rel = 0;      // the final digest against the reference
+  bool ok = false;
+};
+
+RejoinRow RunRejoinRow(const Settings& set, int victim, double reference_digest) {
+  RejoinRow row;
+  const Launch rejoin = RunRanks(set, "rejoin", "", victim);
+  double redone = 0, joiner_first_step = 0;
+  for (const auto& f : Tagged(rejoin, "STEP")) {
+    if (f.count("redone") > 0) redone = std::max(redone, f.at("at_us"));
+  }
+  for (const auto& f : Tagged(rejoin, "JSTEP")) {
+    row.joiner_steps += 1;
+    if (joiner_first_step == 0 || f.at("at_us") < joiner_first_step) {
+      joiner_first_step = f.at("at_us");
+    }
+  }
+  for (const auto& f : Tagged(rejoin, "ADMITTED")) {
+    row.stall_s = std::max(row.stall_s, f.at("admit_s") + f.at("handover_s"));
+  }
+  row.continue_s = (redone - Get(Tagged(rejoin, "KILL"), "at_us")) / 1e6;
+  row.seconds = (joiner_first_step - Get(Tagged(rejoin, "SPAWNED"), "at_us")) / 1e6;
+  const auto joined = Tagged(rejoin, "JOINED");
+  row.bytes = Get(joined, "bytes");
+  row.senders = Get(joined, "senders");
+  const auto result = Tagged(rejoin, "RESULT");
+  row.rel = std::abs(Get(result, "digest") - reference_digest) / std::abs(reference_digest);
+  row.ok = joiner_first_step > 0 && Get(result, "world") == set.world &&
+           row.senders == set.world - 1 && row.rel < 1e-5;
+  return row;
 }
 
 int RunDriver() {
@@ -372,22 +503,10 @@ int RunDriver() {
   auto rel = [&](double d) { return std::abs(d - reference_digest) / std::abs(reference_digest); };
   const double continue_rel = rel(continue_digest), restart_rel = rel(restart_digest);
 
-  // session: the same, the Session regrouping inside Step.
-  const std::string session_dir = TempDir();
-  const Launch session = RunRanks(set, "session", session_dir, victim);
-  std::system(absl::StrCat("rm -rf ", session_dir).c_str());
-  const double session_killed = Get(Tagged(session, "KILL"), "at_us");
-  double session_redone = 0, session_regroup_s = 0;
-  for (const auto& f : Tagged(session, "STEP")) {
-    if (f.count("redone") == 0) continue;
-    session_redone = std::max(session_redone, f.at("at_us"));
-    session_regroup_s = std::max(session_regroup_s, f.at("regroup_s"));
-  }
-  const double session_s = (session_redone - session_killed) / 1e6;
-  const double session_rel = rel(Get(Tagged(session, "RESULT"), "digest"));
+  const SessionRow session = RunSessionRow(set, victim, reference_digest);
+  const RejoinRow rejoin = RunRejoinRow(set, victim, reference_digest);
   const bool ok = killed > 0 && redone > 0 && killed_restart > 0 && first_step_after > 0 &&
-                  session_killed > 0 && session_redone > 0 && continue_rel < 1e-5 &&
-                  restart_rel < 1e-5 && session_rel < 1e-5;
+                  session.ok && continue_rel < 1e-5 && restart_rel < 1e-5 && rejoin.ok;
 
   std::cout << absl::StrFormat("%-10s %12s %12s %14s %s\n", "row", "steps lost", "samples lost",
                                "s to training", "final parameters' digest, relative to reference");
@@ -400,7 +519,12 @@ int RunDriver() {
       "continue", 0, 0, continue_s, continue_rel, detect_s, regroup_s, step_us / 1e6);
   std::cout << absl::StrFormat(
       "%-10s %12d %12d %14.2f %.2g (regroup with the Session's files %.2f s)\n", "session", 0, 0,
-      session_s, session_rel, session_regroup_s);
+      session.seconds, session.rel, session.regroup_s);
+  std::cout << absl::StrFormat(
+      "%-10s %12d %12d %14.2f %.2g (the replacement training %.2f s after its start, %.0f steps; "
+      "%.0f bytes from %.0f survivors; their stall %.3f s)\n",
+      "rejoin", 0, 0, rejoin.continue_s, rejoin.rel, rejoin.seconds, rejoin.joiner_steps,
+      rejoin.bytes, rejoin.senders, rejoin.stall_s);
   double last_step = 0;
   for (const auto& f : Tagged(cont, "STEP")) last_step = std::max(last_step, f.at("step"));
   std::cout << absl::StrFormat(
@@ -416,10 +540,13 @@ int RunDriver() {
              "\"regroup_s\": %.3f, \"step_s\": %.4f, \"continue_over_restart\": %.3f,"
              "\"continue_digest_rel\": %.3g, \"restart_digest_rel\": %.3g,"
              "\"session_s\": %.3f, \"session_regroup_s\": %.3f, \"session_digest_rel\": %.3g,"
-             "\"ok\": %s, \"rejoin\": \"not built\"}",
+             "\"rejoin_s\": %.3f, \"rejoin_bytes\": %.0f, \"rejoin_senders\": %.0f,"
+             "\"rejoin_stall_s\": %.4f, \"rejoin_digest_rel\": %.3g, \"rejoin_ckpt_reads\": 0,"
+             "\"ok\": %s}",
              set.world, set.steps, set.kill_step, restart_lost, restart_s, continue_s, detect_s,
              regroup_s, step_us / 1e6, restart_s > 0 ? continue_s / restart_s : 0, continue_rel,
-             restart_rel, session_s, session_regroup_s, session_rel, ok ? "true" : "false")
+             restart_rel, session.seconds, session.regroup_s, session.rel, rejoin.seconds,
+             rejoin.bytes, rejoin.senders, rejoin.stall_s, rejoin.rel, ok ? "true" : "false")
       << std::endl;
   return ok ? 0 : 1;
 }

@@ -1332,8 +1332,10 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Attach(std::vector<NamedTens
   to_broadcast.insert(to_broadcast.end(), frozen.begin(), frozen.end());
   to_broadcast.insert(to_broadcast.end(), buffers.begin(), buffers.end());
   EVENSTEP_RETURN_IF_ERROR(CheckReplicasMatch(group, to_broadcast, device, options.timeout));
-  EVENSTEP_RETURN_IF_ERROR(
-      BroadcastTensors(group, to_broadcast, options.broadcast_root, options.timeout));
+  if (options.broadcast_at_attach) {
+    EVENSTEP_RETURN_IF_ERROR(
+        BroadcastTensors(group, to_broadcast, options.broadcast_root, options.timeout));
+  }
 
   auto state = std::make_shared<GradSyncState>();
   state->group = &group;

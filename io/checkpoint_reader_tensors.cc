@@ -29,8 +29,12 @@ std::string StoredDtypeOf(const at::Tensor& tensor) {
 }
 
 std::vector<std::vector<int>> CheckpointReader::PlanReads(int world) const {
+  return PlanWholeReads(manifest_.tensors, world);
+}
+
+std::vector<std::vector<int>> PlanWholeReads(const std::vector<TensorInfo>& tensors, int world) {
   std::vector<internal::TensorMeta> metas;
-  for (const TensorInfo& t : manifest_.tensors) {
+  for (const TensorInfo& t : tensors) {
     int64_t numel = 1;
     for (int64_t d : t.shape) numel *= d;
     metas.push_back({t.name, t.dtype, t.shape, numel, internal::DtypeSize(t.dtype)});

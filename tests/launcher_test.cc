@@ -117,6 +117,31 @@ TEST(LauncherTest, UnderContinueAFailedRankLeavesTheOthersRunning) {
   EXPECT_THAT(result.output, HasSubstr("rank 1 exited with status 5; stopping the other"));
 }
 
+// --respawn: a lost rank's replacement (EVENSTEP_JOIN=1) joins the ranks
+// that went on; after their admission every rank of the launch is in one
+// world again and all-reduces exactly.
+TEST(LauncherTest, RespawnStartsAReplacementThatJoinsTheRunningRanks) {
+  std::vector<std::string> launch = {EVENSTEP_RUN, "-n", "3", "--respawn", "1", "--"};
+  for (const char* arg : {EVENSTEP_RANK_HELPER, "--evenstep_on_rank_loss=continue",
+                          "--evenstep_lost_after=2s", "--evenstep_timeout=20s", "rejoin", "1"}) {
+    launch.push_back(arg);
+  }
+  Subprocess run(ProcessSpec{launch, {}});
+  ProcessResult result = run.Wait(kHangBound);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("evenstep-run: rank 1 exited with status 9"));
+  EXPECT_THAT(result.output, HasSubstr("started a replacement for rank 1 (EVENSTEP_JOIN=1"));
+  EXPECT_THAT(result.output, HasSubstr("[0] admitted: rank(s) 2 joined; 3 rank(s) go on"));
+  EXPECT_THAT(result.output, HasSubstr("[1] joined: rank 2 of 3, sum 6"));
+  EXPECT_THAT(result.output, HasSubstr("[0] after the admission: rank 0 of 3, sum 6"));
+
+  Subprocess refused(ProcessSpec{{EVENSTEP_RUN, "-n", "2", "--respawn", "1", "--", "true"}, {}});
+  result = refused.Wait(kHangBound);
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("--respawn needs --on-rank-loss continue"));
+}
+
 TEST(LauncherTest, KilledRankMakesTheLauncherFailWithNoOrphans) {
   PidDir pids;
   Subprocess run(ProcessSpec{Launch(3, {EVENSTEP_RANK_HELPER, "hang"}),

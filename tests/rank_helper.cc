@@ -12,6 +12,11 @@
 //                                                        fails, they regroup (run with
 //                                                        --evenstep_on_rank_loss=continue)
 //                                                        and all_reduce again, exactly
+//   rank_helper rejoin R                                 rank R exits 9 after a barrier;
+//                                                        the others regroup, wait for a
+//                                                        replacement (evenstep-run
+//                                                        --respawn), Admit it, and all
+//                                                        ranks all_reduce exactly
 //   rank_helper exit_code R C                            rank R exits with C, others sleep
 //   rank_helper hang                                     sleep (no rendezvous)
 //   rank_helper wait_for_sigterm                         exit 0 on SIGTERM
@@ -141,6 +146,43 @@ int LoseFrom(evenstep::DistContext& dist, int first_lost) {
   return 0;
 }
 
+// The sum every rank of the launch contributes launch rank + 1 to.
+int AllLaunchRanks(evenstep::DistContext& dist, const std::string& what) {
+  at::Tensor t = at::full({8}, static_cast<double>(dist.launch_rank() + 1));
+  if (absl::Status s = dist.AllReduce(t); !s.ok()) {
+    std::cout << what << ": " << s << std::endl;
+    return 1;
+  }
+  const int w = dist.world_size();
+  std::cout << what << ": rank " << dist.rank() << " of " << w << ", sum " << t[0].item<double>()
+            << std::endl;
+  return t[0].item<double>() == w * (w + 1) / 2 ? 0 : 1;
+}
+
+int Rejoin(evenstep::DistContext& dist, int victim) {
+  if (dist.joined()) return AllLaunchRanks(dist, "joined");
+  if (auto s = dist.Barrier(); !s.ok()) {
+    std::cout << s << std::endl;
+    return 1;
+  }
+  if (dist.rank() == victim) _exit(9);
+  at::Tensor t = at::ones({8});
+  std::cout << "collective failed: " << !dist.AllReduce(t).ok() << std::endl;
+  absl::StatusOr<evenstep::Regrouped> regrouped = dist.Regroup();
+  if (!regrouped.ok()) {
+    std::cout << "regroup failed: " << regrouped.status() << std::endl;
+    return 1;
+  }
+  for (int i = 0; i < 3000 && !dist.JoinPending(); ++i) usleep(20000);
+  absl::StatusOr<evenstep::Regrouped> admitted = dist.Admit();
+  if (!admitted.ok()) {
+    std::cout << "admit failed: " << admitted.status() << std::endl;
+    return 1;
+  }
+  std::cout << "admitted: " << admitted->Describe() << std::endl;
+  return AllLaunchRanks(dist, "after the admission");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -205,6 +247,7 @@ int main(int argc, char** argv) {
   }
   if (scenario == "write_to_closed_pipe") return WriteToClosedPipe(own_sigpipe);
   if (scenario == "lose_from") return LoseFrom(dist, int_arg(2));
+  if (scenario == "rejoin") return Rejoin(dist, int_arg(2));
   if (scenario == "stall_rank") {
     const int victim = int_arg(2);
     if (dist.rank() == victim) {

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -18,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/handover.h"
 #include "tests/testing/balance_trainer.h"
 #include "tests/testing/on_ranks.h"
 
@@ -178,6 +181,19 @@ std::string StepName(const ::testing::TestParamInfo<StepLossCase>& info) {
 
 class StepRegroupTest : public ::testing::TestWithParam<StepLossCase> {};
 
+// `steps` steps in which launch rank `lost` dies in step `step`; the
+// survivors regroup and redo it (29 samples a step, 4 per micro-batch).
+BalanceScenario LossScenario(int lost, int step, const std::string& mode, int steps) {
+  BalanceScenario s;
+  s.flags = {"--evenstep_micro_batch_samples=4", "--evenstep_global_batch=29",
+             absl::StrCat("--evenstep_balance=", mode)};
+  s.steps = steps;
+  s.fail_at = {{lost, step}};
+  s.fail_by_exit = true;
+  s.regroup_on_loss = true;
+  return s;
+}
+
 // A rank dies in the middle of a step. The survivors' step fails naming it;
 // they regroup and run that step again with the same global batch, and
 // every step's applied gradient equals one process's over its whole global
@@ -190,14 +206,8 @@ TEST_P(StepRegroupTest, SurvivorsRedoTheFailedStepExactly) {
   RunOnRanks(
       c.world,
       [c](DistContext& ctx) {
-        BalanceScenario s;
-        s.flags = {"--evenstep_micro_batch_samples=4", "--evenstep_global_batch=29",
-                   absl::StrCat("--evenstep_balance=", c.mode)};
-        s.steps = 4;
-        s.fail_at = {{c.lost, c.step}};
+        BalanceScenario s = LossScenario(c.lost, c.step, c.mode, 4);
         s.fail_micro_batch = c.micro;
-        s.fail_by_exit = true;
-        s.regroup_on_loss = true;
         const BalanceRun run = TrainBalanced(ctx, s);
         ASSERT_NE(ctx.launch_rank(), c.lost) << "the lost rank exits in its step";
         EXPECT_TRUE(run.status.ok()) << "launch rank " << ctx.launch_rank() << ": " << run.status;
@@ -228,6 +238,99 @@ INSTANTIATE_TEST_SUITE_P(Losses, StepRegroupTest,
                                            StepLossCase{3, 0, 3, 2, "work"},
                                            StepLossCase{4, 2, 2, 1, "dynamic"}),
                          StepName);
+
+struct RejoinCase {
+  int world;
+  int lost;  // the launch rank that dies in step 2 and is replaced
+  std::string mode;
+  bool joiner_dies = false;  // the replacement dies before the handover
+};
+
+void PrintTo(const RejoinCase& c, std::ostream* os) {
+  *os << "world " << c.world << " rank " << c.lost << " " << c.mode
+      << (c.joiner_dies ? " joiner dies" : "");
+}
+
+std::string RejoinName(const ::testing::TestParamInfo<RejoinCase>& info) {
+  const RejoinCase& c = info.param;
+  return absl::StrCat("world", c.world, "_rank", c.lost, "_", c.mode,
+                      c.joiner_dies ? "_joiner_dies" : "");
+}
+
+class RejoinTest : public ::testing::TestWithParam<RejoinCase> {};
+
+// A rank dies in step 2; the survivors regroup and redo it, and the new
+// rank 0 starts a replacement (EVENSTEP_JOIN=1), which asks to join. After
+// step 5 the survivors admit it and hand it the state (parameters, SGD
+// momentum, the balancing state: each survivor a part), and it trains steps
+// 6-8 with them. Every step's applied gradient, on every rank, the
+// replacement's included, is one process's over the global batch (the
+// trainer EXPECTs it after each synchronisation), and after the handover
+// every rank holds the same parameters and momentum. A replacement that
+// dies before the handover leaves the survivors going on without it.
+TEST_P(RejoinTest, AReplacementJoinsFromTheSurvivorsLiveState) {
+  const RejoinCase c = GetParam();
+  OnRanksOptions options = Continuing();
+  options.exit_codes = {{c.lost, 5}};
+  RunOnRanks(
+      c.world,
+      [c](DistContext& ctx) {
+        BalanceScenario s = LossScenario(c.lost, 2, c.mode, 8);
+        s.momentum = 0.9;
+        s.rejoin_step = 5;
+        s.joiner_dies = c.joiner_dies;
+        const BalanceRun run = TrainBalanced(ctx, s);
+        const std::string who =
+            absl::StrCat("launch rank ", ctx.launch_rank(), run.joined ? " (the replacement)" : "");
+        EXPECT_TRUE(run.status.ok()) << who << ": " << run.status;
+        std::vector<int> applied;
+        for (const auto& record : run.steps) {
+          if (record.status.ok()) applied.push_back(record.step);
+        }
+        for (const auto& digests : run.digests) {
+          for (double d : digests) {
+            EXPECT_NEAR(d, digests[0], 1e-12 * std::abs(digests[0]))
+                << who << ": the replicas differ after the handover";
+          }
+        }
+        ASSERT_FALSE(run.handovers.empty()) << who;
+        const HandOverResult& handed = run.handovers.back();
+        std::vector<int> senders(c.world - 1);
+        std::iota(senders.begin(), senders.end(), 0);
+        if (run.joined) {
+          EXPECT_EQ(ctx.launch_rank(), c.lost);
+          EXPECT_TRUE(handed.received);
+          EXPECT_EQ(handed.step, 5);
+          EXPECT_EQ(handed.senders, senders) << "every survivor sends a part";
+          EXPECT_EQ(handed.receivers, std::vector<int>{c.world - 1});
+          EXPECT_GT(handed.bytes, 0);
+          EXPECT_EQ(applied, (std::vector<int>{6, 7, 8}));
+          EXPECT_EQ(ctx.world_size(), c.world);
+          return;
+        }
+        EXPECT_EQ(applied, (std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8}));
+        ASSERT_EQ(run.admissions.size(), 1u) << who;
+        EXPECT_EQ(run.admissions[0].joined, std::vector<int>{c.world - 1});
+        EXPECT_EQ(run.regroups.size(), c.joiner_dies ? 2u : 1u) << who;
+        EXPECT_EQ(ctx.world_size(), c.joiner_dies ? c.world - 1 : c.world);
+        if (c.joiner_dies) {
+          EXPECT_TRUE(handed.receivers.empty()) << "the handover after the joiner was lost";
+        } else {
+          EXPECT_EQ(handed.senders, senders);
+          EXPECT_GT(handed.bytes_sent, 0) << who << " sent no part";
+        }
+        if (ctx.rank() == 0) {
+          EXPECT_EQ(run.replacement_exit, c.joiner_dies ? 7 : 0) << "the replacement's output:\n"
+                                                                 << run.replacement_output;
+        }
+      },
+      options);
+}
+
+INSTANTIATE_TEST_SUITE_P(Rejoins, RejoinTest,
+                         ::testing::Values(RejoinCase{3, 1, "static"}, RejoinCase{4, 2, "dynamic"},
+                                           RejoinCase{3, 2, "work", true}),
+                         RejoinName);
 
 // Where going on cannot be exact, Regroup refuses by name before any
 // collective: two model parts (the first part's optimizer step of the

@@ -20,7 +20,9 @@
 //   rank's status (128 + signal number for a signal). With --on-rank-loss
 //   continue (the default when the program is given
 //   --evenstep_on_rank_loss=continue) the others go on without it (a Session
-//   regroups them); the launcher exits 0 when one of them finished with 0. Each rank runs in its
+//   regroups them); the launcher exits 0 when one of them finished with 0. With --respawn N it
+//   also starts a replacement for the lost rank (EVENSTEP_JOIN=1), up to N in all, which joins
+//   the running ranks at their next step boundary. Each rank runs in its
 //   own process group (killed as a group) and dies with the launcher (PR_SET_PDEATHSIG); a watchdog
 //   in that group kills the whole group, the rank's own children included, once the launcher is
 //   gone, even after a SIGKILL (it reads EOF on a pipe only the launcher holds).
@@ -63,6 +65,9 @@ struct Options {
   // A failed rank leaves the others running (--on-rank-loss continue).
   bool continue_on_loss = false;
   bool on_rank_loss_given = false;
+  // With continue_on_loss: replacements started for lost ranks, in all
+  // (EVENSTEP_JOIN=1: they join the running ranks, DistOptions::join).
+  int respawns = 0;
   std::vector<std::string> command;
 };
 
@@ -86,7 +91,11 @@ int Usage(const std::string& error) {
          "  --on-rank-loss stop|continue\n"
          "                          what a failed rank does to the others: stop them (default)\n"
          "                          or leave them running, to regroup and go on (the default\n"
-         "                          when PROGRAM is given --evenstep_on_rank_loss=continue)\n";
+         "                          when PROGRAM is given --evenstep_on_rank_loss=continue)\n"
+         "  --respawn N             with continue: start a replacement for a lost rank, up to N\n"
+         "                          in all; it joins the running ranks at their next step\n"
+         "                          boundary and gets their state over the network\n"
+         "                          (EVENSTEP_JOIN=1; BalancedStep::Admit, evenstep::HandOver)\n";
   return 2;
 }
 
@@ -146,6 +155,11 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
       }
       options->continue_on_loss = value == "continue";
       options->on_rank_loss_given = true;
+    } else if (take("--respawn")) {
+      if (!absl::SimpleAtoi(value, &options->respawns) || options->respawns < 0) {
+        *error = "--respawn " + value + ": expected a non-negative integer";
+        return false;
+      }
     } else if (!error->empty()) {
       return false;
     } else {
@@ -169,6 +183,10 @@ bool ParseArgs(int argc, char** argv, Options* options, std::string* error) {
   }
   if (options->command.empty()) {
     *error = "no program given after --";
+    return false;
+  }
+  if (options->respawns > 0 && !options->continue_on_loss) {
+    *error = "--respawn needs --on-rank-loss continue (a replacement joins running ranks)";
     return false;
   }
   if (options->nproc % options->nodes != 0) {
@@ -292,42 +310,60 @@ void SignalAll(const std::vector<Rank>& ranks, int sig) {
 
 // Starts every rank (and its watchdog) with its output streams; false, said,
 // when a pipe or a fork fails (the ranks started are killed).
-bool StartRanks(Options& options, int port, std::vector<Rank>* ranks,
-                std::vector<Stream>* streams) {
-  // Threads per rank: torchrun's practice is OMP_NUM_THREADS=1 for several
-  // ranks; evenstep-run divides the cores instead, unless the user chose.
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const std::string omp_threads =
-      std::to_string(std::max(1u, cores / static_cast<unsigned>(options.nproc)));
-  const pid_t launcher = getpid();
-  // Its write end lives only in this process: when the launcher ends, even
-  // by SIGKILL, every rank's watchdog reads EOF and kills the rank's whole
-  // process group (a rank's children do not die with it by PR_SET_PDEATHSIG).
-  int life[2];
-  if (pipe2(life, O_CLOEXEC) != 0) {
-    perror("evenstep-run: pipe");
-    return false;
+// Starts ranks: every one at first (Start), and later a replacement of one
+// (Replace: EVENSTEP_JOIN=1 in its environment).
+class Spawner {
+ public:
+  Spawner(Options& options, int port) : options_(options), port_(port), launcher_(getpid()) {
+    // Threads per rank: torchrun's practice is OMP_NUM_THREADS=1 for
+    // several ranks; evenstep-run divides the cores instead, unless the
+    // user chose.
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    omp_threads_ = std::to_string(std::max(1u, cores / static_cast<unsigned>(options.nproc)));
   }
-  ranks->assign(options.nproc, Rank{});
-  for (int r = 0; r < options.nproc; ++r) {
+  bool Start(std::vector<Rank>* ranks, std::vector<Stream>* streams) {
+    // Its write end lives only in this process: when the launcher ends,
+    // even by SIGKILL, every rank's watchdog reads EOF and kills the rank's
+    // whole process group (a rank's children do not die with it by
+    // PR_SET_PDEATHSIG).
+    int life[2];
+    if (pipe2(life, O_CLOEXEC) != 0) {
+      perror("evenstep-run: pipe");
+      return false;
+    }
+    life_read_ = life[0];
+    ranks->assign(options_.nproc, Rank{});
+    for (int r = 0; r < options_.nproc; ++r) {
+      if (!StartOne(r, false, &(*ranks)[r], streams)) {
+        SignalAll(*ranks, SIGKILL);
+        return false;
+      }
+    }
+    return true;
+  }
+  bool Replace(int r, Rank* rank, std::vector<Stream>* streams) {
+    return StartOne(r, true, rank, streams);
+  }
+
+ private:
+  bool StartOne(int r, bool join, Rank* rank, std::vector<Stream>* streams) {
     int out_pipe[2], err_pipe[2], go[2];
     if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0 ||
         pipe2(go, O_CLOEXEC) != 0) {
       perror("evenstep-run: pipe");
-      SignalAll(*ranks, SIGKILL);
       return false;
     }
     pid_t pid = fork();
     if (pid < 0) {
       perror("evenstep-run: fork");
-      SignalAll(*ranks, SIGKILL);
       return false;
     }
     if (pid == 0) {
-      ExecRank(options, r, port, omp_threads, launcher, out_pipe[1], err_pipe[1], go[0], go[1]);
+      if (join) setenv("EVENSTEP_JOIN", "1", 1);
+      ExecRank(options_, r, port_, omp_threads_, launcher_, out_pipe[1], err_pipe[1], go[0], go[1]);
     }
     setpgid(pid, pid);  // also from the parent, so kill(-pid) works at once
-    if (fork() == 0) RunWatchdog(pid, life[0]);
+    if (fork() == 0) RunWatchdog(pid, life_read_);
     close(go[0]);
     const char ready = 1;
     while (write(go[1], &ready, 1) < 0 && errno == EINTR) {
@@ -335,24 +371,33 @@ bool StartRanks(Options& options, int port, std::vector<Rank>* ranks,
     close(go[1]);
     close(out_pipe[1]);
     close(err_pipe[1]);
-    (*ranks)[r].pid = pid;
-    (*ranks)[r].running = true;
+    rank->pid = pid;
+    rank->running = true;
     streams->push_back(Stream{out_pipe[0], r, false, {}});
     streams->push_back(Stream{err_pipe[0], r, true, {}});
+    return true;
   }
-  return true;
-}
+
+  Options& options_;
+  const int port_;
+  const pid_t launcher_;
+  std::string omp_threads_;
+  int life_read_ = -1;
+};
 
 // The launcher's watch over its ranks: signals forwarded, output passed on
 // line by line, exits reaped; a failed rank stops the others.
 class Supervisor {
  public:
-  Supervisor(const Options& options, std::vector<Rank>& ranks, std::vector<Stream>& streams)
+  Supervisor(const Options& options, std::vector<Rank>& ranks, std::vector<Stream>& streams,
+             Spawner& spawner)
       : options_(options),
         ranks_(ranks),
         streams_(streams),
+        spawner_(spawner),
         open_streams_(streams.size()),
-        running_(options.nproc) {}
+        running_(options.nproc),
+        respawns_left_(options.respawns) {}
 
   // Until every rank ended and every stream closed; the launcher's exit code.
   int Run();
@@ -374,8 +419,11 @@ class Supervisor {
   const Options& options_;
   std::vector<Rank>& ranks_;
   std::vector<Stream>& streams_;
+  Spawner& spawner_;
   size_t open_streams_;
   int running_;
+  int respawns_left_;  // --respawn's
+  void Respawn(int r);
   int failed_rank_ = -1;
   int failed_status_ = 0;
   int lost_ = 0;  // ranks that failed while the others went on (--on-rank-loss continue)
@@ -509,6 +557,7 @@ void Supervisor::Reap() {
                 "evenstep-run: rank %d %s; the other %d rank(s) go on without it "
                 "(--on-rank-loss continue)\n",
                 r, DescribeStatus(status).c_str(), running_);
+        Respawn(r);
         continue;
       }
       if (failed && failed_rank_ < 0 && forwarded_signal_ == 0) {
@@ -529,6 +578,18 @@ void Supervisor::Reap() {
 
 }  // namespace
 
+void Supervisor::Respawn(int r) {
+  if (respawns_left_ <= 0) return;
+  --respawns_left_;
+  if (!spawner_.Replace(r, &ranks_[r], &streams_)) return;
+  ++running_;
+  open_streams_ += 2;
+  fprintf(stderr,
+          "evenstep-run: started a replacement for rank %d (EVENSTEP_JOIN=1; --respawn: %d "
+          "more); it joins the running ranks at their next step boundary\n",
+          r, respawns_left_);
+}
+
 int main(int argc, char** argv) {
   Options options;
   std::string error;
@@ -548,6 +609,7 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   std::vector<Rank> ranks;
   std::vector<Stream> streams;
-  if (!StartRanks(options, (*server)->port(), &ranks, &streams)) return 1;
-  return Supervisor(options, ranks, streams).Run();
+  Spawner spawner(options, (*server)->port());
+  if (!spawner.Start(&ranks, &streams)) return 1;
+  return Supervisor(options, ranks, streams, spawner).Run();
 }

@@ -300,6 +300,14 @@ absl::Status BalancedStep::BeginStep() {
                                                       ": BeginStep while step ", steps_ + 1,
                                                       " is still open (call FinishStep first)"));
   }
+  if (handover_due_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("BalancedStep: rank ", ctx_.rank(), ": step ", steps_ + 1, " cannot begin: ",
+                     lacks_state_ ? "this process joined the job and has not received its state"
+                                  : "a replacement was admitted and has not received the state",
+                     " (call evenstep::HandOver on every rank after Admit, and on the joiner after "
+                     "BalancedStep::Create)"));
+  }
   report_ = StepReport{};
   report_.begin = absl::Now();
   caps_->BeginStep();

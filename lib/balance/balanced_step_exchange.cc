@@ -114,6 +114,7 @@ absl::Status BalancedStep::Exchange() {
   m[kOomFailed] = static_cast<double>(caps_->step_failed_max());
   m[kPeakMemory] = static_cast<double>(report_.memory.peak_bytes);
   m[kLargestMicro] = static_cast<double>(report_.largest_micro_batch);
+  shared_[kJoinWaiting] = ctx_.JoinPending() ? 1 : 0;
   for (int i = 0; i < kAgreementSlots; ++i) m[kAgreed + i] = shared_[i];
   std::vector<at::Tensor> all;
   EVENSTEP_RETURN_IF_ERROR(ctx_.AllGather(mine, &all), "BalancedStep: step ", steps_,

@@ -195,11 +195,17 @@ absl::StatusOr<std::unique_ptr<BalancedStep>> BalancedStep::Create(
   for (ModelPart& spec : model_parts) parts.push_back({std::move(spec), nullptr, nullptr});
   std::unique_ptr<BalancedStep> step(new BalancedStep(ctx, std::move(parts), std::move(sampler),
                                                       std::move(config), std::move(clock)));
+  // A process that joined a running job gets its state from the running
+  // ranks (HandOver), its parameters among it; the split record, of the
+  // world before, ended on them.
+  step->lacks_state_ = step->handover_due_ = ctx.joined();
   EVENSTEP_RETURN_IF_ERROR(step->AttachSyncs());
-  if (!step->config_.initial_shares.empty()) {
-    EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
+  if (!ctx.joined()) {  // a joiner's initial shares would be of the launch's world
+    if (!step->config_.initial_shares.empty()) {
+      EVENSTEP_RETURN_IF_ERROR(step->planner_.SetShares(step->config_.initial_shares));
+    }
+    EVENSTEP_RETURN_IF_ERROR(step->OpenSplitLog());
   }
-  EVENSTEP_RETURN_IF_ERROR(step->OpenSplitLog());
   // Asked-for workers start now; the default ones with the first Loader.
   if (step->config_.data_workers > 0) step->StartWorkers();
   return step;
@@ -218,6 +224,8 @@ absl::Status BalancedStep::AttachSyncs() {
     return ctx->Diagnose(seq, what, elapsed, error);
   };
   options.on_arrival = [c = clock_.get()] { c->Arrive(); };
+  // After an admission the parameters come with the state (HandOver).
+  options.broadcast_at_attach = !handover_due_;
   // Going on after a lost rank: a bucket's wait ends once another rank
   // began regrouping (it stopped waiting for a peer that is gone).
   if (ctx_.options().on_rank_loss == DistOptions::OnRankLoss::kContinue) {

@@ -86,6 +86,7 @@ DistContext::DistContext(LaunchEnv env, DistOptions options)
       options_(options),
       groups_(std::make_unique<Groups>()) {
   for (int r = 0; r < env_.world_size; ++r) groups_->members.push_back(r);
+  groups_->launch_world = env_.world_size;
   ++live_contexts;
 }
 
@@ -127,7 +128,12 @@ void CatchPipeSignal() {
 absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const DistOptions& options) {
   PrepareLaunchedRank();  // line-buffered stdout, early preemption exits 83
   EVENSTEP_ASSIGN_OR_RETURN(LaunchEnv env, DetectLaunchEnv());
-  return Create(env, options);
+  DistOptions with_env = options;
+  if (const char* join = std::getenv("EVENSTEP_JOIN");
+      join != nullptr && std::string(join) == "1") {
+    with_env.join = true;
+  }
+  return Create(env, with_env);
 }
 
 absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv& env,
@@ -145,6 +151,10 @@ absl::StatusOr<std::unique_ptr<DistContext>> DistContext::Create(const LaunchEnv
   }
   CatchPipeSignal();
   std::unique_ptr<DistContext> ctx(new DistContext(env, options));
+  if (options.join) {
+    EVENSTEP_RETURN_IF_ERROR(ctx->Join());
+    return ctx;
+  }
   EVENSTEP_RETURN_IF_ERROR(ctx->Connect());
   EVENSTEP_RETURN_IF_ERROR(ctx->Rendezvous());
   EVENSTEP_RETURN_IF_ERROR(ctx->CreateGroups());
@@ -330,13 +340,10 @@ absl::Status DistContext::CreateGroups() {
         "rank ", env_.rank, ": creating the Gloo process group failed: ", internal::ErrorText(e)));
   }
   groups_->data = groups_->control;
-  bool want_nccl = options_.backend == CommBackend::kNccl;
+  EVENSTEP_ASSIGN_OR_RETURN(groups_->nccl, internal::PrepareNccl(options_, env_));
 #if EVENSTEP_HAVE_NCCL
-  if (options_.backend == CommBackend::kAuto) want_nccl = at::hasCUDA();
-  if (want_nccl) {
+  if (groups_->nccl) {
     try {
-      c10::cuda::set_device(
-          static_cast<c10::DeviceIndex>(env_.local_rank % c10::cuda::device_count()));
       groups_->data =
           compat::MakeNcclGroup(compat::MakePrefixStore("evenstep/nccl", groups_->store), env_.rank,
                                 env_.world_size, timeout);
@@ -346,6 +353,24 @@ absl::Status DistContext::CreateGroups() {
                        ": creating the NCCL process group failed: ", internal::ErrorText(e)));
     }
   }
+#endif
+  groups_->raw_store->setTimeout(timeout);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> internal::PrepareNccl(const DistOptions& options, const LaunchEnv& env) {
+  bool want_nccl = options.backend == CommBackend::kNccl;
+#if EVENSTEP_HAVE_NCCL
+  if (options.backend == CommBackend::kAuto) want_nccl = at::hasCUDA();
+  if (want_nccl) {
+    try {
+      c10::cuda::set_device(
+          static_cast<c10::DeviceIndex>(env.local_rank % c10::cuda::device_count()));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("rank ", env.rank, ": selecting the CUDA device: ", internal::ErrorText(e)));
+    }
+  }
 #else
   if (want_nccl) {
     return absl::FailedPreconditionError(
@@ -353,8 +378,7 @@ absl::Status DistContext::CreateGroups() {
         "--evenstep_backend=gloo or auto");
   }
 #endif
-  groups_->raw_store->setTimeout(timeout);
-  return absl::OkStatus();
+  return want_nccl;
 }
 
 std::string DistContext::backend_name() const { return compat::BackendName(*groups_->data); }
@@ -432,7 +456,7 @@ absl::StatusOr<std::unique_ptr<CommitStore>> DistContext::NewCommitStore() {
   // Each writer numbers its saves from 0 in its keys: a second one (the
   // next Session's) in the same keys would read the first one's outcomes
   // and never commit. Every rank makes them in the same order.
-  const std::string prefix = absl::StrCat("evenstep/io/", groups_->commit_stores++);
+  const std::string prefix = Scoped(absl::StrCat("evenstep/io/", groups_->commit_stores++));
   if (env_.world_size == 1 && groups_->generation == 0) {
     // A HashStore is thread-safe: one connection serves every thread. (A
     // world left with one rank by a regroup still talks to a TCPStore.)

@@ -33,6 +33,7 @@ struct DistContext::Groups {
   compat::StorePtr ctx_store;  // "evenstep/ctx/" view of it
   compat::ProcessGroupPtr control;
   compat::ProcessGroupPtr data;
+  bool nccl = false;  // data is an NCCL group (internal::PrepareNccl)
   // Made with the first NewDataGroup: where the syncs over several data
   // groups announce which one and which step they are at
   // (internal::SyncOrder).
@@ -46,6 +47,7 @@ struct DistContext::Groups {
   // a Gloo thread may still wait in them for a lost peer until its timeout).
   int generation = 0;
   std::vector<int> members;
+  int launch_world = 0;  // the launch's world size: launch ranks are below it
   std::vector<compat::ProcessGroupPtr> retired;
   // The heartbeat (DistOptions::on_rank_loss kContinue): a thread that adds
   // 1 to "evenstep/alive/<launch rank>" through a store connection of its
@@ -59,12 +61,17 @@ struct DistContext::Groups {
   // <generation + 1>/begun" (RegroupBegun).
   std::atomic<int> watched_generation{0};
   std::atomic<bool> regroup_begun{false};
+  // ... and that a replacement asked to join ("evenstep/join/requests"
+  // counted past joins_seen, the count the last admission read).
+  std::atomic<int64_t> joins_seen{0};
+  std::atomic<bool> join_pending{false};
   std::vector<std::unique_ptr<Subgroup>> retired_subgroups;  // Retire's
   absl::Mutex beat_mu;
   bool stop_beating ABSL_GUARDED_BY(beat_mu) = false;
   void StopHeartbeat();
   // The heartbeat thread's loop: a beat into `key` every `period`, a look
-  // for the next regroup's "begun" every 200 ms, until StopHeartbeat.
+  // for the next regroup's "begun" and for join requests every 200 ms,
+  // until StopHeartbeat.
   void Beat(compat::StorePtr beat_store, std::string key, absl::Duration period);
   // NextPrefix's counts per family, and Claim's owners.
   std::map<std::string, int> prefixes ABSL_GUARDED_BY(mu);
@@ -98,6 +105,10 @@ absl::Status PublishFailure(c10d::Store& store, const LaunchEnv& env, const Stag
 // rank's failure (FailedPrecondition quoting it).
 absl::Status AwaitStage(c10d::Store& store, const LaunchEnv& env, absl::Duration timeout,
                         const Stage& stage, const std::string& step, const std::string& passed);
+// Whether the data group is NCCL (DistOptions::backend, CUDA present),
+// with this rank's CUDA device selected when it is; FailedPrecondition for
+// nccl asked of a libtorch without it.
+absl::StatusOr<bool> PrepareNccl(const DistOptions& options, const LaunchEnv& env);
 // A store connection of the caller's own (a TCPStore client serves one
 // thread at a time) to the job's store, in this launch's namespace
 // (`launch_prefix`), its operations bounded by `timeout`. Unavailable naming
@@ -115,6 +126,9 @@ absl::StatusOr<compat::StorePtr> OwnStoreConnection(const LaunchEnv& env,
 inline std::string RegroupKey(int generation, absl::string_view what) {
   return absl::StrCat("evenstep/regroup/", generation, "/", what);
 }
+// The keys of joining replacements ("evenstep/join/<what>": requests,
+// want/<launch rank>, admitted/<launch rank>; dist_regroup.cc).
+inline std::string JoinKey(absl::string_view what) { return absl::StrCat("evenstep/join/", what); }
 inline std::string AliveKey(int launch_rank) {
   return absl::StrCat("evenstep/alive/", launch_rank);
 }

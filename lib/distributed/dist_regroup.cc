@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -37,6 +38,7 @@
 #include "evenstep/internal/collective.h"
 #include "evenstep/internal/error_text.h"
 #include "evenstep/internal/gloo_address.h"
+#include "evenstep/log.h"
 #include "evenstep/status_macros.h"
 
 namespace evenstep {
@@ -45,6 +47,11 @@ using internal::Bytes;
 using internal::Text;
 
 std::string Regrouped::Describe() const {
+  if (!joined.empty()) {
+    return absl::StrCat("rank(s) ", absl::StrJoin(joined, ", "), " joined; ",
+                        survivors.size() + joined.size(), " rank(s) go on (regroup ", generation,
+                        ")");
+  }
   const std::string who =
       lost.empty() ? "no rank lost" : absl::StrCat("rank(s) ", absl::StrJoin(lost, ", "), " lost");
   return absl::StrCat(who, "; ", survivors.size(), " survivor(s) go on (regroup ", generation, ")");
@@ -153,6 +160,10 @@ void DistContext::Groups::Beat(compat::StorePtr beat_store, std::string key,
       }
       const std::string begun = internal::RegroupKey(watched_generation.load() + 1, "begun");
       if (!regroup_begun.load() && beat_store->check({begun})) regroup_begun.store(true);
+      if (!join_pending.load() &&
+          beat_store->add(internal::JoinKey("requests"), 0) > joins_seen.load()) {
+        join_pending.store(true);
+      }
     } catch (const std::exception&) {
       // The store is gone: Regroup names it; nothing to beat into.
     }
@@ -161,6 +172,8 @@ void DistContext::Groups::Beat(compat::StorePtr beat_store, std::string key,
 }
 
 bool DistContext::RegroupBegun() const { return groups_->regroup_begun.load(); }
+
+bool DistContext::JoinPending() const { return groups_->join_pending.load(); }
 
 std::function<bool()> DistContext::Abandon() const {
   if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue) return nullptr;
@@ -303,6 +316,11 @@ absl::Status DistContext::AdoptView(int generation, const std::vector<int>& view
     if (i < rank) ++env.local_rank;
     ++env.local_world_size;
   }
+  // The world's numbering first: should its groups not come about (a
+  // joiner gone while they connect), the next regroup is of this view.
+  groups_->generation = generation;
+  groups_->watched_generation.store(generation);
+  groups_->members = view;
   compat::ProcessGroupPtr control;
   compat::ProcessGroupPtr data;
   const auto timeout = internal::ToChronoMillis(options_.collective_timeout);
@@ -312,16 +330,19 @@ absl::Status DistContext::AdoptView(int generation, const std::vector<int>& view
         env.world_size, timeout, gloo_device_);
     data = control;
 #if EVENSTEP_HAVE_NCCL
-    if (groups_->data != groups_->control) {
+    if (groups_->nccl) {
       data = compat::MakeNcclGroup(
           compat::MakePrefixStore(internal::RegroupKey(generation, "nccl"), groups_->store), rank,
           env.world_size, timeout);
     }
 #endif
   } catch (const std::exception& e) {
-    return absl::UnavailableError(
+    absl::Status failed = absl::UnavailableError(
         absl::StrCat("rank ", rank, " (launch rank ", launch_rank_, "): regroup ", generation,
-                     ": creating the survivors' process groups: ", internal::ErrorText(e)));
+                     ": creating the process groups of the new world: ", internal::ErrorText(e)));
+    absl::MutexLock lock(&groups_->mu);
+    groups_->broken = failed;
+    return failed;
   }
   for (compat::ProcessGroupPtr* g : {&groups_->control, &groups_->data, &groups_->sync_order}) {
     if (*g &&
@@ -334,18 +355,233 @@ absl::Status DistContext::AdoptView(int generation, const std::vector<int>& view
   groups_->sync_order = compat::ProcessGroupPtr();
   groups_->ctx_store =
       compat::MakePrefixStore(absl::StrCat("evenstep/ctx/g", generation), groups_->store);
-  groups_->generation = generation;
-  groups_->watched_generation.store(generation);
   groups_->regroup_begun.store(false);
-  groups_->members = view;
+  // Every count that names keys starts again in the new world's keys, so a
+  // process that joined it names them as its members do.
+  groups_->commit_stores = 0;
+  groups_->agreements = 0;
+  data_groups_ = 0;
   {
     absl::MutexLock lock(&groups_->mu);
     groups_->broken = absl::OkStatus();
+    groups_->prefixes.clear();
   }
   env_ = env;
   op_seq_ = 0;
   nodes_.reset();
   return Barrier();
+}
+
+namespace {
+
+// "<generation>\n<nonce>" (admitted) or "refused\n<nonce>\n<why>": the
+// answer to a replacement's request under "evenstep/join/admitted/<launch
+// rank>", for the request that carried `nonce` (an earlier replacement's
+// answer stays there until this one's replaces it).
+struct JoinAnswer {
+  bool refused = false;
+  int generation = 0;
+  std::string why;
+};
+
+std::optional<JoinAnswer> AnswerFor(const std::string& text, const std::string& nonce) {
+  std::vector<std::string> lines = absl::StrSplit(text, absl::MaxSplits('\n', 2));
+  if (lines.size() < 2 || lines[1] != nonce) return std::nullopt;
+  JoinAnswer answer;
+  answer.refused = lines[0] == "refused";
+  if (answer.refused) {
+    answer.why = lines.size() > 2 ? lines[2] : "";
+  } else if (!absl::SimpleAtoi(lines[0], &answer.generation)) {
+    return std::nullopt;
+  }
+  return answer;
+}
+
+int64_t CountIn(c10d::Store& store, const std::string& key) {
+  int64_t n = 0;
+  return absl::SimpleAtoi(Text(store.get(key)), &n) ? n : 0;
+}
+
+}  // namespace
+
+absl::Status DistContext::Join() {
+  const std::string me =
+      absl::StrCat("rank ", env_.rank, " (a replacement joining a running job: EVENSTEP_JOIN)");
+  if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(me,
+                     ": joining needs --evenstep_on_rank_loss=continue (DistOptions::"
+                     "on_rank_loss = kContinue), as the running ranks have it"));
+  }
+  if (env_.world_size == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(me, ": a job of one rank has none to join"));
+  }
+  if (!env_.run_namespace.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        me,
+        ": torchrun's agent restarts every worker of the job when one fails, so there are "
+        "no running ranks to join; a replacement can join under evenstep-run --respawn or "
+        "a new srun step"));
+  }
+  if (env_.rank == 0 && !env_.agent_store) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        me,
+        ": rank 0 hosted the job's store (MASTER_ADDR:MASTER_PORT), which ended with it: "
+        "there is nothing to join (a launcher's store, TORCHELASTIC_USE_AGENT_STORE as "
+        "evenstep-run hosts it, outlives rank 0)"));
+  }
+  EVENSTEP_RETURN_IF_ERROR(Connect());
+  EVENSTEP_RETURN_IF_ERROR(ChooseGlooDevice());
+  EVENSTEP_ASSIGN_OR_RETURN(groups_->nccl, internal::PrepareNccl(options_, env_));
+  // No regroup is this process's to watch until it is a member.
+  groups_->watched_generation.store(1 << 29);
+  EVENSTEP_RETURN_IF_ERROR(StartHeartbeat());
+  c10d::Store& store = *groups_->store;
+  const std::string nonce =
+      absl::StrCat(getpid(), "@", internal::HostName(), "#", absl::ToUnixMicros(absl::Now()));
+  const std::string answer_key = internal::JoinKey(absl::StrCat("admitted/", launch_rank_));
+  std::optional<JoinAnswer> answer;
+  std::vector<int> view;
+  std::vector<std::string> hosts;
+  try {
+    store.set(internal::JoinKey(absl::StrCat("want/", launch_rank_)),
+              Bytes(absl::StrCat(internal::HostName(), "\n", nonce)));
+    store.add(internal::JoinKey("requests"), 1);
+    const absl::Time deadline = absl::Now() + options_.rendezvous_timeout;
+    while (!(answer = store.check({answer_key}) ? AnswerFor(Text(store.get(answer_key)), nonce)
+                                                : std::nullopt)) {
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            me, ": not admitted within ", absl::FormatDuration(options_.rendezvous_timeout),
+            ": the running ranks admit a replacement at a step boundary (BalancedStep::Admit; a "
+            "Session does not admit replacements yet) and only under "
+            "--evenstep_on_rank_loss=continue; are they still running?"));
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (answer->refused) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(me, ": refused by the running ranks: ", answer->why));
+    }
+    const int g = answer->generation;
+    view = Parsed(Text(store.get(internal::RegroupKey(g, "view"))));
+    for (int m : view) {
+      hosts.push_back(Text(store.get(internal::RegroupKey(g, absl::StrCat("in/", m)))));
+    }
+    groups_->joins_seen.store(CountIn(store, internal::RegroupKey(g, "requests")));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(internal::StoreLost(env_, "joining the running job", e));
+  }
+  if (std::find(view.begin(), view.end(), launch_rank_) == view.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(me, ": admitted to regroup ", answer->generation, " but not in its view (",
+                     Joined(view), "): a rank was lost while it was admitted; start it again"));
+  }
+  joined_ = true;
+  groups_->join_pending.store(false);
+  EVENSTEP_RETURN_IF_ERROR(AdoptView(answer->generation, view, hosts));
+  groups_->raw_store->setTimeout(internal::ToChronoMillis(options_.collective_timeout));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Regrouped> DistContext::Admit() {
+  if (options_.on_rank_loss != DistOptions::OnRankLoss::kContinue) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", env_.rank, ": Admit needs DistOptions::on_rank_loss = kContinue"));
+  }
+  const int generation = groups_->generation + 1;
+  const std::vector<int> members = groups_->members;
+  c10d::Store& store = *groups_->store;
+  const std::string view_key = internal::RegroupKey(generation, "view");
+  auto in_key = [generation](int m) {
+    return internal::RegroupKey(generation, absl::StrCat("in/", m));
+  };
+  std::vector<std::string> notes;  // rank 0's: requests it did not admit, and why
+  std::vector<int> view;
+  std::vector<std::string> hosts;
+  try {
+    store.set(in_key(launch_rank_), Bytes(internal::HostName()));
+    if (env_.rank == 0) {
+      const int64_t requests = store.add(internal::JoinKey("requests"), 0);
+      std::vector<int> next = members;
+      std::vector<std::pair<int, std::string>> admitted;  // launch rank, nonce
+      for (int m = 0; m < groups_->launch_world; ++m) {
+        const std::string want_key = internal::JoinKey(absl::StrCat("want/", m));
+        if (!store.check({want_key})) continue;
+        const std::vector<std::string> want =
+            absl::StrSplit(Text(store.get(want_key)), absl::MaxSplits('\n', 1));
+        store.deleteKey(want_key);
+        const std::string nonce = want.size() > 1 ? want[1] : "";
+        const std::string answer_key = internal::JoinKey(absl::StrCat("admitted/", m));
+        if (std::find(members.begin(), members.end(), m) != members.end()) {
+          const std::string why =
+              absl::StrCat("launch rank ", m,
+                           " is still running: two processes for one rank (check the "
+                           "replacement's RANK)");
+          store.set(answer_key, Bytes(absl::StrCat("refused\n", nonce, "\n", why)));
+          notes.push_back(why);
+          continue;
+        }
+        const std::string at_key = internal::AliveAtKey(m);
+        if (store.check({at_key}) && Refused(Text(store.get(at_key)))) {
+          notes.push_back(absl::StrCat("the replacement for launch rank ", m,
+                                       " was gone before its admission"));
+          continue;
+        }
+        store.set(in_key(m), Bytes(want[0]));
+        next.push_back(m);
+        admitted.emplace_back(m, nonce);
+      }
+      store.set(internal::RegroupKey(generation, "requests"), Bytes(std::to_string(requests)));
+      const std::string proposed = Joined(next);
+      const std::string decided = Text(store.compareSet(view_key, {}, Bytes(proposed)));
+      for (const auto& [m, nonce] : admitted) {
+        const std::string answer =
+            decided == proposed
+                ? absl::StrCat(generation, "\n", nonce)
+                : absl::StrCat("refused\n", nonce,
+                               "\na rank was lost while this one was admitted; start it again");
+        store.set(internal::JoinKey(absl::StrCat("admitted/", m)), Bytes(answer));
+      }
+    }
+    const absl::Time deadline = absl::Now() + options_.collective_timeout;
+    while (!store.check({view_key})) {
+      if (absl::Now() > deadline || RegroupBegun()) {
+        return absl::UnavailableError(absl::StrCat(
+            "rank ", env_.rank, ": admitting replacements (regroup ", generation,
+            "): rank 0 wrote no view within ", absl::FormatDuration(options_.collective_timeout),
+            RegroupBegun() ? " (a regroup began: a rank was lost)" : ""));
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    view = Parsed(Text(store.get(view_key)));
+    for (int m : view) hosts.push_back(Text(store.get(in_key(m))));
+    groups_->joins_seen.store(CountIn(store, internal::RegroupKey(generation, "requests")));
+    groups_->join_pending.store(false);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(internal::StoreLost(
+        env_, absl::StrCat("admitting replacements (regroup ", generation, ")"), e));
+  }
+  if (env_.rank == 0) {
+    for (const std::string& note : notes)
+      Log(LogLevel::kWarning, absl::StrCat("admission: ", note));
+  }
+  Regrouped result;
+  result.generation = generation;
+  auto in = [](const std::vector<int>& ranks, int m) {
+    return std::find(ranks.begin(), ranks.end(), m) != ranks.end();
+  };
+  // (A regroup's view, when a rank was lost meanwhile and its view won,
+  // leaves members out.)
+  for (size_t old_rank = 0; old_rank < members.size(); ++old_rank) {
+    (in(view, members[old_rank]) ? result.survivors : result.lost)
+        .push_back(static_cast<int>(old_rank));
+  }
+  for (size_t i = 0; i < view.size(); ++i) {
+    if (!in(members, view[i])) result.joined.push_back(static_cast<int>(i));
+  }
+  EVENSTEP_RETURN_IF_ERROR(AdoptView(generation, view, hosts));
+  return result;
 }
 
 }  // namespace evenstep

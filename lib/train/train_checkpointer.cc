@@ -174,7 +174,8 @@ absl::StatusOr<std::unique_ptr<TrainCheckpointer>> TrainCheckpointer::Create(
       new TrainCheckpointer(ctx, std::move(options), std::move(store), std::move(writer)));
 }
 
-absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainState& state) {
+absl::StatusOr<CheckpointContents> internal::CaptureContents(int64_t step,
+                                                             const TrainState& state) {
   CheckpointContents ckpt;
   ckpt.step = step;
   EVENSTEP_ASSIGN_OR_RETURN(ckpt.tensors, CaptureTensors(state.model, nullptr),
@@ -219,6 +220,11 @@ absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainStat
                       {"states", static_cast<int64_t>(with_state.size())}};
   }
   ckpt.extras_json = extras.dump();
+  return ckpt;
+}
+
+absl::StatusOr<SaveTicket> TrainCheckpointer::Save(int64_t step, const TrainState& state) {
+  EVENSTEP_ASSIGN_OR_RETURN(const CheckpointContents ckpt, internal::CaptureContents(step, state));
   return writer_->Save(ckpt);
 }
 

@@ -3,7 +3,12 @@
 
 #include <torch/optim.h>
 
+#include <functional>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -12,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "evenstep/balanced_step.h"
+#include "evenstep/internal/optimizer_state.h"
 #include "evenstep/status_macros.h"
 #include "evenstep/train_checkpointer.h"
 
@@ -110,5 +116,58 @@ inline std::vector<std::pair<std::string, torch::optim::Optimizer*>> OptimizersO
   }
   return out;
 }
+
+// The optimizer state a checkpoint holds, checked against the live optimizer
+// (types, shapes, completeness) before anything is written.
+struct OptimizerPlan {
+  const OptimizerKind* kind = nullptr;
+  std::vector<std::pair<size_t, std::string>> lrs;  // group, tensor name
+  std::map<std::pair<size_t, size_t>, std::map<std::string, std::string>> fields;  // -> tensor
+};
+
+// What step 1 of a load finds: the open checkpoint, validated against the
+// live state, and where each of its tensors goes.
+struct LoadPlan {
+  std::unique_ptr<CheckpointReader> reader;  // a load's (not a handover's)
+  // A tensor's value from its stored bytes.
+  std::function<absl::StatusOr<at::Tensor>(const std::string&, const at::Tensor&)> from_bytes;
+  NamedTensors expected;
+  std::map<std::string, at::Tensor> targets;  // the model's and the caller's tensors, by name
+  std::set<std::string> seen;                 // those the checkpoint holds
+  std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers;
+  std::vector<OptimizerPlan> opt;  // per optimizer
+  std::optional<BalanceState> balance;
+  bool mismatch = false;  // the failure is the live state's (FailedPrecondition)
+};
+
+// Where each tensor's bytes land: a CPU model tensor directly (read and
+// broadcast in place, no staging copy), anything else a byte buffer. A
+// checksum failure can leave a model tensor of this rank partly written; the
+// load then fails on every rank (and a fallback loads every tensor again).
+struct LoadBuffers {
+  std::map<std::string, at::Tensor> bytes;
+  std::set<std::string> in_place;
+};
+
+// What a checkpoint of `state` at `step` holds (TrainCheckpointer::Save's
+// snapshot, HandOver's): the model's, the optimizers' and the extra tensors,
+// and the extras (the user's JSON, the balancing state, each optimizer's
+// record). The tensors are the live ones (or fresh scalars).
+absl::StatusOr<CheckpointContents> CaptureContents(int64_t step, const TrainState& state);
+
+// A load's step 1 after the manifest was read (or a handover's header
+// received): `manifest` against the live state (tensor names, shapes and
+// dtypes; optimizers; the balancing state), each tensor's destination in
+// `plan`, the user's JSON into `result`. `path` names the source in errors.
+absl::Status PlanLoad(const Manifest& manifest, const std::string& path, const TrainState& state,
+                      const LoadOptions& options, LoadPlan* plan, LoadResult* result);
+LoadBuffers MakeLoadBuffers(const Manifest& manifest, LoadPlan& plan);
+// Every rank's part (reads[rank]: indices into manifest.tensors, whose
+// bytes that rank holds in `buffers`) reaches every rank.
+absl::Status ShareParts(DistContext& ctx, const Manifest& manifest,
+                        const std::vector<std::vector<int>>& reads, LoadBuffers* buffers);
+// The bytes shared into the model tensors not written in place, and the
+// optimizers' state (validated by PlanLoad).
+absl::Status ApplyLoaded(LoadPlan& plan, LoadBuffers& buffers);
 
 }  // namespace evenstep::internal

@@ -35,8 +35,14 @@
 
 namespace evenstep {
 
+using internal::ApplyLoaded;
 using internal::BalanceFromJson;
+using internal::LoadBuffers;
+using internal::LoadPlan;
+using internal::MakeLoadBuffers;
+using internal::OptimizerPlan;
 using internal::OptimizersOf;
+using internal::ShareParts;
 using internal::StateKeyIn;
 
 namespace {
@@ -85,14 +91,6 @@ absl::StatusOr<Agreed> Agree(DistContext& ctx, const absl::Status& mine, bool mi
   }
   return out;
 }
-
-// The optimizer state a checkpoint holds, checked against the live optimizer
-// (types, shapes, completeness) before anything is written.
-struct OptimizerPlan {
-  const internal::OptimizerKind* kind = nullptr;
-  std::vector<std::pair<size_t, std::string>> lrs;  // group, tensor name
-  std::map<std::pair<size_t, size_t>, std::map<std::string, std::string>> fields;  // -> tensor
-};
 
 // The manifest's record of optimizer `prefix` (its type and group sizes)
 // against the live optimizer: the number of parameters whose state was
@@ -224,19 +222,6 @@ absl::StatusOr<OptimizerPlan> PlanOptimizer(const Manifest& manifest, const nloh
   return plan;
 }
 
-// What step 1 of a load finds: the open checkpoint, validated against the
-// live state, and where each of its tensors goes.
-struct LoadPlan {
-  std::unique_ptr<CheckpointReader> reader;
-  NamedTensors expected;
-  std::map<std::string, at::Tensor> targets;  // the model's and the caller's tensors, by name
-  std::set<std::string> seen;                 // those the checkpoint holds
-  std::vector<std::pair<std::string, torch::optim::Optimizer*>> optimizers;
-  std::vector<OptimizerPlan> opt;  // per optimizer
-  std::optional<BalanceState> balance;
-  bool mismatch = false;  // the failure is the live state's (FailedPrecondition)
-};
-
 // The manifest's tensors against the model's and the caller's: shapes and
 // dtypes, and (strict) none missing or unexpected.
 absl::Status MatchTensors(const Manifest& manifest, const LoadOptions& options, LoadPlan* plan,
@@ -306,6 +291,10 @@ absl::Status MatchOptimizersAndBalance(const Manifest& manifest, const nlohmann:
 absl::Status PrepareLoad(Env& env, const std::string& path, const TrainState& state,
                          const LoadOptions& options, LoadPlan* plan, LoadResult* result) {
   EVENSTEP_ASSIGN_OR_RETURN(plan->reader, CheckpointReader::Open(env, path));
+  plan->from_bytes = [reader = plan->reader.get()](const std::string& name,
+                                                   const at::Tensor& bytes) {
+    return reader->FromBytes(name, bytes);
+  };
   const Manifest& manifest = plan->reader->manifest();
   result->step = manifest.step;
   // The checks evenstep-ckpt and tools/evenstep_ckpt_reader.py make too.
@@ -314,6 +303,15 @@ absl::Status PrepareLoad(Env& env, const std::string& path, const TrainState& st
       !problems.empty()) {
     return absl::DataLossError(absl::StrCat(path, "/manifest.json: ", problems.front()));
   }
+  return internal::PlanLoad(manifest, path, state, options, plan, result);
+}
+
+}  // namespace
+
+namespace internal {
+
+absl::Status PlanLoad(const Manifest& manifest, const std::string& path, const TrainState& state,
+                      const LoadOptions& options, LoadPlan* plan, LoadResult* result) {
   const nlohmann::json extras = nlohmann::json::parse(manifest.extras_json, nullptr, false);
   EVENSTEP_ASSIGN_OR_RETURN(plan->expected, CaptureTensors(state.model, nullptr));
   plan->expected.insert(plan->expected.end(), state.tensors.begin(), state.tensors.end());
@@ -325,15 +323,6 @@ absl::Status PrepareLoad(Env& env, const std::string& path, const TrainState& st
   if (s.ok() && extras.contains("user")) result->user_json = extras["user"].dump();
   return s;
 }
-
-// Where each tensor's bytes land: a CPU model tensor directly (read and
-// broadcast in place, no staging copy), anything else a byte buffer. A
-// checksum failure can leave a model tensor of this rank partly written; the
-// load then fails on every rank (and a fallback loads every tensor again).
-struct LoadBuffers {
-  std::map<std::string, at::Tensor> bytes;
-  std::set<std::string> in_place;
-};
 
 LoadBuffers MakeLoadBuffers(const Manifest& manifest, LoadPlan& plan) {
   LoadBuffers out;
@@ -400,7 +389,7 @@ absl::Status ApplyLoaded(LoadPlan& plan, LoadBuffers& buffers) {
     for (size_t k = 0; k < plan.optimizers.size(); ++k) {
       torch::optim::Optimizer& optimizer = *plan.optimizers[k].second;
       auto typed = [&](const std::string& name) {
-        absl::StatusOr<at::Tensor> value = plan.reader->FromBytes(name, buffers.bytes[name]);
+        absl::StatusOr<at::Tensor> value = plan.from_bytes(name, buffers.bytes[name]);
         // Every name was validated against the manifest in step 1.
         if (!value.ok()) throw std::runtime_error(std::string(value.status().message()));
         return *value;
@@ -426,7 +415,7 @@ absl::Status ApplyLoaded(LoadPlan& plan, LoadBuffers& buffers) {
   return absl::OkStatus();
 }
 
-}  // namespace
+}  // namespace internal
 
 absl::StatusOr<LoadResult> TrainCheckpointer::Load(const TrainState& state,
                                                    const LoadOptions& options) {

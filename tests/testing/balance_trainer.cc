@@ -22,6 +22,8 @@
 #include "evenstep/train_checkpointer.h"
 #include "gtest/gtest.h"
 #include "tests/testing/flag_args.h"
+#include "tests/testing/on_ranks.h"
+#include "tests/testing/subprocess.h"
 #include "tests/testing/sync_net.h"
 #if EVENSTEP_HAVE_NCCL  // a CUDA libtorch
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -199,7 +201,7 @@ class Trainer {
         data_(MakeData(s.samples, torch::Device(s.device))),
         model_(MakeModel(s)),
         reference_(MakeModel(s)),
-        optimizer_(model_->parameters(), torch::optim::SGDOptions(0.05)) {
+        optimizer_(model_->parameters(), torch::optim::SGDOptions(0.05).momentum(s.momentum)) {
     run_.rank = rank_;
     load_.x_host = data_.x_host;
     load_.jitter_ms = s.load_jitter_ms;
@@ -209,8 +211,22 @@ class Trainer {
   BalanceRun Run() {
     run_.status = SetUp();
     if (!run_.status.ok()) return run_;
-    for (int s = 1; s <= s_.steps; ++s) {
+    int first = 1;
+    if (ctx_.joined()) {
+      run_.joined = true;
+      if (s_.joiner_dies) {
+        std::cout << "the replacement dies before the handover" << std::endl;
+        std::_Exit(7);
+      }
+      if (!HandOverOrRegroup()) return run_;
+      first = static_cast<int>(step_->state().steps) + 1;
+    }
+    for (int s = first; s <= s_.steps; ++s) {
+      if (s == s_.rejoin_step && !ctx_.joined()) WaitForJoinRequest();
       if (!RunStep(s)) return run_;
+      // Admitted at rejoin_step exactly, however early the request came.
+      const bool admit_now = s_.rejoin_step == 0 || s >= s_.rejoin_step;
+      if (admit_now && step_->JoinWaiting() && !AdmitAndHandOver()) return run_;
     }
     run_.status = Finish();
     return run_;
@@ -228,6 +244,13 @@ class Trainer {
   void Sleep(int s);
   bool RunStep(int s);
   bool RegroupAndRedo(int s);
+  // Rejoin (BalanceScenario::rejoin_step).
+  void StartReplacements(const Regrouped& regrouped);
+  void WaitForJoinRequest();
+  bool AdmitAndHandOver();
+  bool HandOverOrRegroup();
+  std::vector<double> Digests();
+  std::unique_ptr<Subprocess> replacement_;
   std::vector<int64_t> redo_batch_;  // the failed step's global batch, until it runs again
   absl::Status AfterStep(int s, const StepReport& report);
   void CheckOutsideBackward();
@@ -503,8 +526,83 @@ bool Trainer::RegroupAndRedo(int s) {
   std::cout << "step " << s << ": " << regrouped->Describe() << "; now rank " << ctx_.rank()
             << " of " << ctx_.world_size() << std::endl;
   run_.regroups.push_back(*regrouped);
+  StartReplacements(*regrouped);
   redo_batch_ = failed_batch;
   return RunStep(s);
+}
+
+void Trainer::StartReplacements(const Regrouped& regrouped) {
+  if (s_.rejoin_step <= 0 || ctx_.rank() != 0 || replacement_ != nullptr) return;
+  ASSERT_EQ(regrouped.lost.size(), 1u) << "one replacement per test";
+  // The first regroup's old ranks are launch ranks.
+  replacement_ = std::make_unique<Subprocess>(ReplacementOf(regrouped.lost[0]));
+  std::cout << "started a replacement for launch rank " << regrouped.lost[0] << std::endl;
+}
+
+void Trainer::WaitForJoinRequest() {
+  const absl::Time deadline = absl::Now() + HangBound(1);
+  while (!ctx_.JoinPending() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE(ctx_.JoinPending()) << "rank " << rank_ << ": no replacement asked to join";
+}
+
+bool Trainer::AdmitAndHandOver() {
+  absl::StatusOr<Regrouped> admitted = step_->Admit();
+  if (!admitted.ok()) {
+    std::cout << "admit failed: " << admitted.status() << std::endl;
+    run_.status = admitted.status();
+    return false;
+  }
+  std::cout << "admitted: " << admitted->Describe() << "; now rank " << ctx_.rank() << " of "
+            << ctx_.world_size() << std::endl;
+  run_.admissions.push_back(*admitted);
+  return HandOverOrRegroup();
+}
+
+// The handover, on every rank; where a joiner is lost during it, the
+// survivors regroup and end the handover among themselves.
+bool Trainer::HandOverOrRegroup() {
+  const TrainState state{model_.ptr().get(), &optimizer_, step_.get(), "{}"};
+  absl::StatusOr<HandOverResult> handed = HandOver(ctx_, state);
+  if (!handed.ok() && s_.regroup_on_loss &&
+      (absl::IsUnavailable(handed.status()) || absl::IsDeadlineExceeded(handed.status()))) {
+    std::cout << "handover failed: " << handed.status() << std::endl;
+    absl::StatusOr<Regrouped> regrouped = step_->Regroup();
+    if (!regrouped.ok()) {
+      run_.status = regrouped.status();
+      return false;
+    }
+    run_.regroups.push_back(*regrouped);
+    handed = HandOver(ctx_, state);
+  }
+  if (!handed.ok()) {
+    run_.status = handed.status();
+    return false;
+  }
+  std::cout << "handover: " << handed->bytes << " bytes from " << handed->senders.size()
+            << " rank(s) to " << handed->receivers.size() << std::endl;
+  run_.handovers.push_back(*handed);
+  run_.digests.push_back(Digests());
+  return true;
+}
+
+std::vector<double> Trainer::Digests() {
+  double sum = 0;
+  double weight = 1;
+  for (const auto& p : model_->parameters()) {
+    sum += weight * p.detach().to(torch::kDouble).sum().item<double>();
+    weight += 1;
+  }
+  for (const auto& [key, state] : optimizer_.state()) {
+    const auto& sgd = static_cast<const torch::optim::SGDParamState&>(*state);
+    if (sgd.momentum_buffer().defined()) {
+      sum += weight * sgd.momentum_buffer().to(torch::kDouble).sum().item<double>();
+    }
+  }
+  std::vector<torch::Tensor> all;
+  EXPECT_TRUE(ctx_.AllGather(torch::full({1}, sum, torch::kDouble), &all).ok());
+  std::vector<double> out;
+  for (const torch::Tensor& t : all) out.push_back(t.item<double>());
+  return out;
 }
 
 // Rank 0 alone runs a backward outside the step: no collective may start
@@ -595,6 +693,11 @@ absl::Status Trainer::Finish() {
   }
   if (checkpointer_) EVENSTEP_RETURN_IF_ERROR(checkpointer_->WaitAll());
   if (timeline_) EVENSTEP_RETURN_IF_ERROR(timeline_->Close());
+  if (replacement_ != nullptr) {
+    const ProcessResult ended = replacement_->Wait(HangBound(1));
+    run_.replacement_exit = ended.timed_out ? -1 : ended.exit_code;
+    run_.replacement_output = ended.output;
+  }
   run_.max_ahead = load_.counters->max_ahead.load();
   run_.loads = load_.counters->loads.load();
   run_.worker_loads = load_.counters->worker_loads.load();

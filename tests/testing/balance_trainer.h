@@ -28,14 +28,16 @@
 #include "absl/status/status.h"
 #include "evenstep/balanced_step.h"
 #include "evenstep/dist_context.h"
+#include "evenstep/handover.h"
 
 namespace evenstep::testing {
 
 struct BalanceScenario {
   // --evenstep_* flags (ParseEvenstepFlags) set before the config is read.
   std::vector<std::string> flags;
-  int steps = 3;      // optimizer steps
-  int samples = 300;  // in the synthetic dataset (lengths 1-24)
+  int steps = 3;        // optimizer steps
+  double momentum = 0;  // SGD's (lr 0.05): with it the optimizer has state
+  int samples = 300;    // in the synthetic dataset (lengths 1-24)
   // Where the model and the data live ("cpu", "cuda").
   std::string device = "cpu";
   // The model's input also gets a per-sample vector from an Embedding with
@@ -63,6 +65,15 @@ struct BalanceScenario {
   // step runs again among the survivors (EXPECTing the global batch the
   // failed step drew). Needs DistOptions::on_rank_loss kContinue.
   bool regroup_on_loss = false;
+  // A lost rank comes back (with regroup_on_loss): after the first regroup
+  // the new rank 0 starts a replacement for each lost launch rank (this
+  // test's binary, its ranks' environment, EVENSTEP_JOIN=1); the survivors
+  // wait before step `rejoin_step` until it asked to join, and after that
+  // step Admit it and HandOver the state; it trains the remaining steps.
+  int rejoin_step = 0;
+  // The replacement dies (_exit 7) after its BalancedStep::Create, before
+  // the handover: the survivors regroup and go on without it.
+  bool joiner_dies = false;
   // A failed step ends the run (BalanceRun::status) unless this is set: then
   // the record says whether the gradients were cleared and the loop goes on.
   bool continue_after_failure = false;
@@ -136,8 +147,17 @@ struct BalanceRun {
   std::vector<BalanceStepRecord> steps;
   int64_t resumed_step = 0;  // Duty::kCheckpoint with resume
   std::vector<int64_t> resumed_memory_caps;
-  std::vector<int> injected_oom_steps;           // this rank's injected errors
-  std::vector<Regrouped> regroups;               // regroup_on_loss: each regroup
+  std::vector<int> injected_oom_steps;    // this rank's injected errors
+  std::vector<Regrouped> regroups;        // regroup_on_loss: each regroup
+  std::vector<Regrouped> admissions;      // rejoin_step: each BalancedStep::Admit
+  std::vector<HandOverResult> handovers;  // ... each HandOver that completed
+  bool joined = false;                    // this process was a replacement
+  // rejoin_step, on the rank that started it: the replacement's end.
+  int replacement_exit = -1;
+  std::string replacement_output;
+  // After each handover: the sum of every parameter and optimizer state
+  // value, per rank (all equal when the replicas are).
+  std::vector<std::vector<double>> digests;
   int cache_releases = 0;                        // calls of the scripted release_cache
   bool reduction_in_flight_after_step4 = false;  // rank 0 with metrics_dir
   double eval_loss_sum = 0, eval_tokens = 0;

@@ -94,6 +94,19 @@ ProcessSpec ThisTestAsRank() {
   return ProcessSpec{{SelfPath(), "--gtest_filter=" + CurrentTest()}, {{kRankVar, "1"}}};
 }
 
+ProcessSpec ReplacementOf(int launch_rank) {
+  ProcessSpec spec = ThisTestAsRank();
+  for (const char* name : {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                           "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", kDirVar,
+                           "EVENSTEP_TEST_TIMEOUT_SCALE"}) {
+    if (const char* value = std::getenv(name); value != nullptr) spec.env.emplace_back(name, value);
+  }
+  spec.env.emplace_back("RANK", std::to_string(launch_rank));
+  spec.env.emplace_back("LOCAL_RANK", std::to_string(launch_rank));
+  spec.env.emplace_back("EVENSTEP_JOIN", "1");
+  return spec;
+}
+
 void ExpectRanksPassed(const std::vector<ProcessResult>& results,
                        const std::map<int, int>& exit_codes) {
   const int world = static_cast<int>(results.size());

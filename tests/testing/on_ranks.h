@@ -92,6 +92,11 @@ std::string ReadRanksFile(const std::string& name);
 // starts them (in a rank's process it runs `body` and exits, as RunOnRanks
 // does) and ExpectRanksPassed on their results.
 ProcessSpec ThisTestAsRank();
+
+// In a rank's process: the spec of a replacement for launch rank
+// `launch_rank` (this TEST as that rank, this rank's launch environment,
+// EVENSTEP_JOIN=1), which joins the running ranks (DistOptions::join).
+ProcessSpec ReplacementOf(int launch_rank);
 void RunHereIfRank(const RankBody& body, const OnRanksOptions& options = {});
 // `exit_codes`: OnRanksOptions::exit_codes.
 void ExpectRanksPassed(const std::vector<ProcessResult>& results,

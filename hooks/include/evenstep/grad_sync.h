@@ -154,6 +154,11 @@ struct GradSyncOptions {
   int64_t first_bucket_cap_bytes = 1 << 20;
   // Rank whose parameters and buffers every replica starts from.
   int broadcast_root = 0;
+  // Attach broadcasts them (DDP's init_sync). Off only where every rank
+  // holds them already or gets them otherwise: BalancedStep turns it off
+  // when a replacement joins, whose state the survivors send it sharded
+  // (evenstep::HandOver) instead of all from one rank.
+  bool broadcast_at_attach = true;
   // Every synchronisation also broadcasts broadcast_root's buffers (DDP's
   // broadcast_buffers=True). Off: buffers are only broadcast at Attach.
   bool buffers_from_root_every_step = true;

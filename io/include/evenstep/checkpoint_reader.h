@@ -26,6 +26,11 @@ namespace evenstep {
 // compare it with TensorInfo::dtype to check a live tensor against the file.
 std::string StoredDtypeOf(const at::Tensor& tensor);
 
+// PlanReads over any tensor list: per part, the indices of the whole
+// tensors it takes (largest first to the part with the fewest bytes so far,
+// ties to the lower part). The survivors' shares of a HandOver too.
+std::vector<std::vector<int>> PlanWholeReads(const std::vector<TensorInfo>& tensors, int parts);
+
 class CheckpointReader {
  public:
   // Parses and validates the manifest of the checkpoint at `path` (see

@@ -273,6 +273,7 @@ struct MicroTiming {
 enum AgreementSlot : int {
   kSaveFailureRun,  // Session: the longest run of consecutive failed saves seen
   kPreemptSignal,   // Session: a preemption signal this rank received (0 = none)
+  kJoinWaiting,     // BalancedStep: a replacement asked to join (DistContext::JoinPending)
   kAgreementSlots
 };
 
@@ -560,6 +561,27 @@ class BalancedStep {
   // step before the loss (it holds the old world's splits). Collective over
   // the survivors.
   absl::StatusOr<Regrouped> Regroup();
+
+  // A replacement process asked to join (DistOptions::join), as agreed in
+  // the last step's exchange: the same on every rank after the same step.
+  // Call Admit then (a Session does it by itself).
+  bool JoinWaiting() const;
+  // Admits the replacements waiting (DistContext::Admit) at this step
+  // boundary: the world grows by them, with new gradient-sync groups and
+  // the balancing state of the bigger world (each joiner starts with the
+  // survivors' mean share). The joiners have no state yet: hand it to them
+  // with evenstep::HandOver (evenstep/handover.h) before the next step,
+  // which refuses to begin until then. Collective over this world; between
+  // steps only.
+  absl::StatusOr<Regrouped> Admit();
+  // Whether a HandOver must come before the next step (after Admit, or on a
+  // process that joined), and whether this rank is one that lacks the state
+  // (a joiner until it received it).
+  bool HandoverDue() const { return handover_due_; }
+  bool LacksState() const { return lacks_state_; }
+  // Called by HandOver on every rank once the state arrived: on a rank that
+  // lacked it, `received` is the survivors' balancing state (restored here).
+  absl::Status HandedOver(const BalanceState* received);
 
   // Values every rank contributes to the next step's exchange: after it,
   // StepReport::agreed holds each slot's maximum over the ranks. A decision
@@ -907,6 +929,8 @@ class BalancedStep {
   // step runs after it on this rank.
   absl::Status abandoned_;
   std::array<double, kAgreementSlots> shared_{};
+  bool handover_due_ = false;  // HandoverDue()
+  bool lacks_state_ = false;   // LacksState()
   // NoteGradients' record: per trainable parameter of the current part, its
   // version and its gradient's identity and version.
   struct Untouched {

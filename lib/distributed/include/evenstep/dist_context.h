@@ -60,6 +60,13 @@ struct DistOptions {
   // With kContinue: a rank whose heartbeat has not moved for this long is
   // lost (it beats five times as often).
   absl::Duration lost_after = absl::Seconds(10);
+  // This process replaces a lost rank of a running job (its launch rank is
+  // the lost one's): Create does not rendezvous with the launch's ranks but
+  // asks the running ones to admit it, and returns once they did, at their
+  // next step boundary (Admit), with this process a member of their new
+  // world. Needs kContinue. Also set by EVENSTEP_JOIN=1 in the environment
+  // (evenstep-run --respawn sets it).
+  bool join = false;
 };
 
 // Who is left after a regroup (DistContext::Regroup).
@@ -67,6 +74,9 @@ struct Regrouped {
   int generation = 0;          // 1 for the first regroup of a context
   std::vector<int> survivors;  // their ranks before it, ascending: new rank = index
   std::vector<int> lost;       // the ranks before it that are gone
+  // Admit's: the new ranks of the processes that joined (after the
+  // survivors, whose ranks stay theirs).
+  std::vector<int> joined;
   // "rank(s) 1, 3 lost; 2 survivors, regroup 1", for messages.
   std::string Describe() const;
 };
@@ -207,14 +217,31 @@ class DistContext {
   // the heartbeat thread within 200 ms). Waits for collectives ask it, so a
   // rank blocked on a live peer that stopped waiting stops too. Thread-safe.
   bool RegroupBegun() const;
+  // A replacement process (DistOptions::join) asked to be admitted: a hint
+  // from the heartbeat thread (kContinue only), which ranks may see at
+  // different times; BalancedStep agrees on it in its exchange, and every
+  // rank then calls Admit at the same step boundary. Thread-safe.
+  bool JoinPending() const;
+  // Admits the replacements that asked to join (and are still alive): a new
+  // world of this world's ranks (their ranks unchanged) followed by the
+  // joiners, with new control and data groups, the same way Regroup makes
+  // them. Regrouped::joined names the joiners' ranks (empty when every one
+  // was gone by then). Collective over this world, at the same point on
+  // every rank; the joiners' Create returns from the same admission. A
+  // replacement whose launch rank is still a member is refused (told so).
+  absl::StatusOr<Regrouped> Admit();
+  // True when this process joined a running job (DistOptions::join).
+  bool joined() const { return joined_; }
   // Keeps `group` (of the world before a regroup) until this context goes:
   // destroying it now would wait for a collective a lost peer never joins.
   void Retire(std::unique_ptr<Subgroup> group);
 
   // "<family>/<n>/": a key prefix of its own for the n-th family of
   // objects (subgroups made together, say) that every rank of this context
-  // makes in the same order. Counted per context, so two contexts in one
-  // process (ranks as threads) hand out the same prefixes in the same order.
+  // makes in the same order. Counted per context and world (a regroup or an
+  // admission starts the counts again, in keys of the new world), so two
+  // contexts in one process (ranks as threads), and a process that joined,
+  // hand out the same prefixes in the same order.
   std::string NextPrefix(const std::string& family);
   // Marks this context as carrying one `owner` kind (a Session, say); false
   // when one already does. Release(owner) ends the claim.
@@ -295,13 +322,17 @@ class DistContext {
   std::function<bool()> Abandon() const;
   // The heartbeat thread (DistOptions::on_rank_loss kContinue).
   absl::Status StartHeartbeat();
+  // Create's path for a replacement (DistOptions::join): asks to be
+  // admitted and adopts the admitting world (dist_regroup.cc).
+  absl::Status Join();
 
   LaunchEnv env_;  // renumbered by Regroup
   const int launch_rank_;
   const DistOptions options_;
   std::unique_ptr<Groups> groups_;
   int64_t op_seq_ = 0;
-  int data_groups_ = 0;  // NewDataGroup's, for their names
+  int data_groups_ = 0;  // NewDataGroup's in this world, for their names
+  bool joined_ = false;  // DistOptions::join: this process joined a running job
 };
 
 // Bus bandwidth in GB/s of an all-reduce of `bytes` over a group of `n`
