@@ -329,6 +329,7 @@ TEST_P(RejoinTest, AReplacementJoinsFromTheSurvivorsLiveState) {
 
 INSTANTIATE_TEST_SUITE_P(Rejoins, RejoinTest,
                          ::testing::Values(RejoinCase{3, 1, "static"}, RejoinCase{4, 2, "dynamic"},
+                                           RejoinCase{3, 0, "static"},
                                            RejoinCase{3, 2, "work", true}),
                          RejoinName);
 
