@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <ostream>
 #include <string>
@@ -23,15 +24,20 @@
 #include "evenstep/handover.h"
 #include "tests/testing/balance_trainer.h"
 #include "tests/testing/on_ranks.h"
+#include "tests/testing/subprocess.h"
 
 namespace evenstep {
 namespace {
 
 using ::evenstep::testing::BalanceRun;
 using ::evenstep::testing::BalanceScenario;
+using ::evenstep::testing::HangBound;
 using ::evenstep::testing::OnRanksOptions;
+using ::evenstep::testing::ProcessResult;
 using ::evenstep::testing::ReadRanksFile;
+using ::evenstep::testing::ReplacementOf;
 using ::evenstep::testing::RunOnRanks;
+using ::evenstep::testing::Subprocess;
 using ::evenstep::testing::TrainBalanced;
 using ::evenstep::testing::WriteRanksFile;
 using ::testing::HasSubstr;
@@ -332,6 +338,55 @@ INSTANTIATE_TEST_SUITE_P(Rejoins, RejoinTest,
                                            RejoinCase{3, 0, "static"},
                                            RejoinCase{3, 2, "work", true}),
                          RejoinName);
+
+// A replacement for a rank that is still running is refused by name (two
+// processes for one rank), and the ranks go on as they were.
+TEST(RejoinRefusalTest, AReplacementOfALiveRankIsRefused) {
+  OnRanksOptions options = Continuing();
+  RunOnRanks(
+      2,
+      [](DistContext& ctx) {
+        if (ctx.joined()) {
+          ADD_FAILURE() << "the replacement of a live rank was admitted";
+          return;
+        }
+        std::unique_ptr<Subprocess> twin;
+        if (ctx.rank() == 0) twin = std::make_unique<Subprocess>(ReplacementOf(1));
+        const absl::Time deadline = absl::Now() + HangBound(1);
+        while (!ctx.JoinPending() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+        ASSERT_TRUE(ctx.JoinPending()) << "rank " << ctx.rank();
+        absl::StatusOr<Regrouped> admitted = ctx.Admit();
+        ASSERT_TRUE(admitted.ok()) << admitted.status();
+        EXPECT_TRUE(admitted->joined.empty());
+        EXPECT_TRUE(admitted->lost.empty());
+        EXPECT_EQ(ctx.world_size(), 2);
+        at::Tensor t = at::ones({4});
+        ASSERT_TRUE(ctx.AllReduce(t).ok());
+        EXPECT_TRUE(at::equal(t, at::full({4}, 2.0)));
+        if (twin == nullptr) return;
+        const ProcessResult ended = twin->Wait(HangBound(1));
+        EXPECT_NE(ended.exit_code, 0) << ended.output;
+        EXPECT_THAT(ended.output, HasSubstr("refused by the running ranks: launch rank 1 is still "
+                                            "running: two processes for one rank"));
+      },
+      options);
+}
+
+// Joining needs the continue option and a job of more than one rank, and
+// says so before it connects anywhere.
+TEST(RejoinRefusalTest, JoiningNeedsContinueAndAJobToJoin) {
+  DistOptions options;
+  options.join = true;
+  absl::StatusOr<std::unique_ptr<DistContext>> stop = DistContext::Create(LaunchEnv{}, options);
+  ASSERT_FALSE(stop.ok());
+  EXPECT_THAT(std::string(stop.status().message()),
+              HasSubstr("joining needs --evenstep_on_rank_loss=continue"));
+  options.on_rank_loss = DistOptions::OnRankLoss::kContinue;
+  absl::StatusOr<std::unique_ptr<DistContext>> alone = DistContext::Create(LaunchEnv{}, options);
+  ASSERT_FALSE(alone.ok());
+  EXPECT_THAT(std::string(alone.status().message()),
+              HasSubstr("a job of one rank has none to join"));
+}
 
 // Where going on cannot be exact, Regroup refuses by name before any
 // collective: two model parts (the first part's optimizer step of the
