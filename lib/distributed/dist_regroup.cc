@@ -447,6 +447,10 @@ absl::Status DistContext::Join() {
     store.set(internal::JoinKey(absl::StrCat("want/", launch_rank_)),
               Bytes(absl::StrCat(internal::HostName(), "\n", nonce)));
     store.add(internal::JoinKey("requests"), 1);
+    Log(LogLevel::kInfo, absl::StrCat(me,
+                                      ": asked the running ranks to admit it; they do at their "
+                                      "next step boundary (waiting up to ",
+                                      absl::FormatDuration(options_.rendezvous_timeout), ")"));
     const absl::Time deadline = absl::Now() + options_.rendezvous_timeout;
     while (!(answer = store.check({answer_key}) ? AnswerFor(Text(store.get(answer_key)), nonce)
                                                 : std::nullopt)) {
@@ -481,6 +485,9 @@ absl::Status DistContext::Join() {
   groups_->join_pending.store(false);
   EVENSTEP_RETURN_IF_ERROR(AdoptView(answer->generation, view, hosts));
   groups_->raw_store->setTimeout(internal::ToChronoMillis(options_.collective_timeout));
+  Log(LogLevel::kInfo, absl::StrCat("launch rank ", launch_rank_, ": admitted in regroup ",
+                                    answer->generation, " as rank ", env_.rank, " of ",
+                                    env_.world_size, "; the state comes from the running ranks"));
   return absl::OkStatus();
 }
 
