@@ -180,18 +180,26 @@ int RunSessionRank(evenstep::DistContext& dist, const Settings& set) {
   return 0;
 }
 
+// The command line of rank `rank` of `row` (this program, the torchrun
+// variables of a store on 127.0.0.1:`port`).
+std::string RankCommand(const Settings& set, int rank, const std::string& port,
+                        const std::string& row, const std::string& dir, int victim) {
+  return absl::StrCat("RANK=", rank, " WORLD_SIZE=", set.world, " LOCAL_RANK=", rank,
+                      " LOCAL_WORLD_SIZE=", set.world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", port,
+                      " TORCHELASTIC_USE_AGENT_STORE=True OMP_NUM_THREADS=1 ",
+                      evenstep::bench::SelfExecutable(), " --role=rank --row=", row, " --dir=", dir,
+                      " --victim=", victim, " --steps=", set.steps, " --kill_step=", set.kill_step,
+                      " --ckpt_every=", set.ckpt_every,
+                      " --lost_after_s=", absl::GetFlag(FLAGS_lost_after_s),
+                      " --timeout_s=", absl::GetFlag(FLAGS_timeout_s));
+}
+
 // The rejoin row's new rank 0: a replacement of `victim`, in the background
 // (its lines go where this rank's go).
 void StartReplacement(const Settings& set, int victim) {
   const char* port = std::getenv("MASTER_PORT");
   const std::string command = absl::StrCat(
-      "RANK=", victim, " WORLD_SIZE=", set.world, " LOCAL_RANK=", victim,
-      " LOCAL_WORLD_SIZE=", set.world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", port ? port : "",
-      " TORCHELASTIC_USE_AGENT_STORE=True OMP_NUM_THREADS=1 EVENSTEP_JOIN=1 ",
-      evenstep::bench::SelfExecutable(),
-      " --role=rank --row=rejoin --victim=-1 --steps=", set.steps, " --kill_step=", set.kill_step,
-      " --lost_after_s=", absl::GetFlag(FLAGS_lost_after_s),
-      " --timeout_s=", absl::GetFlag(FLAGS_timeout_s), " &");
+      "EVENSTEP_JOIN=1 ", RankCommand(set, victim, port ? port : "", "rejoin", "", -1), " &");
   std::cout << "SPAWNED at_us=" << NowUs() << std::endl;
   if (std::system(command.c_str()) != 0)
     std::cout << "starting the replacement failed" << std::endl;
@@ -341,14 +349,9 @@ Launch RunRanks(const Settings& set, const std::string& row, const std::string& 
   }
   std::string command = "(";
   for (int r = 0; r < set.world; ++r) {
-    absl::StrAppend(
-        &command, "RANK=", r, " WORLD_SIZE=", set.world, " LOCAL_RANK=", r,
-        " LOCAL_WORLD_SIZE=", set.world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", (*server)->port(),
-        " TORCHELASTIC_USE_AGENT_STORE=True OMP_NUM_THREADS=1 ", evenstep::bench::SelfExecutable(),
-        " --role=rank --row=", row, " --dir=", dir, " --victim=", victim, " --steps=", set.steps,
-        " --kill_step=", set.kill_step, " --ckpt_every=", set.ckpt_every,
-        " --lost_after_s=", absl::GetFlag(FLAGS_lost_after_s),
-        " --timeout_s=", absl::GetFlag(FLAGS_timeout_s), " 2>&1 | sed 's/^/[", r, "] /' & ");
+    absl::StrAppend(&command,
+                    RankCommand(set, r, std::to_string((*server)->port()), row, dir, victim),
+                    " 2>&1 | sed 's/^/[", r, "] /' & ");
   }
   absl::StrAppend(&command, "wait)");
   evenstep::bench::RunLines(command, [&](const std::string& line) {

@@ -39,6 +39,14 @@ std::vector<double> UsableShares(std::vector<double> shares) {
   return sum > 0 ? shares : std::vector<double>();
 }
 
+// `state`'s per-rank lists (shares, memory caps) of the ranks a regroup
+// kept.
+void KeepSurvivors(BalanceState* state, const Regrouped& regrouped) {
+  state->shares = UsableShares(OfSurvivors(state->shares, regrouped));
+  state->stream_shares = UsableShares(OfSurvivors(state->stream_shares, regrouped));
+  state->memory_caps = OfSurvivors(state->memory_caps, regrouped);
+}
+
 // FailedPrecondition where the world may not change now: `what` ("Regroup
 // while step N is open; ...") with a step open, `replay` (what a split
 // record being replayed makes impossible) while one is.
@@ -106,9 +114,7 @@ absl::StatusOr<Regrouped> BalancedStep::Regroup() {
         "some did not); going on would leave the replicas apart: restart from the last "
         "checkpoint"));
   }
-  from.shares = UsableShares(OfSurvivors(from.shares, regrouped));
-  from.stream_shares = UsableShares(OfSurvivors(from.stream_shares, regrouped));
-  from.memory_caps = OfSurvivors(from.memory_caps, regrouped);
+  KeepSurvivors(&from, regrouped);
   planner_ = Planner(ctx_.world_size(), config_.planner);
   health_ = std::make_unique<internal::RankHealth>();
   fits_.clear();
@@ -157,13 +163,9 @@ absl::StatusOr<Regrouped> BalancedStep::Admit() {
   report_.agreed[kJoinWaiting] = 0;
   EVENSTEP_ASSIGN_OR_RETURN(Regrouped admitted, ctx_.Admit(), "BalancedStep: rank ", ctx_.rank(),
                             ", after step ", steps_);
-  if (!admitted.lost.empty()) {
-    // A rank was lost during the admission and the survivors' regroup won:
-    // this is Regroup's case (between steps: nothing to redo).
-    from.shares = UsableShares(OfSurvivors(from.shares, admitted));
-    from.stream_shares = UsableShares(OfSurvivors(from.stream_shares, admitted));
-    from.memory_caps = OfSurvivors(from.memory_caps, admitted);
-  }
+  // Every member, unless a rank was lost during the admission and the
+  // survivors' regroup won (Regroup's case, between steps: nothing to redo).
+  KeepSurvivors(&from, admitted);
   from.shares = WithJoiners(from.shares, admitted.joined.size());
   from.stream_shares = WithJoiners(from.stream_shares, admitted.joined.size());
   if (!from.memory_caps.empty()) from.memory_caps.resize(ctx_.world_size(), 0);

@@ -202,6 +202,35 @@ std::vector<int> Parsed(const std::string& text) {
   return ranks;
 }
 
+bool Holds(const std::vector<int>& ranks, int m) {
+  return std::find(ranks.begin(), ranks.end(), m) != ranks.end();
+}
+
+// The host each member of regroup `generation`'s `view` checked in from.
+std::vector<std::string> HostsOf(c10d::Store& store, int generation, const std::vector<int>& view) {
+  std::vector<std::string> hosts;
+  for (int m : view) {
+    hosts.push_back(Text(store.get(internal::RegroupKey(generation, absl::StrCat("in/", m)))));
+  }
+  return hosts;
+}
+
+// Regroup `generation` from `members` (launch ranks, index = old rank) to
+// `view`: the old ranks kept and lost, and the new ranks of those that
+// joined.
+Regrouped Outcome(int generation, const std::vector<int>& members, const std::vector<int>& view) {
+  Regrouped result;
+  result.generation = generation;
+  for (size_t old_rank = 0; old_rank < members.size(); ++old_rank) {
+    (Holds(view, members[old_rank]) ? result.survivors : result.lost)
+        .push_back(static_cast<int>(old_rank));
+  }
+  for (size_t i = 0; i < view.size(); ++i) {
+    if (!Holds(members, view[i])) result.joined.push_back(static_cast<int>(i));
+  }
+  return result;
+}
+
 // What one survivor sees while it waits for the view: who is in, and how
 // long each other member's heartbeat has stood still.
 struct Watch {
@@ -252,7 +281,7 @@ absl::StatusOr<Regrouped> DistContext::Regroup() {
     return internal::RegroupKey(generation, absl::StrCat("in/", m));
   };
   c10d::Store& store = *groups_->store;
-  std::string view;
+  std::vector<int> survivors;
   std::vector<std::string> hosts;
   try {
     // The ranks still waiting on a collective stop waiting (RegroupBegun).
@@ -275,29 +304,22 @@ absl::StatusOr<Regrouped> DistContext::Regroup() {
       }
       absl::SleepFor(absl::Milliseconds(20));
     }
-    view = Text(store.get(view_key));
-    for (int m : Parsed(view)) hosts.push_back(Text(store.get(in_key(m))));
+    survivors = Parsed(Text(store.get(view_key)));
+    hosts = HostsOf(store, generation, survivors);
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat(internal::StoreLost(env_, absl::StrCat("regroup ", generation), e),
                      ": the survivors cannot agree without the store"));
   }
-  const std::vector<int> survivors = Parsed(view);
-  if (std::find(survivors.begin(), survivors.end(), launch_rank_) == survivors.end()) {
+  if (!Holds(survivors, launch_rank_)) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", env_.rank, " (launch rank ", launch_rank_, "): left out of regroup ",
-                     generation, ": the survivors (launch ranks ", view,
+                     generation, ": the survivors (launch ranks ", Joined(survivors),
                      ") went on without it, since it checked in after "
                      "its heartbeat had stood still for ",
                      absl::FormatDuration(options_.lost_after), " (frozen, or its host stalled)"));
   }
-  Regrouped result;
-  result.generation = generation;
-  for (size_t old_rank = 0; old_rank < groups_->members.size(); ++old_rank) {
-    const int m = groups_->members[old_rank];
-    const bool kept = std::find(survivors.begin(), survivors.end(), m) != survivors.end();
-    (kept ? result.survivors : result.lost).push_back(static_cast<int>(old_rank));
-  }
+  Regrouped result = Outcome(generation, groups_->members, survivors);
   EVENSTEP_RETURN_IF_ERROR(AdoptView(generation, survivors, hosts));
   return result;
 }
@@ -397,6 +419,13 @@ std::optional<JoinAnswer> AnswerFor(const std::string& text, const std::string& 
   return answer;
 }
 
+std::string Admission(int generation, const std::string& nonce) {
+  return absl::StrCat(generation, "\n", nonce);
+}
+std::string Refusal(const std::string& nonce, const std::string& why) {
+  return absl::StrCat("refused\n", nonce, "\n", why);
+}
+
 int64_t CountIn(c10d::Store& store, const std::string& key) {
   int64_t n = 0;
   return absl::SimpleAtoi(Text(store.get(key)), &n) ? n : 0;
@@ -469,14 +498,12 @@ absl::Status DistContext::Join() {
     }
     const int g = answer->generation;
     view = Parsed(Text(store.get(internal::RegroupKey(g, "view"))));
-    for (int m : view) {
-      hosts.push_back(Text(store.get(internal::RegroupKey(g, absl::StrCat("in/", m)))));
-    }
+    hosts = HostsOf(store, g, view);
     groups_->joins_seen.store(CountIn(store, internal::RegroupKey(g, "requests")));
   } catch (const std::exception& e) {
     return absl::UnavailableError(internal::StoreLost(env_, "joining the running job", e));
   }
-  if (std::find(view.begin(), view.end(), launch_rank_) == view.end()) {
+  if (!Holds(view, launch_rank_)) {
     return absl::FailedPreconditionError(
         absl::StrCat(me, ": admitted to regroup ", answer->generation, " but not in its view (",
                      Joined(view), "): a rank was lost while it was admitted; start it again"));
@@ -520,12 +547,12 @@ absl::StatusOr<Regrouped> DistContext::Admit() {
         store.deleteKey(want_key);
         const std::string nonce = want.size() > 1 ? want[1] : "";
         const std::string answer_key = internal::JoinKey(absl::StrCat("admitted/", m));
-        if (std::find(members.begin(), members.end(), m) != members.end()) {
+        if (Holds(members, m)) {
           const std::string why =
               absl::StrCat("launch rank ", m,
                            " is still running: two processes for one rank (check the "
                            "replacement's RANK)");
-          store.set(answer_key, Bytes(absl::StrCat("refused\n", nonce, "\n", why)));
+          store.set(answer_key, Bytes(Refusal(nonce, why)));
           notes.push_back(why);
           continue;
         }
@@ -545,9 +572,8 @@ absl::StatusOr<Regrouped> DistContext::Admit() {
       for (const auto& [m, nonce] : admitted) {
         const std::string answer =
             decided == proposed
-                ? absl::StrCat(generation, "\n", nonce)
-                : absl::StrCat("refused\n", nonce,
-                               "\na rank was lost while this one was admitted; start it again");
+                ? Admission(generation, nonce)
+                : Refusal(nonce, "a rank was lost while this one was admitted; start it again");
         store.set(internal::JoinKey(absl::StrCat("admitted/", m)), Bytes(answer));
       }
     }
@@ -562,7 +588,7 @@ absl::StatusOr<Regrouped> DistContext::Admit() {
       absl::SleepFor(absl::Milliseconds(5));
     }
     view = Parsed(Text(store.get(view_key)));
-    for (int m : view) hosts.push_back(Text(store.get(in_key(m))));
+    hosts = HostsOf(store, generation, view);
     groups_->joins_seen.store(CountIn(store, internal::RegroupKey(generation, "requests")));
     groups_->join_pending.store(false);
   } catch (const std::exception& e) {
@@ -573,20 +599,9 @@ absl::StatusOr<Regrouped> DistContext::Admit() {
     for (const std::string& note : notes)
       Log(LogLevel::kWarning, absl::StrCat("admission: ", note));
   }
-  Regrouped result;
-  result.generation = generation;
-  auto in = [](const std::vector<int>& ranks, int m) {
-    return std::find(ranks.begin(), ranks.end(), m) != ranks.end();
-  };
   // (A regroup's view, when a rank was lost meanwhile and its view won,
   // leaves members out.)
-  for (size_t old_rank = 0; old_rank < members.size(); ++old_rank) {
-    (in(view, members[old_rank]) ? result.survivors : result.lost)
-        .push_back(static_cast<int>(old_rank));
-  }
-  for (size_t i = 0; i < view.size(); ++i) {
-    if (!in(members, view[i])) result.joined.push_back(static_cast<int>(i));
-  }
+  Regrouped result = Outcome(generation, members, view);
   EVENSTEP_RETURN_IF_ERROR(AdoptView(generation, view, hosts));
   return result;
 }

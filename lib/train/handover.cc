@@ -157,16 +157,17 @@ absl::StatusOr<HandOverResult> HandOver(DistContext& ctx, const TrainState& stat
   absl::Status ready;
   if (lacks) {
     ready = internal::PlanLoad(m, kSource, state, LoadOptions(), &plan, &result);
-    plan.from_bytes = [&m, &types](const std::string& name,
-                                   const at::Tensor& bytes) -> absl::StatusOr<at::Tensor> {
-      for (size_t i = 0; i < m.tensors.size(); ++i) {
-        const TensorInfo& t = m.tensors[i];
-        if (t.name != name) continue;
-        at::Tensor value = at::empty(t.shape, at::TensorOptions().dtype(types[i]));
-        std::memcpy(value.data_ptr(), bytes.data_ptr(), StoredBytes(t));
-        return value;
-      }
-      return absl::NotFoundError(absl::StrCat("no tensor ", name));
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
+    plan.from_bytes = [&m, &types, index = std::move(index)](
+                          const std::string& name,
+                          const at::Tensor& bytes) -> absl::StatusOr<at::Tensor> {
+      const auto it = index.find(name);
+      if (it == index.end()) return absl::NotFoundError(absl::StrCat("no tensor ", name));
+      const TensorInfo& t = m.tensors[it->second];
+      at::Tensor value = at::empty(t.shape, at::TensorOptions().dtype(types[it->second]));
+      std::memcpy(value.data_ptr(), bytes.data_ptr(), StoredBytes(t));
+      return value;
     };
   }
   // 2. Who sends what: whole tensors dealt to the senders by bytes.
@@ -183,7 +184,7 @@ absl::StatusOr<HandOverResult> HandOver(DistContext& ctx, const TrainState& stat
   }
   EVENSTEP_RETURN_IF_ERROR(ctx.Agree(
       absl::StrCat("handing the state over to rank(s) ", absl::StrJoin(out.receivers, ", ")),
-      ready.ok() ? ready : absl::Status(ready.code(), absl::StrCat(where, ": ", ready.message()))));
+      Annotate(ready, where)));
   // 3. Every sender's part to every rank, then applied where it was lacking.
   EVENSTEP_RETURN_IF_ERROR(internal::ShareParts(ctx, m, reads, &buffers), where);
   absl::Status applied;
