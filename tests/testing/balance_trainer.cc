@@ -20,6 +20,7 @@
 #include "evenstep/metrics.h"
 #include "evenstep/timeline.h"
 #include "evenstep/train_checkpointer.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/flag_args.h"
 #include "tests/testing/on_ranks.h"
@@ -218,6 +219,7 @@ class Trainer {
         std::cout << "the replacement dies before the handover" << std::endl;
         std::_Exit(7);
       }
+      ExpectNoStepBeforeHandOver();
       if (!HandOverOrRegroup()) return run_;
       first = static_cast<int>(step_->state().steps) + 1;
     }
@@ -249,6 +251,7 @@ class Trainer {
   void WaitForJoinRequest();
   bool AdmitAndHandOver();
   bool HandOverOrRegroup();
+  void ExpectNoStepBeforeHandOver();
   std::vector<double> Digests();
   std::unique_ptr<Subprocess> replacement_;
   std::vector<int64_t> redo_batch_;  // the failed step's global batch, until it runs again
@@ -555,7 +558,19 @@ bool Trainer::AdmitAndHandOver() {
   std::cout << "admitted: " << admitted->Describe() << "; now rank " << ctx_.rank() << " of "
             << ctx_.world_size() << std::endl;
   run_.admissions.push_back(*admitted);
+  if (!admitted->joined.empty()) ExpectNoStepBeforeHandOver();
   return HandOverOrRegroup();
+}
+
+// A step before the handover is refused on this rank, by name, before any
+// collective (the joiner would train on its initial weights otherwise).
+void Trainer::ExpectNoStepBeforeHandOver() {
+  EXPECT_TRUE(step_->HandoverDue()) << "rank " << rank_;
+  const absl::Status early = step_->BeginStep();
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition)
+      << "rank " << rank_ << ": " << early;
+  EXPECT_THAT(std::string(early.message()), ::testing::HasSubstr("call evenstep::HandOver"))
+      << "rank " << rank_;
 }
 
 // The handover, on every rank; where a joiner is lost during it, the
